@@ -1,0 +1,318 @@
+"""`LLM`: the library entry point (load a model, generate, stream, chat).
+
+    llm = jaxinfer.LLM("smollm2-135m-instruct")
+    outs = llm.generate(["The KV cache is"], jaxinfer.SamplingParams(max_tokens=32, temperature=0))
+    for piece in llm.stream("Hello", jaxinfer.SamplingParams(max_tokens=16)):
+        print(piece.text, end="")
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
+from jaxinfer.generator import Generator
+from jaxinfer.metrics import RequestMetrics
+from jaxinfer.models import get_family
+from jaxinfer.outputs import RequestOutput, StreamDelta
+from jaxinfer.request import Request, new_request_id
+from jaxinfer.runner import ModelRunner
+from jaxinfer.sampling_params import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class _NoTextDetokenizer:
+    """Stands in when a model has no tokenizer: ids only, no text, no stop strings."""
+
+    text = ""
+    stop_reason = None
+
+    def add(self, ids):
+        return ""
+
+    def finish(self):
+        return ""
+
+
+def _resolve_dtype(engine: EngineConfig) -> Any:
+    return jnp.dtype(engine.dtype)
+
+
+class LLM:
+    """A model loaded for generation. `model` is a name, a GGUF path or a Hugging Face directory."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        engine_config: Union[None, str, EngineConfig] = None,
+        dtype: Optional[str] = None,
+        max_model_len: Optional[int] = None,
+        **engine_overrides,
+    ):
+        from jaxinfer.tokenizer import load_tokenizer
+        from jaxinfer.weights import load_model, resolve_model
+
+        t0 = time.perf_counter()
+        engine = _engine_config(engine_config, dtype, max_model_len, engine_overrides)
+        source = resolve_model(model)
+        loaded = load_model(source)
+        tokenizer = load_tokenizer(source.path)
+        family = get_family(loaded.config.architecture)
+        params = family.params_from_hf(loaded.tensors, loaded.config, _resolve_dtype(engine))
+        del loaded.tensors
+        self._setup(loaded.config, engine, params, tokenizer, loaded.generation, source.name)
+        self.load_time_s = time.perf_counter() - t0
+
+    @classmethod
+    def from_params(
+        cls,
+        model_config: ModelConfig,
+        params: Any,
+        *,
+        tokenizer=None,
+        engine_config: Union[None, str, EngineConfig] = None,
+        generation: Optional[GenerationDefaults] = None,
+        name: str = "custom",
+    ) -> "LLM":
+        """Wrap an in-memory parameter tree (research code, tests with random weights)."""
+        self = cls.__new__(cls)
+        engine = _engine_config(engine_config, None, None, {})
+        self._setup(model_config, engine, params, tokenizer, generation or GenerationDefaults(), name)
+        self.load_time_s = 0.0
+        return self
+
+    def _setup(self, cfg, engine, params, tokenizer, generation, name) -> None:
+        self.model_config: ModelConfig = cfg
+        self.tokenizer = tokenizer
+        self.generation_defaults: GenerationDefaults = generation
+        self.model_name = name
+        limit = cfg.max_position_embeddings
+        if engine.max_model_len is not None:
+            limit = min(limit, engine.max_model_len)
+        capacity = (engine.num_pages - 1) * engine.page_size
+        max_seq_pages = engine.page_buckets[-1] * engine.page_size
+        self.max_model_len = min(limit, capacity, max_seq_pages)
+        self.engine_config = engine
+        self.runner = ModelRunner(cfg, engine, params)
+        self.generator = Generator(self.runner)
+        stops = set(generation.eos_token_ids)
+        if tokenizer is not None:
+            stops |= set(tokenizer.stop_token_ids)
+        self.eos_token_ids = frozenset(stops)
+
+    # -- requests ------------------------------------------------------------
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (generation_config.json)."""
+        g = self.generation_defaults
+        kw = {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            v = getattr(g, name)
+            if v is not None:
+                kw[name] = v
+        return SamplingParams(**kw)
+
+    def _tokenize(self, prompt: Prompt) -> list:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids.")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size:
+                raise ValueError(
+                    f"prompt token id {t!r} is out of range for the vocabulary size {self.model_config.vocab_size}."
+                )
+        return ids
+
+    def make_request(
+        self,
+        prompt_ids: list,
+        params: SamplingParams,
+        *,
+        prompt: Optional[str] = None,
+        metrics: Optional[RequestMetrics] = None,
+        request_id: Optional[str] = None,
+    ) -> Request:
+        """Validate a tokenized prompt against the model and engine limits and build its Request."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        params.check_against(vocab_size=self.model_config.vocab_size, max_logprobs=self.engine_config.max_logprobs)
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        limit = self.max_model_len
+        if n >= limit:
+            raise ValueError(
+                f"The prompt is {n} tokens long, but the model's context length (max_model_len) is {limit} "
+                f"tokens, which must also leave room for at least one output token."
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length (max_model_len) is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for max_tokens)."
+            )
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {params.min_tokens}.")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        if self.tokenizer is None:
+            if params.stop:
+                raise ValueError("stop strings need a tokenizer; this model has none.")
+            detok = _NoTextDetokenizer()
+        else:
+            from jaxinfer.detokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        return Request(
+            request_id or new_request_id(),
+            prompt_ids,
+            params,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset(stops),
+            detokenizer=detok,
+            prompt=prompt,
+            metrics=metrics,
+        )
+
+    def _prepare(self, prompt: Prompt, params: Optional[SamplingParams]) -> Request:
+        arrival = time.perf_counter()
+        params = params if params is not None else self.get_default_sampling_params()
+        t0 = time.perf_counter()
+        ids = self._tokenize(prompt)
+        m = RequestMetrics(arrival_time=arrival, tokenize_s=time.perf_counter() - t0)
+        m.user_tokens = len(ids)
+        return self.make_request(ids, params, prompt=prompt if isinstance(prompt, str) else None, metrics=m)
+
+    def _prepare_chat(self, messages, params, chat_template_kwargs, add_generation_prompt) -> Request:
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt.")
+        arrival = time.perf_counter()
+        params = params if params is not None else self.get_default_sampling_params()
+        t0 = time.perf_counter()
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        m = RequestMetrics(arrival_time=arrival, tokenize_s=time.perf_counter() - t0)
+        m.user_tokens = sum(
+            len(self.tokenizer.encode(msg["content"], add_special_tokens=False))
+            for msg in messages
+            if isinstance(msg.get("content"), str)
+        )
+        m.template_tokens = max(0, len(ids) - m.user_tokens)
+        return self.make_request(ids, params, prompt=text, metrics=m)
+
+    # -- public API ------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+    ) -> list:
+        """Generate for one or many prompts (strings or token-id lists); returns RequestOutputs in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(
+                    f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each."
+                )
+            plist = list(sampling_params)
+        else:
+            plist = [sampling_params] * len(prompts)
+        reqs = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]
+        return self._run(reqs)
+
+    def chat(
+        self,
+        messages,
+        sampling_params: Optional[SamplingParams] = None,
+        *,
+        chat_template_kwargs: Optional[dict] = None,
+        add_generation_prompt: bool = True,
+    ) -> list:
+        """Chat with the model's own template: one conversation (a list of messages) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        reqs = [self._prepare_chat(c, sampling_params, chat_template_kwargs, add_generation_prompt) for c in convs]
+        return self._run(reqs)
+
+    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamDelta]:
+        """Yield `StreamDelta`s (``.text``, ``.token_ids``) as tokens are made; the last has ``.output``."""
+        return self.stream_request(self._prepare(prompt, sampling_params))
+
+    def stream_chat(
+        self,
+        messages,
+        sampling_params: Optional[SamplingParams] = None,
+        *,
+        chat_template_kwargs: Optional[dict] = None,
+        add_generation_prompt: bool = True,
+    ) -> Iterator[StreamDelta]:
+        return self.stream_request(
+            self._prepare_chat(messages, sampling_params, chat_template_kwargs, add_generation_prompt)
+        )
+
+    def stream_request(self, request: Request) -> Iterator[StreamDelta]:
+        for delta in self.generator.run([request]):
+            yield delta
+
+    def _run(self, reqs: list) -> list:
+        done: dict = {}
+        for delta in self.generator.run(reqs):
+            if delta.output is not None:
+                done[delta.request_id] = delta.output
+        return [done[r.request_id] if r.request_id in done else r.to_output() for r in reqs]
+
+    # -- facts -------------------------------------------------------------------
+
+    def info(self) -> dict:
+        c, e = self.model_config, self.engine_config
+        return {
+            "model": self.model_name,
+            "architecture": c.architecture,
+            "max_model_len": self.max_model_len,
+            "vocab_size": c.vocab_size,
+            "dtype": e.dtype,
+            "page_size": e.page_size,
+            "num_pages": e.num_pages,
+            "kv_capacity_tokens": (e.num_pages - 1) * e.page_size,
+            "backend": jax.default_backend(),
+        }
+
+
+def _engine_config(engine_config, dtype, max_model_len, overrides) -> EngineConfig:
+    if engine_config is None:
+        engine = EngineConfig.for_backend()
+    elif isinstance(engine_config, str):
+        engine = EngineConfig.preset(engine_config)
+    else:
+        engine = engine_config
+    changes = dict(overrides)
+    if dtype is not None:
+        changes["dtype"] = dtype
+    if max_model_len is not None:
+        changes["max_model_len"] = max_model_len
+    env_dtype = os.environ.get("JAXINFER_DTYPE")
+    if env_dtype and "dtype" not in changes:
+        changes["dtype"] = env_dtype
+    return engine.replace(**changes) if changes else engine

@@ -1,0 +1,146 @@
+"""Host-side state of one request, as plain counters.
+
+``num_computed`` counts the tokens whose keys/values are in the cache (or in a
+step already dispatched); ``num_sampled`` counts the output tokens drawn on
+device, of which ``output_ids`` holds the ones already read back. Whole
+prefill, chunked prefill and decode are one arithmetic over these counters.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from jaxinfer.metrics import RequestMetrics
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclass
+class TokenRef:
+    """A token that may still live on device: row `row` of the step output `array`."""
+
+    array: Any
+    row: int
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list,
+        params: SamplingParams,
+        *,
+        seed: int,
+        max_tokens: int,
+        stop_token_ids: frozenset,
+        detokenizer,
+        prompt: Optional[str] = None,
+        metrics: Optional[RequestMetrics] = None,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.stop_token_ids = stop_token_ids
+        self.detokenizer = detokenizer
+        self.metrics = metrics or RequestMetrics()
+        self.metrics.prompt_tokens = len(self.prompt_ids)
+        # device-side progress
+        self.pages: list = []
+        self.slot: Optional[int] = None
+        self.num_computed = 0
+        self.num_sampled = 0
+        self.last_token: Any = None  # int or TokenRef
+        # host-side results
+        self.output_ids: list = []
+        self.text = ""
+        self.logprobs: Optional[list] = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus the output tokens already read back."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def all_token_ids(self, start: int, n: int) -> list:
+        """Tokens [start, start + n) of prompt + known output (what a prefill chunk feeds)."""
+        seq = self.prompt_ids if start + n <= len(self.prompt_ids) else self.prompt_ids + self.output_ids
+        if start + n > len(seq):
+            raise ValueError(f"{self.request_id}: tokens up to {start + n} asked, {len(seq)} known")
+        return seq[start : start + n]
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def done_sampling(self) -> bool:
+        """No more tokens need drawing (known on the host without reading the device)."""
+        return self.finished or self.num_sampled >= self.max_tokens
+
+    def banned_ids(self) -> tuple:
+        """Stop tokens suppressed while fewer than min_tokens outputs are drawn."""
+        if self.num_sampled < self.params.min_tokens:
+            return tuple(sorted(self.stop_token_ids))
+        return ()
+
+    def add_token(self, token: int, logprob: Optional[Logprob]) -> str:
+        """Record one token read back from the device; returns the text it releases."""
+        self.output_ids.append(token)
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
+            self.cumulative_logprob += logprob.logprob
+        n = len(self.output_ids)
+        if token in self.stop_token_ids and n > self.params.min_tokens:
+            self.finish_reason, self.stop_reason = "stop", token
+            return self.detokenizer.finish()
+        delta = self.detokenizer.add([token])
+        if self.detokenizer.stop_reason is not None:
+            self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_reason
+            return delta
+        if n >= self.max_tokens:
+            self.finish_reason = "length"
+            delta += self.detokenizer.finish()
+        return delta
+
+    def abort(self, reason: str = "abort") -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def to_output(self) -> RequestOutput:
+        comp = CompletionOutput(
+            text=self.detokenizer.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            outputs=[comp],
+            finished=self.finished,
+            metrics=self.metrics,
+        )

@@ -1,0 +1,135 @@
+"""`SamplingParams`: what a request asks of the sampler, with vLLM's names and meanings.
+
+Validation messages follow vLLM's wording (``top_p must be in (0, 1], got 1.5.``)
+so users recognise them. Limits that depend on the model or the engine (the
+vocabulary size, the context length, the largest logprobs count) are checked
+by `SamplingParams.check_against`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+_GREEDY_EPS = 1e-5
+MAX_SEED = 2**32 - 1
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: Optional[int] = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Union[None, str, Sequence[str]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    # -- validation -------------------------------------------------------
+
+    def _verify(self) -> None:
+        def num(name, v, kind=(int, float)):
+            if isinstance(v, bool) or not isinstance(v, kind):
+                raise ValueError(f"{name} must be a number, got {v!r}.")
+            if isinstance(v, float) and v != v:
+                raise ValueError(f"{name} must not be NaN, got {v}.")
+
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+                raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}.")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        num("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if self.temperature == float("inf"):
+            raise ValueError(f"temperature must be finite, got {self.temperature}.")
+        num("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        num("top_k", self.top_k, int)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        num("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            num(name, v)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}.")
+        num("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}.")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}.")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0:
+                raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}.")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+
+    def check_against(self, *, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the model and engine: vocabulary size and logprobs limit."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), got {self.top_k}.")
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ValueError(f"Requested logprobs of {self.logprobs}, which is greater than max allowed: {max_logprobs}.")
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids must be smaller than the vocabulary size ({vocab_size}), got {t}.")
+
+    # -- derived ------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_filters(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+GREEDY_EPS = _GREEDY_EPS

@@ -1,0 +1,92 @@
+"""The two jitted device entry points: `prefill` and `decode_step`.
+
+Both are pure functions of (params, KV cache, sampler state, token ids,
+attention metadata, sampling metadata); both donate the KV cache and the
+sampler state so they are updated in place, and both return the drawn tokens
+(and logprobs when asked) as device arrays. They share one core: a decode step
+is a prefill chunk of length one.
+
+Compile keys are the model config, the padded shapes (batch, chunk length,
+pages attended) and the sampler's static switches; nothing else.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.attention import AttentionMetadata
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import get_family
+from jaxinfer.sampler import SamplerOutput, SamplerState, SamplingMetadata, record_prompt, sample
+
+
+def _step_core(
+    params: Any,
+    kv_cache: list,
+    sampler_state: Optional[SamplerState],
+    tokens: jax.Array,
+    attn: AttentionMetadata,
+    last_index: jax.Array,
+    sampling: SamplingMetadata,
+    cfg: ModelConfig,
+    record: bool,
+):
+    b, t = tokens.shape
+    chex.assert_shape(last_index, (b,))
+    family = get_family(cfg.architecture)
+    hidden, kv_cache = family.forward(params, cfg, tokens, kv_cache, attn)
+    h_last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+    logits = family.logits(params, cfg, h_last)
+    if sampling.use_penalties and record:
+        valid = jnp.arange(t)[None, :] <= last_index[:, None]
+        sampler_state = record_prompt(sampler_state, tokens, valid, attn.positions[:, 0], sampling.slot_ids)
+    out, sampler_state = sample(logits, sampling, sampler_state)
+    return out, kv_cache, sampler_state
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv_cache", "sampler_state"))
+def prefill(
+    params: Any,
+    kv_cache: list,
+    sampler_state: Optional[SamplerState],
+    tokens: jax.Array,
+    attn: AttentionMetadata,
+    last_index: jax.Array,
+    sampling: SamplingMetadata,
+    *,
+    cfg: ModelConfig,
+) -> tuple[SamplerOutput, list, Optional[SamplerState]]:
+    """Run a chunk of prompt tokens and draw the next token after each row's last one.
+
+    tokens: [B, T] int32 (a chunk starting at ``attn.positions[:, 0]``, padded);
+    last_index: [B] int32, index in the chunk of each row's last real token.
+    The drawn token matters only for a row whose chunk ends its prompt.
+    """
+    return _step_core(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, True)
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv_cache", "sampler_state"))
+def decode_step(
+    params: Any,
+    kv_cache: list,
+    sampler_state: Optional[SamplerState],
+    tokens: jax.Array,
+    attn: AttentionMetadata,
+    sampling: SamplingMetadata,
+    *,
+    cfg: ModelConfig,
+) -> tuple[SamplerOutput, list, Optional[SamplerState]]:
+    """One token per running request. tokens: [B] int32; attention metadata has T = 1."""
+    b = tokens.shape[0]
+    last = jnp.zeros((b,), jnp.int32)
+    return _step_core(params, kv_cache, sampler_state, tokens[:, None], attn, last, sampling, cfg, False)
+
+
+def compiled_count() -> int:
+    """How many programs the two entry points have compiled in this process."""
+    return prefill._cache_size() + decode_step._cache_size()
