@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: the one attention entry point.
 
-`paged_attention` writes the new keys/values of a chunk of queries into
-their cache slots and then attends over the pages named by the page table.
+`paged_attention` attends a chunk of queries over the pages named by the page
+table (the cached context plus the chunk's own keys/values) and writes the
+chunk's keys/values into their cache slots.
 It serves whole-prompt prefill, chunked prefill, prefix-cache hits and
 decode alike: a decode step is a chunk of length 1.
 

@@ -41,8 +41,11 @@ def abstract(specs) -> Any:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs, is_leaf=is_spec)
 
 
-def init_random(specs, key: jax.Array) -> Any:
-    """Random weights following each leaf's init rule (for tests and benchmarks)."""
+def init_random(specs, key: jax.Array, scale: Optional[float] = None) -> Any:
+    """Random weights following each leaf's init rule (for tests and benchmarks).
+
+    ``scale`` overrides the standard deviation of "normal" leaves.
+    """
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, max(len(leaves), 1))
     out = []
@@ -52,7 +55,8 @@ def init_random(specs, key: jax.Array) -> Any:
         elif s.init == "zeros":
             out.append(jnp.zeros(s.shape, s.dtype))
         else:
-            out.append((s.scale * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype))
+            std = s.scale if scale is None else scale
+            out.append((std * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype))
     return jax.tree.unflatten(treedef, out)
 
 

