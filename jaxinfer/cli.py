@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any, Optional, Sequence
 
@@ -125,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
     _add_model_args(g)
     s = g.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=_int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                   help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS})")
+    s.add_argument("--max-tokens", type=_int, metavar="N",
+                   help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS}, or what the context has room for)")
     s.add_argument("--temperature", type=_float, metavar="T",
                    help="0 is greedy (default: the model's, else 1.0)")
     s.add_argument("--top-p", type=_float, metavar="P", help="nucleus sampling mass, in (0, 1]")
@@ -205,7 +206,7 @@ def _messages(text: str, system: Optional[str]) -> list:
 
 def _sampling_overrides(args: argparse.Namespace) -> dict:
     """The SamplingParams fields the user gave on the command line."""
-    kw: dict[str, Any] = {"max_tokens": args.max_tokens}
+    kw: dict[str, Any] = {"max_tokens": args.max_tokens if args.max_tokens is not None else DEFAULT_MAX_TOKENS}
     for name in _SAMPLING_FLAGS:
         v = getattr(args, name)
         if v is not None:
@@ -241,6 +242,35 @@ def setup_compilation_cache() -> Optional[str]:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+class _StopOnInterrupt:
+    """While generating, Ctrl-C asks the loop to stop after the current token.
+
+    Raising KeyboardInterrupt inside a JAX call can leave the runtime's threads
+    in a state that aborts the process at exit; a flag checked between tokens
+    ends the request cleanly instead. A second Ctrl-C interrupts at once.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "_StopOnInterrupt":
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _write(stream, text: str) -> None:
@@ -281,29 +311,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not chat:
         raise UsageError(f"--system needs chat mode, but model {llm.model_name!r} has no chat template.")
 
-    if chat:
-        deltas = llm.stream_chat(_messages(prompt, args.system), params)
-    else:
-        deltas = llm.stream(prompt, params)
+    messages = _messages(prompt, args.system) if chat else None
+    if args.max_tokens is None:
+        # the default shrinks to fit a short context; an explicit --max-tokens is checked as given
+        n = len(tok.apply_chat_template(messages, tokenize=True) if chat else tok.encode(prompt)) if tok else 0
+        if 0 < llm.max_model_len - n < params.max_tokens:
+            params = params.clone(max_tokens=llm.max_model_len - n)
+    deltas = llm.stream_chat(messages, params) if chat else llm.stream(prompt, params)
 
     out = sys.stdout
     final = None
     printed = False
-    try:
-        for d in deltas:
-            if d.text and not args.json:
-                _write(out, d.text)
-                printed = True
-            if d.output is not None:
-                final = d.output
-    except KeyboardInterrupt:
+    with _StopOnInterrupt() as interrupt:
+        try:
+            for d in deltas:
+                if d.text and not args.json:
+                    _write(out, d.text)
+                    printed = True
+                if d.output is not None:
+                    final = d.output
+                if interrupt.requested:
+                    break
+        finally:
+            deltas.close()  # aborts an unfinished request and frees its KV pages
+    if interrupt.requested:
         if printed:
             _write(out, "\n")
-        raise
-    finally:
-        close = getattr(deltas, "close", None)
-        if close is not None:
-            close()  # frees the request's pages even when interrupted
+        raise KeyboardInterrupt
 
     if args.json:
         _write(out, json.dumps(_json_result(prompt, chat, llm, final, params), ensure_ascii=False) + "\n")
@@ -399,6 +433,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:  # SamplingParams / EngineConfig / LLM validation, ModelNotFoundError
         return _fail(str(e))
     except KeyboardInterrupt:
+        # Interrupted mid-call (loading the model, or a second Ctrl-C): skip the
+        # interpreter's teardown, which can abort while JAX's threads are busy.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if argv is None:
+            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader went away (``| head``): stop quietly, and keep Python from

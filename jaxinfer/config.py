@@ -134,6 +134,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 1024  # including the reserved dummy page 0
     max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # token budget of one engine step (decode tokens + prefill chunks)
     max_model_len: Optional[int] = None  # None: the model's context length
     dtype: str = "float32"
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
-from jaxinfer.generator import Generator
+from jaxinfer.engine import Engine, RequestStream
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.models import get_family
 from jaxinfer.outputs import RequestOutput, StreamDelta
@@ -56,6 +56,10 @@ class LLM:
         engine_config: Union[None, str, EngineConfig] = None,
         dtype: Optional[str] = None,
         max_model_len: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        log_stats_interval: Optional[float] = None,
+        warmup: bool = False,
         **engine_overrides,
     ):
         from jaxinfer.tokenizer import load_tokenizer
@@ -69,8 +73,14 @@ class LLM:
         family = get_family(loaded.config.architecture)
         params = family.params_from_hf(loaded.tensors, loaded.config, _resolve_dtype(engine))
         del loaded.tensors
-        self._setup(loaded.config, engine, params, tokenizer, loaded.generation, source.name)
+        self._setup(
+            loaded.config, engine, params, tokenizer, loaded.generation, source.name,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+            log_stats_interval=log_stats_interval,
+        )
         self.load_time_s = time.perf_counter() - t0
+        if warmup:
+            self.engine.warmup()
 
     @classmethod
     def from_params(
@@ -82,15 +92,28 @@ class LLM:
         engine_config: Union[None, str, EngineConfig] = None,
         generation: Optional[GenerationDefaults] = None,
         name: str = "custom",
+        **engine_options,
     ) -> "LLM":
         """Wrap an in-memory parameter tree (research code, tests with random weights)."""
         self = cls.__new__(cls)
         engine = _engine_config(engine_config, None, None, {})
-        self._setup(model_config, engine, params, tokenizer, generation or GenerationDefaults(), name)
+        self._setup(model_config, engine, params, tokenizer, generation or GenerationDefaults(), name, **engine_options)
         self.load_time_s = 0.0
         return self
 
-    def _setup(self, cfg, engine, params, tokenizer, generation, name) -> None:
+    def _setup(
+        self,
+        cfg,
+        engine,
+        params,
+        tokenizer,
+        generation,
+        name,
+        *,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        log_stats_interval: Optional[float] = None,
+    ) -> None:
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
         self.generation_defaults: GenerationDefaults = generation
@@ -103,7 +126,12 @@ class LLM:
         self.max_model_len = min(limit, capacity, max_seq_pages)
         self.engine_config = engine
         self.runner = ModelRunner(cfg, engine, params)
-        self.generator = Generator(self.runner)
+        self.engine = Engine(
+            self.runner,
+            enable_prefix_caching=enable_prefix_caching,
+            policy=scheduling_policy,
+            log_stats_interval=log_stats_interval,
+        )
         stops = set(generation.eos_token_ids)
         if tokenizer is not None:
             stops |= set(tokenizer.stop_token_ids)
@@ -142,6 +170,7 @@ class LLM:
         prompt: Optional[str] = None,
         metrics: Optional[RequestMetrics] = None,
         request_id: Optional[str] = None,
+        priority: int = 0,
     ) -> Request:
         """Validate a tokenized prompt against the model and engine limits and build its Request."""
         if not isinstance(params, SamplingParams):
@@ -192,16 +221,19 @@ class LLM:
             detokenizer=detok,
             prompt=prompt,
             metrics=metrics,
+            priority=priority,
         )
 
-    def _prepare(self, prompt: Prompt, params: Optional[SamplingParams]) -> Request:
+    def _prepare(self, prompt: Prompt, params: Optional[SamplingParams], priority: int = 0) -> Request:
         arrival = time.perf_counter()
         params = params if params is not None else self.get_default_sampling_params()
         t0 = time.perf_counter()
         ids = self._tokenize(prompt)
         m = RequestMetrics(arrival_time=arrival, tokenize_s=time.perf_counter() - t0)
         m.user_tokens = len(ids)
-        return self.make_request(ids, params, prompt=prompt if isinstance(prompt, str) else None, metrics=m)
+        return self.make_request(
+            ids, params, prompt=prompt if isinstance(prompt, str) else None, metrics=m, priority=priority
+        )
 
     def _prepare_chat(self, messages, params, chat_template_kwargs, add_generation_prompt) -> Request:
         if self.tokenizer is None or self.tokenizer.chat_template is None:
@@ -228,8 +260,14 @@ class LLM:
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        *,
+        priority: Union[None, int, Sequence[int]] = None,
     ) -> list:
-        """Generate for one or many prompts (strings or token-id lists); returns RequestOutputs in order."""
+        """Generate for one or many prompts (strings or token-id lists); returns RequestOutputs in order.
+
+        All prompts go to the engine at once; it keeps the batch full as requests finish.
+        ``priority`` (lower runs first) matters with ``scheduling_policy="priority"``.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if isinstance(sampling_params, (list, tuple)):
@@ -240,7 +278,8 @@ class LLM:
             plist = list(sampling_params)
         else:
             plist = [sampling_params] * len(prompts)
-        reqs = [self._prepare(p, sp) for p, sp in zip(prompts, plist)]
+        prios = list(priority) if isinstance(priority, (list, tuple)) else [priority or 0] * len(prompts)
+        reqs = [self._prepare(p, sp, pr) for p, sp, pr in zip(prompts, plist, prios)]
         return self._run(reqs)
 
     def chat(
@@ -273,15 +312,38 @@ class LLM:
         )
 
     def stream_request(self, request: Request) -> Iterator[StreamDelta]:
-        for delta in self.generator.run([request]):
-            yield delta
+        stream = self.engine.submit(request)
+        try:
+            yield from stream
+        finally:
+            if stream.output is None:
+                stream.abort()
+
+    def submit(self, request: Request) -> RequestStream:
+        """Hand a prepared request to the engine; iterate the returned stream (sync or async)."""
+        return self.engine.submit(request)
 
     def _run(self, reqs: list) -> list:
-        done: dict = {}
-        for delta in self.generator.run(reqs):
-            if delta.output is not None:
-                done[delta.request_id] = delta.output
-        return [done[r.request_id] if r.request_id in done else r.to_output() for r in reqs]
+        streams = [self.engine.submit(r) for r in reqs]
+        try:
+            return [s.result() for s in streams]
+        finally:
+            for s in streams:
+                if s.output is None:
+                    s.abort()
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until the engine has no requests and nothing in flight (tests, shutdown)."""
+        return self.engine.wait_idle(timeout)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # -- facts -------------------------------------------------------------------
 

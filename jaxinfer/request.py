@@ -44,6 +44,7 @@ class Request:
         detokenizer,
         prompt: Optional[str] = None,
         metrics: Optional[RequestMetrics] = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -55,8 +56,13 @@ class Request:
         self.detokenizer = detokenizer
         self.metrics = metrics or RequestMetrics()
         self.metrics.prompt_tokens = len(self.prompt_ids)
+        self.priority = priority
+        self.arrival_order = 0
         # device-side progress
         self.pages: list = []
+        self.page_hashes: list = []  # names of full pages of the known tokens (prefix cache)
+        self.num_registered_pages = 0
+        self.num_preemptions = 0
         self.slot: Optional[int] = None
         self.num_computed = 0
         self.num_sampled = 0
@@ -81,6 +87,9 @@ class Request:
     def num_known_tokens(self) -> int:
         """Prompt plus the output tokens already read back."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def known_token_ids(self) -> list:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     def all_token_ids(self, start: int, n: int) -> list:
         """Tokens [start, start + n) of prompt + known output (what a prefill chunk feeds)."""

@@ -95,7 +95,13 @@ class ModelRunner:
             kv_lens[i] = s + n
             last[i] = n - 1
             rows[i] = RowSampling(
-                r.params, r.seed, s + n, r.slot, is_output=(s + n == r.num_known_tokens), banned=r.banned_ids()
+                r.params,
+                r.seed,
+                s + n,
+                r.slot,
+                is_output=(s + n == r.num_known_tokens),
+                banned=r.banned_ids(),
+                prompt_len=r.prompt_len,
             )
         attn = AttentionMetadata(positions, slots, table, kv_lens)
         md = self._sampling(rows, b, [c.request for c in chunks])
@@ -168,14 +174,18 @@ def gather_last_tokens(reqs: Sequence[Request], batch: int):
     return pool[jnp.asarray(idx)]
 
 
-def read_output(out: SamplerOutput, reqs: Sequence[Request]) -> list:
-    """Bring a step's results to the host: [(token, Logprob or None)] per request row."""
+def read_output(out: SamplerOutput, reqs: Sequence[Request], rows: Optional[Sequence[int]] = None) -> list:
+    """Bring a step's results to the host: [(token, Logprob or None)] per request.
+
+    ``rows`` gives each request's row in the step (default: row i for request i).
+    """
+    rows = list(range(len(reqs))) if rows is None else list(rows)
     tokens = np.asarray(out.tokens)
     lps = None
     if out.logprob is not None:
         lps = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
     res = []
-    for i, r in enumerate(reqs):
+    for i, r in zip(rows, reqs):
         lp = None
         if lps is not None and r.params.logprobs is not None:
             n = r.params.logprobs

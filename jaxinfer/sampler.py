@@ -47,6 +47,7 @@ class SamplingMetadata:
     banned: jax.Array  # [B, NUM_BANNED] i32, -1 = none
     slot_ids: jax.Array  # [B] i32, row in SamplerState (out of range = padding row)
     is_output: jax.Array  # [B] bool, the drawn token is an output token (not a mid-prompt chunk)
+    prompt_lens: jax.Array  # [B] i32, tokens at or past this position are earlier outputs (recompute)
     all_greedy: bool = field(default=True, metadata=dict(static=True))
     use_filters: bool = field(default=False, metadata=dict(static=True))
     use_penalties: bool = field(default=False, metadata=dict(static=True))
@@ -78,18 +79,23 @@ def init_sampler_state(num_slots: int, vocab_size: int) -> SamplerState:
     )
 
 
-def record_prompt(state: SamplerState, tokens: jax.Array, valid: jax.Array, starts: jax.Array, slot_ids) -> SamplerState:
-    """Add a prompt chunk to the history (rows starting at position 0 are reset first).
+def record_prompt(
+    state: SamplerState, tokens: jax.Array, positions: jax.Array, valid: jax.Array, md: "SamplingMetadata"
+) -> SamplerState:
+    """Add a prefill chunk to the token history; a row whose chunk starts at 0 is reset first.
 
-    tokens, valid: [B, T]; starts: [B] chunk start positions; slot_ids: [B].
+    tokens, positions, valid: [B, T]. Tokens before the row's prompt length count as
+    prompt; later ones (a preempted request being recomputed) count as outputs again.
     """
     num_slots = state.output_counts.shape[0]
-    reset = jnp.zeros((num_slots,), jnp.bool_).at[slot_ids].set(starts == 0, mode="drop")
+    slot_ids = md.slot_ids
+    reset = jnp.zeros((num_slots,), jnp.bool_).at[slot_ids].set(positions[:, 0] == 0, mode="drop")
     counts = jnp.where(reset[:, None], 0, state.output_counts)
     mask = jnp.where(reset[:, None], False, state.prompt_mask)
     rows = jnp.broadcast_to(slot_ids[:, None], tokens.shape)
-    rows = jnp.where(valid, rows, num_slots)  # invalid tokens are dropped
-    mask = mask.at[rows, tokens].set(True, mode="drop")
+    is_prompt = positions < md.prompt_lens[:, None]
+    mask = mask.at[jnp.where(valid & is_prompt, rows, num_slots), tokens].set(True, mode="drop")
+    counts = counts.at[jnp.where(valid & ~is_prompt, rows, num_slots), tokens].add(1, mode="drop")
     return SamplerState(counts, mask)
 
 
@@ -182,6 +188,7 @@ def build_metadata(
     banned = np.full((batch_size, NUM_BANNED), -1, np.int32)
     slots = np.full(batch_size, num_slots, np.int32)
     is_out = np.zeros(batch_size, np.bool_)
+    plens = np.zeros(batch_size, np.int32)
     all_greedy, filters, penalties = True, False, False
     for i, r in enumerate(rows):
         if r is None:
@@ -190,6 +197,7 @@ def build_metadata(
         temp[i], top_p[i], min_p[i], top_k[i] = sp.temperature, sp.top_p, sp.min_p, sp.top_k
         pres[i], freq[i], rep[i] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
         seeds[i], pos[i], slots[i], is_out[i] = r.seed, r.sample_pos, r.slot, r.is_output
+        plens[i] = r.prompt_len if r.prompt_len is not None else r.sample_pos
         if r.banned:
             ids = list(r.banned)[:NUM_BANNED]
             banned[i, : len(ids)] = ids
@@ -209,6 +217,7 @@ def build_metadata(
         banned=banned,
         slot_ids=slots,
         is_output=is_out,
+        prompt_lens=plens,
         all_greedy=bool(all_greedy),
         use_filters=bool(filters),
         use_penalties=bool(penalties),
@@ -226,3 +235,4 @@ class RowSampling:
     slot: int
     is_output: bool = True
     banned: tuple = ()
+    prompt_len: Optional[int] = None  # None: everything before sample_pos is prompt

@@ -44,7 +44,7 @@ def _step_core(
     logits = family.logits(params, cfg, h_last)
     if sampling.use_penalties and record:
         valid = jnp.arange(t)[None, :] <= last_index[:, None]
-        sampler_state = record_prompt(sampler_state, tokens, valid, attn.positions[:, 0], sampling.slot_ids)
+        sampler_state = record_prompt(sampler_state, tokens, attn.positions, valid, sampling)
     out, sampler_state = sample(logits, sampling, sampler_state)
     return out, kv_cache, sampler_state
 

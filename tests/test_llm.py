@@ -69,16 +69,19 @@ def test_stop_token_ids_end_the_request_and_min_tokens_suppresses_them(tiny_llm)
 
 
 def test_pages_and_slots_return_after_every_run_even_when_a_stream_is_abandoned(tiny_llm):
-    alloc = tiny_llm.generator.allocator
+    alloc = tiny_llm.engine.allocator
     total = alloc.num_free
     tiny_llm.generate(prompts(5, seed=6), SP(max_tokens=7, temperature=0))
-    assert alloc.num_free == total
+    assert tiny_llm.wait_idle()
+    alloc.check_all_free()
     stream = tiny_llm.stream(prompts(1, seed=7)[0], SP(max_tokens=20, temperature=0, ignore_eos=True))
     next(stream)
     next(stream)
     stream.close()  # the caller walks away mid-stream
+    assert tiny_llm.wait_idle()
+    alloc.check_all_free()
     assert alloc.num_free == total
-    assert sorted(tiny_llm.generator._free_slots) == list(range(TINY_ENGINE.max_num_seqs))
+    assert sorted(tiny_llm.engine.scheduler.free_slots) == list(range(TINY_ENGINE.max_num_seqs))
 
 
 def test_more_requests_than_slots_all_complete(tiny_llm):
@@ -114,12 +117,11 @@ def test_logprobs_and_penalties_through_the_engine(tiny_llm):
     ],
 )
 def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(tiny_llm, prompt, params, message):
-    alloc = tiny_llm.generator.allocator
-    total = alloc.num_free
     with pytest.raises(ValueError) as e:
         tiny_llm.generate([prompt], params)
     assert message in str(e.value)
-    assert alloc.num_free == total
+    assert tiny_llm.wait_idle()
+    tiny_llm.engine.allocator.check_all_free()
     assert len(ids(tiny_llm.generate([[1, 2, 3]], SP(max_tokens=2, temperature=0))[0])) >= 1
 
 

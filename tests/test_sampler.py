@@ -140,15 +140,30 @@ def test_repetition_penalty_applies_to_prompt_tokens_and_slots_reset():
     state = init_sampler_state(8, V)
     toks = np.array([[5, 1, 2, 0]], np.int32)
     valid = np.array([[True, True, True, False]])
-    state = record_prompt(state, toks, valid, np.array([0]), np.array([2]))
+    state = record_prompt(state, toks, np.array([[0, 1, 2, -1]]), valid, md_for(slot=2, prompt_len=3))
     sp = SamplingParams(temperature=0, repetition_penalty=2.0)
     out, state = draw(lg, [sp], state=state, slots=[2])
     assert int(out.tokens[0]) == 6  # 3 / 2 < 2
     mask = np.asarray(state.prompt_mask)
     assert mask[2, [5, 1, 2]].all() and not mask[2, 0]  # padding token 0 not recorded
     # a new request in the same slot (chunk starting at 0) starts from a clean history
-    state = record_prompt(state, np.array([[7]], np.int32), np.array([[True]]), np.array([0]), np.array([2]))
+    state = record_prompt(state, np.array([[7]], np.int32), np.array([[0]]), np.array([[True]]), md_for(2, 1))
     assert np.asarray(state.prompt_mask)[2].sum() == 1 and np.asarray(state.output_counts)[2].sum() == 0
+
+
+def test_recomputed_outputs_count_as_outputs_again():
+    """After preemption a request's earlier outputs are re-fed as a prefill: they must still count."""
+    state = init_sampler_state(8, V)
+    toks = np.array([[4, 4, 9, 9, 9]], np.int32)  # prompt of 2, then 3 earlier outputs
+    state = record_prompt(state, toks, np.arange(5)[None], np.ones((1, 5), bool), md_for(slot=1, prompt_len=2))
+    assert np.asarray(state.output_counts)[1, 9] == 3 and np.asarray(state.output_counts)[1, 4] == 0
+    assert np.asarray(state.prompt_mask)[1, 4] and not np.asarray(state.prompt_mask)[1, 9]
+
+
+def md_for(slot, prompt_len):
+    return build_metadata(
+        [RowSampling(SamplingParams(), 0, prompt_len, slot, prompt_len=prompt_len)], 1, num_slots=8, num_logprobs=0
+    )
 
 
 def test_logprobs_are_raw_log_softmax():

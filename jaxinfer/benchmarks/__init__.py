@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m jaxinfer.benchmarks.core` (jaxinfer vs transformers on this machine)."""

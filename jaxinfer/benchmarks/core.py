@@ -1,0 +1,656 @@
+"""Core benchmark: jaxinfer vs Hugging Face transformers on the same weights, in one run.
+
+Run it (jaxinfer in one venv, torch + transformers in another):
+
+    pip install -e .
+    JAXINFER_HF_PYTHON=/path/to/venv-with-torch/bin/python python -m jaxinfer.benchmarks.core
+
+or install both in one venv (``pip install -e '.[reference]'``) and run
+``python -m jaxinfer.benchmarks.core``. ``--no-hf`` skips the peer; ``--json
+FILE`` also writes every figure (and the per-round samples) as JSON.
+
+What it measures, all on this machine and in this process:
+
+* memory bandwidth (a jitted float32 sum and matvec over ~512 MB, numpy copy)
+  and the decode floor: the float32 weight bytes read once per step;
+* jaxinfer: compile time (first request of a shape minus a warm one), time to
+  first token for a 128-token prompt, batch-1 decode tokens/s, batch-8
+  aggregate tokens/s;
+* transformers (subprocess, ``hf_peer.py``) on the same GGUF dequantized to
+  float32, the same token ids, in rounds alternating with jaxinfer's;
+* the jitted decode step alone, with the KV cache allocated at 1x and 8x
+  capacity, at the same context length.
+
+Every figure is the median over ``--repeats`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxinfer
+from jaxinfer import step as step_mod
+from jaxinfer.buckets import pages_needed
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.weights import resolve_model
+
+HF_PEER = Path(__file__).with_name("hf_peer.py")
+TEXT = (
+    "The history of computing is a history of memory. Every processor waits on the data it needs, "
+    "and the art of making programs fast is the art of keeping that data close: in registers, in "
+    "caches, in pages that the operating system keeps resident. Language models make this plain. "
+    "To produce one token, a decoder reads every one of its weights once, so the speed of a single "
+    "stream is set by how many bytes per second the memory system can deliver, not by arithmetic. "
+)
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def timed(fn, repeats: int) -> list:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Memory bandwidth
+# --------------------------------------------------------------------------- #
+
+
+def measure_bandwidth(mbytes: int = 512, repeats: int = 7) -> dict:
+    """Read bandwidth in GB/s (1e9 bytes/s): jitted sum, jitted matvec, numpy copy (read+write)."""
+    n = mbytes * 2**20 // 4
+    x = jnp.ones((n,), jnp.float32) * 0.5
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    t_sum = median(timed(lambda: total(x).block_until_ready(), repeats))
+    cols = 4096
+    m = x.reshape(n // cols, cols)
+    v = jnp.ones((cols,), jnp.float32)
+    mv = jax.jit(lambda a, b: a @ b)
+    mv(m, v).block_until_ready()
+    t_mv = median(timed(lambda: mv(m, v).block_until_ready(), repeats))
+    src = np.ones((n,), np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t_cp = median(timed(lambda: np.copyto(dst, src), repeats))
+    nbytes = n * 4
+    del x, m, src, dst
+    return {
+        "array_bytes": nbytes,
+        "jax_sum_gbs": nbytes / t_sum / 1e9,
+        "jax_matvec_gbs": nbytes / t_mv / 1e9,
+        "numpy_copy_gbs": 2 * nbytes / t_cp / 1e9,  # bytes read + bytes written
+    }
+
+
+# --------------------------------------------------------------------------- #
+# Prompts
+# --------------------------------------------------------------------------- #
+
+
+def make_prompts(llm, length: int, batch: int) -> tuple:
+    """One `length`-token prompt and `batch` different ones, deterministic, from a repeated text."""
+    if llm.tokenizer is not None:
+        ids = llm.tokenizer.encode(TEXT * (2 + (length * (batch + 1)) // 60), add_special_tokens=False)
+    else:
+        ids = [(7 * i + 11) % llm.model_config.vocab_size for i in range(length * (batch + 2))]
+    need = length + 7 * batch
+    while len(ids) < need:
+        ids = ids + ids
+    prompt = ids[:length]
+    batch_prompts = [ids[7 * (i + 1) : 7 * (i + 1) + length] for i in range(batch)]
+    return prompt, batch_prompts
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+# --------------------------------------------------------------------------- #
+# jaxinfer measurements
+# --------------------------------------------------------------------------- #
+
+
+def jax_compile(llm, prompt, batch_prompts, warm: int = 3) -> dict:
+    """Compile cost = the first request of a shape minus the median warm request of that shape."""
+    c0 = step_mod.compiled_count()
+    first1 = timed(lambda: llm.generate([prompt], greedy(2)), 1)[0]  # prefill @128 + one decode step, batch 1
+    warm1 = median(timed(lambda: llm.generate([prompt], greedy(2)), warm))
+    first8 = timed(lambda: llm.generate(batch_prompts, greedy(2)), 1)[0]  # adds the batch-8 decode step
+    warm8 = median(timed(lambda: llm.generate(batch_prompts, greedy(2)), warm))
+    return {
+        "compile_b1_s": first1 - warm1,
+        "compile_b8_extra_s": first8 - warm8,
+        "programs_compiled": step_mod.compiled_count() - c0,
+    }
+
+
+def jax_round(llm, prompt, batch_prompts, n: int) -> dict:
+    # time to first token: exactly the prompt, one output token
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], greedy(1))[0]
+    ttft_wall = time.perf_counter() - t0
+    ttft = out.metrics.ttft_s
+
+    # batch-1 decode
+    out = llm.generate([prompt], greedy(n))[0]
+    t_end = time.perf_counter()
+    m = out.metrics
+    tpot = m.tpot_s
+    tpot_wall = (t_end - m.first_token_time) / (n - 1)
+
+    # batch-8: all prompts at once
+    t0 = time.perf_counter()
+    outs = llm.generate(batch_prompts, greedy(n))
+    t1 = time.perf_counter()
+    ms = [o.metrics for o in outs]
+    ntok = [len(o.outputs[0].token_ids) for o in outs]
+    # decode phase: from the moment every request has its first token (all prefills done) to the last token
+    start = max(x.first_token_time for x in ms)
+    end = max(x.finished_time for x in ms)
+    return {
+        "ttft_s": ttft,
+        "ttft_wall_s": ttft_wall,
+        "tpot_s": tpot,
+        "tpot_wall_s": tpot_wall,
+        "batch_decode_tok_s": sum(k - 1 for k in ntok) / (end - start),
+        "batch_e2e_tok_s": sum(ntok) / (t1 - t0),
+        "batch_all_first_tokens_s": start - t0,
+        "tokens": list(out.outputs[0].token_ids),
+        "batch_tokens_first": list(outs[0].outputs[0].token_ids),
+    }
+
+
+class StepBench:
+    """Times the jitted decode step of one LLM at a fixed context, its inputs built once.
+
+    `batch` requests are each given the pages for `context` tokens and positioned
+    at their last token; `ModelRunner.decode` pads their inputs once (we capture
+    the arguments it passes to `jaxinfer.step.decode_step`), after which the
+    step is called directly with the cache fed back, as the engine does. The
+    pages are taken from the top of the cache without the allocator; their
+    contents are overwritten, so use this on an engine with nothing running.
+    """
+
+    def __init__(self, llm, prompt, context: int, batch: int = 1):
+        self.llm = llm
+        runner = llm.runner
+        e = llm.engine_config
+        k = pages_needed(context, e.page_size)
+        if k * batch > e.num_pages - 1:
+            raise ValueError(f"{batch} x {context} tokens do not fit a cache of {e.num_pages - 1} pages")
+        self.requests = []
+        for i in range(batch):
+            r = llm.make_request(list(prompt), greedy(context - len(prompt)))
+            r.pages = list(range(e.num_pages - (i + 1) * k, e.num_pages - i * k))
+            r.slot = i
+            r.num_computed = context - 1  # the step writes position context-1 and attends `context` tokens
+            r.num_sampled = 1
+            r.last_token = int(prompt[-1])
+            self.requests.append(r)
+        captured = {}
+        real = step_mod.decode_step
+
+        def spy(*a, **kw):
+            captured["bound"] = inspect.signature(real).bind(*a, **kw)
+            return real(*a, **kw)
+
+        step_mod.decode_step = spy
+        try:
+            runner.decode(self.requests).tokens.block_until_ready()
+        finally:
+            step_mod.decode_step = real
+        args = dict(captured["bound"].arguments)
+        self.uses_state = args.pop("sampler_state") is not None
+        args.pop("kv_cache"), args.pop("params")
+        static = {k: args.pop(k) for k in ("cfg",) if k in args}
+        self.inputs = jax.device_put(args)  # tokens, attention and sampling metadata
+        self.static = static
+        self.direct(3)
+        self.through_runner(3)
+
+    def direct(self, k: int) -> list:
+        """Seconds per call of the jitted step alone (inputs already on device), blocking each call."""
+        runner = self.llm.runner
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            res, runner.kv_cache, state = step_mod.decode_step(
+                params=runner.params,
+                kv_cache=runner.kv_cache,
+                sampler_state=runner.sampler_state if self.uses_state else None,
+                **self.inputs,
+                **self.static,
+            )
+            res.tokens.block_until_ready()
+            out.append(time.perf_counter() - t0)
+            if self.uses_state:
+                runner.sampler_state = state
+        return out
+
+    def through_runner(self, k: int) -> list:
+        """Seconds per `ModelRunner.decode` call (host input building + step), blocking each call."""
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            self.llm.runner.decode(self.requests).tokens.block_until_ready()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        for r in self.requests:
+            r.pages = []
+
+
+def cache_capacity_steps(llm, prompt, context: int, tokens_1x: int, repeats: int, steps: int, batch: int) -> dict:
+    """Decode-step time with the cache at 1x and 8x capacity (and the loaded engine's), interleaved."""
+    ps = llm.engine_config.page_size
+    n1 = tokens_1x // ps
+    llms = {
+        "1x": jaxinfer.LLM.from_params(
+            llm.model_config,
+            llm.runner.params,
+            tokenizer=llm.tokenizer,
+            engine_config=llm.engine_config.replace(num_pages=n1 + 1),
+        ),
+        "8x": jaxinfer.LLM.from_params(
+            llm.model_config,
+            llm.runner.params,
+            tokenizer=llm.tokenizer,
+            engine_config=llm.engine_config.replace(num_pages=8 * n1 + 1),
+        ),
+        "engine": llm,
+    }
+    benches = {k: StepBench(v, prompt, context) for k, v in llms.items()}
+    benches[f"engine_b{batch}"] = StepBench(llm, prompt, context, batch)
+    llms[f"engine_b{batch}"] = llm
+    direct = {k: [] for k in benches}
+    runner = {k: [] for k in benches}
+    for _ in range(repeats):
+        for k, b in benches.items():
+            direct[k] += b.direct(steps)
+            runner[k] += b.through_runner(max(2, steps // 4))
+    res = {"context": context, "page_size": ps, "batch": batch}
+    for k, b in benches.items():
+        e = llms[k].engine_config
+        res[k] = {
+            "num_pages": e.num_pages,
+            "capacity_tokens": (e.num_pages - 1) * ps,
+            "cache_bytes": sum(x.nbytes for x in jax.tree.leaves(llms[k].runner.kv_cache)),
+            "step_s": median(direct[k]),
+            "step_min_s": min(direct[k]),
+            "runner_step_s": median(runner[k]),
+            "samples_s": direct[k],
+        }
+        b.close()
+    del llms
+    return res
+
+
+# --------------------------------------------------------------------------- #
+# transformers peer
+# --------------------------------------------------------------------------- #
+
+
+def _can_import_torch_transformers() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+def find_hf_python(flag: Optional[str]) -> tuple:
+    """(interpreter or None, how it was chosen)."""
+    if flag:
+        return flag, "--hf-python"
+    env = os.environ.get("JAXINFER_HF_PYTHON")
+    if env:
+        return env, "JAXINFER_HF_PYTHON"
+    if _can_import_torch_transformers():
+        return sys.executable, "this interpreter"
+    return None, (
+        "skipped: this interpreter lacks torch/transformers; set JAXINFER_HF_PYTHON or pass --hf-python "
+        "(a Python with torch, transformers, accelerate and gguf), or install '.[reference]'"
+    )
+
+
+class HFPeer:
+    """The transformers worker process (hf_peer.py), driven one JSON line per round."""
+
+    def __init__(self, python: str, model_path: str, threads: int, attn: str, prompt, batch_prompts, n: int):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="hf_peer_", suffix=".log", delete=False)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen(
+            [python, str(HF_PEER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        setup = {
+            "model": model_path,
+            "threads": threads,
+            "attn": attn,
+            "prompt": list(prompt),
+            "batch_prompts": [list(p) for p in batch_prompts],
+            "decode_tokens": n,
+        }
+        self.info = self._send(json.dumps(setup))
+
+    def _send(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            self.log.flush()
+            self.log.seek(0)
+            tail = self.log.read()[-3000:]
+            raise RuntimeError(f"the transformers worker exited (rc={self.proc.poll()}):\n{tail}")
+        return json.loads(reply)
+
+    def round(self) -> dict:
+        return self._send("round")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+
+
+def common_prefix(a, b) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k
+
+
+def summarize(rounds: list, keys) -> dict:
+    return {k: median([r[k] for r in rounds]) for k in keys}
+
+
+def report(res: dict) -> str:
+    L = []
+    bw, fl, j, h = res["bandwidth"], res["floor"], res["jaxinfer"], res.get("transformers")
+    sysinfo = res["system"]
+    L.append(
+        f"jaxinfer core benchmark — {res['model']} (float32), {sysinfo['cpus']} CPUs, jax {sysinfo['jax']} "
+        f"on {sysinfo['backend']}; medians of {res['repeats']} alternating rounds"
+    )
+    L.append(f"load average at start {sysinfo['loadavg_start']}, at end {sysinfo.get('loadavg_end')}")
+    L.append("")
+    L.append(
+        f"memory bandwidth (512 MiB float32): jitted sum {bw['jax_sum_gbs']:.1f} GB/s, jitted matvec "
+        f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write)"
+    )
+    L.append(
+        f"decode floor: {fl['weight_bytes'] / 1e6:.0f} MB of float32 weights / {fl['bandwidth_gbs']:.1f} GB/s "
+        f"(best jitted read) = {fl['floor_ms']:.2f} ms/step = {1e3 / fl['floor_ms']:.1f} tok/s"
+    )
+    L.append("")
+    w = 44
+    L.append(f"{'metric':<{w}} {'jaxinfer':>12} {'transformers':>13} {'ratio':>8}")
+    L.append("-" * (w + 36))
+
+    def row(name, a, b, fmt, better="higher"):
+        if b is None:
+            L.append(f"{name:<{w}} {fmt.format(a):>12} {'-':>13} {'-':>8}")
+            return
+        ratio = a / b if better == "higher" else b / a
+        L.append(f"{name:<{w}} {fmt.format(a):>12} {fmt.format(b):>13} {ratio:>7.2f}x")
+
+    hs = res.get("transformers_summary")
+    row("compile, prefill@128 + decode b1 (s)", j["compile"]["compile_b1_s"], None, "{:.2f}")
+    row("compile, extra for decode b8 (s)", j["compile"]["compile_b8_extra_s"], None, "{:.2f}")
+    row("load (s)", j["load_s"], h["info"]["load_s"] if h else None, "{:.2f}", "lower")
+    row("TTFT, 128-token prompt (ms)", 1e3 * j["ttft_s"], 1e3 * hs["ttft_s"] if h else None, "{:.1f}", "lower")
+    row("batch-1 decode (tok/s)", 1 / j["tpot_s"], 1 / hs["tpot_s"] if h else None, "{:.1f}")
+    row("batch-1 decode, ms/token", 1e3 * j["tpot_s"], 1e3 * hs["tpot_s"] if h else None, "{:.2f}", "lower")
+    row(
+        f"batch-{res['batch']} aggregate decode (tok/s)",
+        j["batch_decode_tok_s"],
+        hs["batch_decode_tok_s"] if h else None,
+        "{:.1f}",
+    )
+    row(
+        f"batch-{res['batch']} aggregate end-to-end (tok/s)",
+        j["batch_e2e_tok_s"],
+        hs["batch_e2e_tok_s"] if h else None,
+        "{:.1f}",
+    )
+    L.append("")
+    L.append(
+        f"jaxinfer TTFT wall clock around llm.generate: {1e3 * j['ttft_wall_s']:.1f} ms; "
+        f"batch-1 ms/token from the wall clock: {1e3 * j['tpot_wall_s']:.2f}"
+    )
+    if h:
+        s = h["summary"]
+        L.append(
+            f"transformers ({h['info']['attn']} attention, {h['info']['threads']} threads, "
+            f"torch {h['info']['versions']['torch']}, transformers {h['info']['versions']['transformers']}): "
+            f"TTFT forward {1e3 * s['ttft_manual_s']:.1f} ms / generate {1e3 * s['ttft_generate_s']:.1f} ms; "
+            f"decode loop with its cache {1e3 * s['tpot_manual_s']:.2f} ms/token / generate "
+            f"{1e3 * s['tpot_generate_s']:.2f} ms/token (the table uses the faster of each)"
+        )
+        L.append(
+            f"greedy tokens agree with transformers for the first {res['agree_b1']} of {res['decode_tokens']} "
+            f"(batch 1) and {res['agree_b8']} of {res['decode_tokens']} (batch row 0)"
+        )
+    L.append(
+        f"batch-{res['batch']} aggregate decode = output tokens after each request's first / "
+        f"(last token - the moment all {res['batch']} have their first token, i.e. all prefills done); end-to-end = all output tokens / wall time of the call"
+    )
+    L.append("")
+    c = res["cache"]
+    L.append(f"decode step (jitted, blocking, inputs on device), batch 1 at context {c['context']}:")
+    for k in ("1x", "8x", "engine"):
+        d = c[k]
+        L.append(
+            f"  cache {k:<6} {d['num_pages']:>5} pages = {d['capacity_tokens']:>6} tokens "
+            f"({d['cache_bytes'] / 1e6:>6.0f} MB): step {1e3 * d['step_s']:.2f} ms (min {1e3 * d['step_min_s']:.2f}), "
+            f"through ModelRunner.decode {1e3 * d['runner_step_s']:.2f} ms"
+        )
+    d = c[f"engine_b{c['batch']}"]
+    L.append(
+        f"  batch {c['batch']}, engine cache: step {1e3 * d['step_s']:.2f} ms (min {1e3 * d['step_min_s']:.2f}) "
+        f"= {c['batch'] / d['step_s']:.1f} tok/s aggregate; {d['step_s'] / c['engine']['step_s']:.2f}x the batch-1 step"
+    )
+    L.append(f"  8x / 1x step time: {c['ratio_8x_1x']:.3f}")
+    L.append(
+        f"  floor / step: {res['floor_over_step']:.2f} (device step alone), "
+        f"{res['floor_over_tpot']:.2f} (streamed batch-1 token)"
+    )
+    L.append(
+        f"  host share of a streamed token: {100 * res['host_share']:.0f}% "
+        f"({1e3 * j['tpot_s']:.2f} ms/token streamed vs {1e3 * c['engine']['step_s']:.2f} ms device step)"
+    )
+    L.append("")
+    L.append("targets:")
+    for t in res["targets"]:
+        L.append(f"  [{t['verdict']:<4}] {t['name']}: {t['value']}")
+    return "\n".join(L)
+
+
+def targets(res: dict) -> list:
+    j, c = res["jaxinfer"], res["cache"]
+    hs = res.get("transformers_summary")
+    out = []
+
+    def add(name, ok, value):
+        out.append({"name": name, "verdict": "n/a" if ok is None else ("PASS" if ok else "MISS"), "value": value})
+
+    if hs:
+        r = hs["tpot_s"] / j["tpot_s"]
+        add("batch-1 decode >= 2x transformers", r >= 2.0, f"{r:.2f}x")
+        r = hs["ttft_s"] / j["ttft_s"]
+        add("TTFT(128) no worse than transformers", r >= 1.0, f"{1e3 * j['ttft_s']:.1f} vs {1e3 * hs['ttft_s']:.1f} ms")
+    else:
+        add("batch-1 decode >= 2x transformers", None, "peer skipped")
+        add("TTFT(128) no worse than transformers", None, "peer skipped")
+    add(
+        "batch-1 decode at >= 0.75 of the floor",
+        res["floor_over_tpot"] >= 0.75,
+        f"{res['floor_over_tpot']:.2f} streamed, {res['floor_over_step']:.2f} device step",
+    )
+    add("decode step at 8x cache within 10% of 1x", c["ratio_8x_1x"] <= 1.10, f"{c['ratio_8x_1x']:.3f}")
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Main
+# --------------------------------------------------------------------------- #
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.benchmarks.core", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers for the peer")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the peer's attention implementation")
+    p.add_argument("--cache-tokens", type=int, default=4096, help="KV capacity (tokens) of the 1x cache")
+    p.add_argument("--step-context", type=int, default=None, help="context of the timed decode step (default prompt + decode)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per block")
+    p.add_argument("--json", default=None, help="also write the figures as JSON to this file")
+    a = p.parse_args(argv)
+    if a.decode_tokens < 2:
+        p.error("--decode-tokens must be at least 2")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    res: dict = {
+        "model": a.model,
+        "repeats": a.repeats,
+        "batch": a.batch,
+        "prompt_len": a.prompt_len,
+        "decode_tokens": a.decode_tokens,
+        "system": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    log("measuring memory bandwidth")
+    res["bandwidth"] = bw = measure_bandwidth()
+
+    log(f"loading {a.model} with jaxinfer")
+    llm = jaxinfer.LLM(a.model)
+    if llm.engine_config.dtype != "float32":
+        log(f"note: engine dtype is {llm.engine_config.dtype}, not float32")
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.runner.params))
+    best_bw = max(bw["jax_sum_gbs"], bw["jax_matvec_gbs"])
+    res["floor"] = {"weight_bytes": weight_bytes, "bandwidth_gbs": best_bw, "floor_ms": weight_bytes / best_bw / 1e6}
+    prompt, batch_prompts = make_prompts(llm, a.prompt_len, a.batch)
+
+    log("jaxinfer compile time")
+    jres = {"load_s": llm.load_time_s, "compile": jax_compile(llm, prompt, batch_prompts)}
+
+    peer = None
+    hf_python, why = (None, "skipped (--no-hf)") if a.no_hf else find_hf_python(a.hf_python)
+    res["transformers_python"] = hf_python or why
+    if hf_python:
+        log(f"starting the transformers peer ({hf_python}; load + one warm-up round)")
+        try:
+            peer = HFPeer(
+                hf_python, str(resolve_model(a.model).path), a.threads, a.attn, prompt, batch_prompts, a.decode_tokens
+            )
+        except Exception as e:  # report, go on without the peer
+            log(f"transformers peer failed: {e}")
+            res["transformers_python"] = f"failed: {e}"
+    else:
+        log(f"transformers peer {why}")
+
+    jrounds, hrounds = [], []
+    c0 = step_mod.compiled_count()
+    for i in range(a.repeats):
+        log(f"round {i + 1}/{a.repeats}: jaxinfer")
+        jrounds.append(jax_round(llm, prompt, batch_prompts, a.decode_tokens))
+        if peer is not None:
+            log(f"round {i + 1}/{a.repeats}: transformers")
+            hrounds.append(peer.round())
+    jres["recompiles_during_rounds"] = step_mod.compiled_count() - c0
+    if peer is not None:
+        peer.close()
+
+    keys = ["ttft_s", "ttft_wall_s", "tpot_s", "tpot_wall_s", "batch_decode_tok_s", "batch_e2e_tok_s", "batch_all_first_tokens_s"]
+    jres.update(summarize(jrounds, keys))
+    jres["rounds"] = jrounds
+    res["jaxinfer"] = jres
+    if peer is not None:
+        hkeys = [k for k in hrounds[0] if not k.startswith(("tokens", "batch_tokens"))]
+        s = summarize(hrounds, hkeys)
+        res["transformers"] = {"info": peer.info, "summary": s, "rounds": hrounds}
+        res["transformers_summary"] = {
+            "ttft_s": min(s["ttft_manual_s"], s["ttft_generate_s"]),
+            "tpot_s": min(s["tpot_manual_s"], s["tpot_generate_s"]),
+            "batch_decode_tok_s": s["batch_decode_tok_s"],
+            "batch_e2e_tok_s": s["batch_e2e_tok_s"],
+        }
+        res["agree_b1"] = common_prefix(jrounds[-1]["tokens"], hrounds[-1]["tokens_manual"])
+        res["agree_b8"] = common_prefix(jrounds[-1]["batch_tokens_first"], hrounds[-1]["batch_tokens_first"])
+
+    context = a.step_context or a.prompt_len + a.decode_tokens
+    log(f"decode step with the cache at 1x ({a.cache_tokens} tokens) and 8x capacity, context {context}")
+    c = cache_capacity_steps(llm, prompt, context, a.cache_tokens, a.repeats, a.steps, a.batch)
+    c["ratio_8x_1x"] = c["8x"]["step_s"] / c["1x"]["step_s"]
+    res["cache"] = c
+    floor_s = res["floor"]["floor_ms"] / 1e3
+    res["floor_over_step"] = floor_s / c["engine"]["step_s"]
+    res["floor_over_tpot"] = floor_s / jres["tpot_s"]
+    res["host_share"] = max(0.0, 1 - c["engine"]["step_s"] / jres["tpot_s"])
+    res["targets"] = targets(res)
+    res["system"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    res["wall_s"] = time.perf_counter() - t_start
+
+    print(report(res))
+    print(f"\n(total {res['wall_s']:.0f} s)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2, default=str))
+        print(f"figures written to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""The engine: one host thread owns all state and drives the device.
+
+The outside world talks to it through a thread-safe inbox (`submit`, `abort`)
+and per-request output streams (`RequestStream`: a blocking iterator and an
+async iterator). Each engine step:
+
+1. takes new requests and aborts from the inbox;
+2. asks the scheduler for this step's prefill chunks and decode rows;
+3. dispatches them to the device (asynchronously; decode inputs may still be
+   device arrays from the previous step);
+4. only then reads back the *previous* step's tokens, detokenizes, checks stops
+   and streams them — so the device never waits on the host, and a request
+   that stopped costs at most one extra token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+import jax
+
+from jaxinfer import step as step_fns
+from jaxinfer.buckets import bucket_for
+from jaxinfer.engine_stats import EngineStats
+from jaxinfer.outputs import StreamDelta
+from jaxinfer.page_allocator import PageAllocator
+from jaxinfer.request import Request, TokenRef
+from jaxinfer.runner import ModelRunner, read_output
+from jaxinfer.scheduler import Scheduler
+
+log = logging.getLogger("jaxinfer")
+
+_END = object()
+
+
+class RequestStream:
+    """The output side of one request: iterate (sync or async) over its `StreamDelta`s."""
+
+    def __init__(self, request_id: str, engine: "Engine"):
+        self.request_id = request_id
+        self._engine = engine
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._aq: Optional[asyncio.Queue] = None
+        self._aloop: Optional[asyncio.AbstractEventLoop] = None
+        self.output = None  # the final RequestOutput once finished
+
+    def _put(self, item) -> None:
+        with self._lock:
+            if self._aq is not None:
+                self._aloop.call_soon_threadsafe(self._aq.put_nowait, item)
+            else:
+                self._q.put(item)
+
+    def __iter__(self):
+        try:
+            while True:
+                item = self._q.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        except GeneratorExit:
+            self.abort()
+            raise
+
+    def result(self):
+        """Block until the request finishes; return its RequestOutput."""
+        for _ in self:
+            pass
+        return self.output
+
+    async def _aiter(self):
+        with self._lock:
+            self._aloop = asyncio.get_running_loop()
+            self._aq = asyncio.Queue()
+            while True:  # move anything that arrived before we attached
+                try:
+                    self._aq.put_nowait(self._q.get_nowait())
+                except queue.Empty:
+                    break
+        try:
+            while True:
+                item = await self._aq.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            self.abort()
+            raise
+
+    def __aiter__(self):
+        return self._aiter()
+
+    def abort(self) -> None:
+        if self.output is None:
+            self._engine.abort(self.request_id)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        max_num_batched_tokens: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+        log_stats_interval: Optional[float] = None,
+    ):
+        self.runner = runner
+        self.ecfg = runner.ecfg
+        self.allocator = PageAllocator(self.ecfg.num_pages, enable_prefix_cache=enable_prefix_caching)
+        budget = max_num_batched_tokens or self.ecfg.max_num_batched_tokens
+        self.scheduler = Scheduler(self.ecfg, self.allocator, max_num_batched_tokens=budget, policy=policy)
+        self.stats = EngineStats(self)
+        self.log_stats_interval = log_stats_interval
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict = {}
+        self._requests: dict = {}
+        self._pending: deque = deque()  # (rows [(request, row)], step output) not yet read
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self._lock = threading.Lock()
+
+    # -- outside world (any thread) ------------------------------------------------
+
+    def submit(self, request: Request) -> RequestStream:
+        stream = RequestStream(request.request_id, self)
+        self._inbox.put(("add", request, stream))
+        self._ensure_running()
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    def _ensure_running(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._stop = False
+                self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
+                self._thread.start()
+
+    def is_idle(self) -> bool:
+        return self._inbox.empty() and not self.scheduler.has_work() and not self._pending and not self._streams
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if self.is_idle():
+                return True
+            self._wake.set()
+            time.sleep(0.005)
+        return self.is_idle()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the engine thread -----------------------------------------------------------
+
+    def _loop(self) -> None:
+        last_log = time.perf_counter()
+        while not self._stop:
+            idle = not self.scheduler.has_work() and not self._pending
+            if idle and self._inbox.empty():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+            try:
+                self.step()
+            except Exception as e:  # a bug in a step must not hang every caller
+                log.exception("engine step failed")
+                self._fail_all(e)
+            if self.log_stats_interval and time.perf_counter() - last_log >= self.log_stats_interval:
+                last_log = time.perf_counter()
+                if self.scheduler.has_work() or self.stats.recent_tokens():
+                    log.info(self.stats.line())
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, a, b = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[a.request_id] = a
+                self._streams[a.request_id] = b
+                self.scheduler.add(a)
+            elif kind == "abort":
+                r = self._requests.get(a)
+                if r is not None and not r.finished:
+                    r.abort("abort")
+                    self._finish(r, "")
+
+    def step(self) -> None:
+        """One engine iteration (public so tests and benchmarks can drive it synchronously)."""
+        self._drain_inbox()
+        sched = self.scheduler.schedule()
+        now = time.perf_counter()
+        for r in sched.preempted:
+            self.stats.preemptions += 1
+        n_before = len(self._pending)
+        if sched.prefill:
+            out = self.runner.prefill(sched.prefill)
+            rows = []
+            for i, c in enumerate(sched.prefill):
+                r = c.request
+                if r.metrics.scheduled_time is None:
+                    r.metrics.scheduled_time = now
+                r.metrics.prefill_chunks.append(now)
+                r.num_computed += c.length
+                self.stats.prompt_tokens += c.length
+                if r.prefill_done:
+                    r.num_sampled += 1
+                    r.last_token = TokenRef(out.tokens, i)
+                    rows.append((r, i))
+                self.scheduler.register_full_pages(r)
+            if rows:
+                self._pending.append((rows, out))
+        if sched.decode:
+            out = self.runner.decode(sched.decode)
+            for i, r in enumerate(sched.decode):
+                r.num_computed += 1
+                r.num_sampled += 1
+                r.last_token = TokenRef(out.tokens, i)
+                r.metrics.decode_steps += 1
+            self._pending.append(([(r, i) for i, r in enumerate(sched.decode)], out))
+        self.stats.steps += 1
+        # read everything but what this step dispatched: the device stays busy meanwhile
+        keep = len(self._pending) - n_before
+        while len(self._pending) > keep:
+            self._read(*self._pending.popleft())
+
+    def _read(self, rows: list, out) -> None:
+        reqs = [r for r, _ in rows]
+        t0 = time.perf_counter()
+        results = read_output(out, reqs, [i for _, i in rows])
+        now = time.perf_counter()
+        self.stats.wait_s += now - t0
+        for (r, _), (tok, lp) in zip(rows, results):
+            if r.finished:
+                continue  # drawn in the step after it stopped, or aborted meanwhile
+            if isinstance(r.last_token, TokenRef) and r.last_token.array is out.tokens:
+                r.last_token = tok
+            m = r.metrics
+            if m.first_token_time is None:
+                m.first_token_time = m.prefill_done_time = now
+            m.token_times.append(now)
+            text = r.add_token(tok, lp)
+            m.output_tokens = len(r.output_ids)
+            self.stats.generation_tokens += 1
+            self.scheduler.register_full_pages(r)
+            stream = self._streams.get(r.request_id)
+            delta = StreamDelta(r.request_id, text, [tok], [lp] if lp is not None else None, r.finish_reason)
+            if r.finished:
+                self._finish(r, text, delta)
+            elif stream is not None and (text or tok is not None):
+                stream._put(delta)
+
+    def _finish(self, r: Request, text: str, delta: Optional[StreamDelta] = None) -> None:
+        """A request leaves the batch: free its pages now, close its stream."""
+        self.scheduler.finish(r)
+        r.metrics.finished_time = time.perf_counter()
+        output = r.to_output()
+        stream = self._streams.pop(r.request_id, None)
+        self._requests.pop(r.request_id, None)
+        self.stats.finished[r.finish_reason] = self.stats.finished.get(r.finish_reason, 0) + 1
+        self.stats.on_finished(r)
+        if stream is not None:
+            if delta is None:
+                delta = StreamDelta(r.request_id, text, [], None, r.finish_reason)
+            delta.output = output
+            stream.output = output
+            stream._put(delta)
+            stream._put(_END)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid, r in list(self._requests.items()):
+            r.abort("error")
+            stream = self._streams.pop(rid, None)
+            self.scheduler.finish(r)
+            if stream is not None:
+                stream.output = r.to_output()
+                stream._put(RuntimeError(f"engine step failed: {err}"))
+        self._requests.clear()
+        self._pending.clear()
+
+    # -- warm-up -----------------------------------------------------------------------
+
+    def compile_shapes(self) -> dict:
+        """Every (batch, chunk, pages) prefill shape and (batch, pages) decode shape the engine can use."""
+        e = self.ecfg
+        area = self.scheduler.prefill_area
+        prefill = []
+        prev_t = 0
+        for t in e.chunk_buckets:
+            min_pages = bucket_for(max(1, -(-(prev_t + 1) // e.page_size)), e.page_buckets)
+            for b in e.batch_buckets:
+                if b * t > area:
+                    continue
+                prefill += [(b, t, p) for p in e.page_buckets if p >= min_pages]
+            prev_t = t
+        decode = [(b, p) for b in e.batch_buckets if b <= e.max_num_seqs for p in e.page_buckets]
+        return {"prefill": prefill, "decode": decode}
+
+    def warmup(self, variants=("greedy",), progress: bool = True) -> int:
+        """Compile every program up front; returns how many were compiled now."""
+        from jaxinfer.warmup import compile_all
+
+        return compile_all(self, variants=variants, progress=progress)
+
+    @staticmethod
+    def compiled_count() -> int:
+        return step_fns.compiled_count()
+
+    @property
+    def backend(self) -> str:
+        return jax.default_backend()

@@ -1,0 +1,61 @@
+"""Engine-wide numbers: running / waiting, KV usage, prefix-cache hit rate, throughput.
+
+`line()` formats them the way vLLM's periodic log line does, so the numbers
+read the same: ``Avg prompt throughput: … tokens/s, Avg generation throughput:
+… tokens/s, Running: … reqs, Waiting: … reqs, KV cache usage: …%, Prefix cache
+hit rate: …%``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+
+class EngineStats:
+    def __init__(self, engine):
+        self._engine = engine
+        self.prompt_tokens = 0  # prefilled (computed) prompt tokens
+        self.generation_tokens = 0
+        self.steps = 0
+        self.preemptions = 0
+        self.wait_s = 0.0  # host time spent waiting for device results
+        self.finished: dict = {}
+        self.recent: deque = deque(maxlen=4096)  # summaries of finished requests
+        self._mark = (time.perf_counter(), 0, 0)
+
+    def on_finished(self, r) -> None:
+        self.recent.append(r.metrics.summary() | {"finish_reason": r.finish_reason})
+
+    def recent_tokens(self) -> int:
+        _, p, g = self._mark
+        return self.prompt_tokens - p + self.generation_tokens - g
+
+    def snapshot(self) -> dict:
+        e = self._engine
+        return {
+            "running": e.scheduler.num_running,
+            "waiting": e.scheduler.num_waiting,
+            "kv_usage": e.allocator.usage(),
+            "prefix_hit_rate": e.allocator.hit_rate(),
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "finished": dict(self.finished),
+        }
+
+    def line(self) -> str:
+        """One log line; throughputs are averaged since the previous call."""
+        now = time.perf_counter()
+        t0, p0, g0 = self._mark
+        dt = max(now - t0, 1e-9)
+        self._mark = (now, self.prompt_tokens, self.generation_tokens)
+        s = self.snapshot()
+        return (
+            f"Avg prompt throughput: {(self.prompt_tokens - p0) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(self.generation_tokens - g0) / dt:.1f} tokens/s, "
+            f"Running: {s['running']} reqs, Waiting: {s['waiting']} reqs, "
+            f"KV cache usage: {100 * s['kv_usage']:.1f}%, "
+            f"Prefix cache hit rate: {100 * s['prefix_hit_rate']:.1f}%"
+        )

@@ -1,0 +1,216 @@
+"""The continuous-batching scheduler (in the spirit of vLLM's v1 scheduler).
+
+Each step hands a token budget (``max_num_batched_tokens``) first to the
+running requests — one decode token each, or the next chunk of a prompt still
+being prefilled — and then to waiting requests, which join at once with a
+prefill chunk (after reusing whatever prefix the cache holds). Pages are
+allocated on demand as requests grow; when none are left, the newest running
+request is preempted (its pages freed, its tokens recomputed later — with the
+prefix cache most of them come back free).
+
+A request is plain counters (`Request.num_computed`, `num_sampled`), so
+whole prefill, chunked prefill, prefix hits, recompute and decode are one
+arithmetic. The scheduler only decides; the engine dispatches and reads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from jaxinfer.buckets import bucket_for, pages_needed
+from jaxinfer.config import EngineConfig
+from jaxinfer.page_allocator import PageAllocator
+from jaxinfer.prefix_cache import extend_hashes
+from jaxinfer.request import Request
+from jaxinfer.runner import PrefillChunk
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list = field(default_factory=list)  # [PrefillChunk]
+    decode: list = field(default_factory=list)  # [Request]
+    preempted: list = field(default_factory=list)  # [Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(
+        self,
+        ecfg: EngineConfig,
+        allocator: PageAllocator,
+        *,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.ecfg = ecfg
+        self.allocator = allocator
+        self.page_size = ecfg.page_size
+        self.max_chunk = ecfg.chunk_buckets[-1]
+        self.budget = max(max_num_batched_tokens, ecfg.max_num_seqs)
+        # the largest padded prefill batch (rows x chunk bucket) we allow: bounds the programs
+        self.prefill_area = max(self.budget, self.max_chunk)
+        self.policy = policy
+        self.waiting: list = []  # heap of (priority, arrival order, request)
+        self.running: list = []  # admission order: newest last
+        self.free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
+        self._order = itertools.count()
+        self.num_preemptions = 0
+
+    # -- queue -------------------------------------------------------------------
+
+    def add(self, r: Request) -> None:
+        r.arrival_order = next(self._order)
+        self._push(r)
+
+    def _push(self, r: Request) -> None:
+        prio = r.priority if self.policy == "priority" else 0
+        heapq.heappush(self.waiting, (prio, r.arrival_order, r))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, _, r in self.waiting if not r.finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(not r.finished for _, _, r in self.waiting)
+
+    def finish(self, r: Request) -> None:
+        """Release a finished or aborted request's pages and slot (it leaves the batch now)."""
+        if r in self.running:
+            self.running.remove(r)
+        self._free(r)
+
+    def _free(self, r: Request) -> None:
+        if r.pages:
+            self.allocator.release(reversed(r.pages))
+            r.pages = []
+        if r.slot is not None:
+            self.free_slots.append(r.slot)
+            r.slot = None
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self._free(r)
+        r.num_computed = 0
+        r.last_token = None
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push(r)
+
+    # -- pages ---------------------------------------------------------------------
+
+    def _grow(self, r: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Give `r` pages for `num_tokens` tokens, preempting newer requests if needed.
+
+        Returns False if `r` itself had to be preempted.
+        """
+        need = pages_needed(num_tokens, self.page_size) - len(r.pages)
+        while need > self.allocator.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is r:
+                return False
+        if need > 0:
+            r.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def register_full_pages(self, r: Request) -> None:
+        """Name the pages whose tokens are all known and written, for later prefix hits."""
+        if not self.allocator.enable_prefix_cache or not r.pages:
+            return
+        upto = min(r.num_known_tokens, r.num_computed) // self.page_size
+        if upto <= r.num_registered_pages:
+            return
+        extend_hashes(r.page_hashes, r.known_token_ids(), self.page_size)
+        for i in range(r.num_registered_pages, min(upto, len(r.pages), len(r.page_hashes))):
+            self.allocator.register(r.pages[i], r.page_hashes[i])
+        r.num_registered_pages = upto
+
+    # -- one step --------------------------------------------------------------------
+
+    def _fit_chunk(self, prefill: list, n: int) -> int:
+        """Shrink a new chunk so the padded prefill batch (rows x chunk bucket) stays within
+        the area bound; 0 if it cannot join this step's prefill at all."""
+        rows = len(prefill) + 1
+        if rows > self.ecfg.batch_buckets[-1]:
+            return 0
+        rows_b = bucket_for(rows, self.ecfg.batch_buckets)
+        cur_t = bucket_for(max(c.length for c in prefill), self.ecfg.chunk_buckets) if prefill else 0
+        best = 0
+        for t in self.ecfg.chunk_buckets:
+            if t >= cur_t and rows_b * t <= self.prefill_area:
+                best = t
+        return min(n, best)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.budget
+        for r in list(self.running):
+            if r not in self.running or r.finished:
+                continue
+            if r.prefill_done:
+                if r.done_sampling:
+                    continue  # its last token is still in flight
+                if budget < 1 or not self._grow(r, r.num_computed + 1, out):
+                    continue
+                out.decode.append(r)
+                budget -= 1
+            else:
+                n = min(r.num_known_tokens - r.num_computed, budget, self.max_chunk)
+                n = self._fit_chunk(out.prefill, n) if n > 0 else 0
+                if n <= 0 or not self._grow(r, r.num_computed + n, out):
+                    continue
+                out.prefill.append(PrefillChunk(r, r.num_computed, n))
+                budget -= n
+        if out.preempted:
+            return out  # no admissions in a step that had to preempt
+        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
+            _, _, r = self.waiting[0]
+            if r.finished:
+                heapq.heappop(self.waiting)
+                continue
+            chunk = self._admit(r, budget, out.prefill)
+            if chunk is None:
+                break
+            heapq.heappop(self.waiting)
+            out.prefill.append(chunk)
+            budget -= chunk.length
+        return out
+
+    def _admit(self, r: Request, budget: int, prefill: list) -> Optional[PrefillChunk]:
+        ps = self.page_size
+        tokens = r.known_token_ids()
+        hit: list = []
+        if self.allocator.enable_prefix_cache:
+            extend_hashes(r.page_hashes, tokens, ps)
+            hit = self.allocator.lookup(r.page_hashes[: (len(tokens) - 1) // ps])  # keep >= 1 token to run
+        cached = len(hit) * ps
+        n = min(len(tokens) - cached, budget, self.max_chunk)
+        n = self._fit_chunk(prefill, n)
+        if n <= 0:
+            return None
+        new_pages = pages_needed(cached + n, ps) - len(hit)
+        reclaimed = sum(1 for p in hit if self.allocator.refcount[p] == 0)
+        if new_pages > self.allocator.num_free - reclaimed:
+            return None
+        self.allocator.share(hit)
+        r.pages = hit + self.allocator.allocate(new_pages)
+        r.num_registered_pages = len(hit)
+        r.num_computed = cached
+        if r.num_preemptions == 0:
+            r.metrics.cached_tokens = cached
+        r.slot = self.free_slots.pop()
+        self.running.append(r)
+        return PrefillChunk(r, cached, n)
