@@ -26,6 +26,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_TOKENS = 256
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
 
 # Sampling flags that map one-to-one onto SamplingParams fields.
 _SAMPLING_FLAGS = (
@@ -420,6 +421,24 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
+def _stop_early(code: int, argv: Optional[Sequence[str]]) -> int:
+    """Leave at once after an interrupt or a closed pipe.
+
+    Tearing the interpreter down while a dispatched device step may still be
+    running has been seen to abort the process (``terminate called after
+    throwing ...``) now and then, so the command-line process exits without
+    teardown; called in-process (``main([...])``) it just returns the code.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if argv is None:
+        os._exit(code)
+    return code
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     try:
@@ -433,25 +452,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:  # SamplingParams / EngineConfig / LLM validation, ModelNotFoundError
         return _fail(str(e))
     except KeyboardInterrupt:
-        # Interrupted mid-call (loading the model, or a second Ctrl-C): skip the
-        # interpreter's teardown, which can abort while JAX's threads are busy.
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        if argv is None:
-            os._exit(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
+        return _stop_early(EXIT_INTERRUPTED, argv)
     except BrokenPipeError:
-        # the reader went away (``| head``): stop quietly, and keep Python from
-        # complaining again when it flushes stdout at exit
+        # the reader went away (``| head``): stop quietly
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
         except OSError:
             pass
-        return 141
+        return _stop_early(EXIT_BROKEN_PIPE, argv)
     except OSError as e:
         return _fail(f"{e.strerror or e}" + (f": {e.filename}" if getattr(e, "filename", None) else ""), 1)
 

@@ -16,7 +16,9 @@ async iterator). Each engine step:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
+import weakref
 import queue
 import threading
 import time
@@ -115,8 +117,10 @@ class Engine:
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
         log_stats_interval: Optional[float] = None,
+        autostart: bool = True,
     ):
         self.runner = runner
+        self.autostart = autostart  # False: the caller drives `step()` itself (tests, benchmarks)
         self.ecfg = runner.ecfg
         self.allocator = PageAllocator(self.ecfg.num_pages, enable_prefix_cache=enable_prefix_caching)
         budget = max_num_batched_tokens or self.ecfg.max_num_batched_tokens
@@ -137,7 +141,8 @@ class Engine:
     def submit(self, request: Request) -> RequestStream:
         stream = RequestStream(request.request_id, self)
         self._inbox.put(("add", request, stream))
-        self._ensure_running()
+        if self.autostart:
+            self._ensure_running()
         self._wake.set()
         return stream
 
@@ -151,6 +156,9 @@ class Engine:
                 self._stop = False
                 self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine", daemon=True)
                 self._thread.start()
+                # stop the loop before the interpreter tears JAX down under a running step
+                ref = weakref.ref(self)
+                atexit.register(lambda: ref() is not None and ref().shutdown(timeout=5.0))
 
     def is_idle(self) -> bool:
         return self._inbox.empty() and not self.scheduler.has_work() and not self._pending and not self._streams

@@ -59,6 +59,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         log_stats_interval: Optional[float] = None,
+        max_num_batched_tokens: Optional[int] = None,
         warmup: bool = False,
         **engine_overrides,
     ):
@@ -77,6 +78,7 @@ class LLM:
             loaded.config, engine, params, tokenizer, loaded.generation, source.name,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             log_stats_interval=log_stats_interval,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         self.load_time_s = time.perf_counter() - t0
         if warmup:
@@ -113,6 +115,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         log_stats_interval: Optional[float] = None,
+        max_num_batched_tokens: Optional[int] = None,
     ) -> None:
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer

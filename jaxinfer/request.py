@@ -66,6 +66,7 @@ class Request:
         self.slot: Optional[int] = None
         self.num_computed = 0
         self.num_sampled = 0
+        self.prefill_target = len(self.prompt_ids)  # tokens to prefill before decoding (prompt + outputs on recompute)
         self.last_token: Any = None  # int or TokenRef
         # host-side results
         self.output_ids: list = []
@@ -100,7 +101,7 @@ class Request:
 
     @property
     def prefill_done(self) -> bool:
-        return self.num_computed >= self.prompt_len
+        return self.num_computed >= self.prefill_target
 
     @property
     def done_sampling(self) -> bool:

@@ -99,7 +99,7 @@ class ModelRunner:
                 r.seed,
                 s + n,
                 r.slot,
-                is_output=(s + n == r.num_known_tokens),
+                is_output=(s + n == r.prefill_target),
                 banned=r.banned_ids(),
                 prompt_len=r.prompt_len,
             )

@@ -168,7 +168,7 @@ class Scheduler:
                 out.decode.append(r)
                 budget -= 1
             else:
-                n = min(r.num_known_tokens - r.num_computed, budget, self.max_chunk)
+                n = min(r.prefill_target - r.num_computed, budget, self.max_chunk)
                 n = self._fit_chunk(out.prefill, n) if n > 0 else 0
                 if n <= 0 or not self._grow(r, r.num_computed + n, out):
                     continue
@@ -209,6 +209,7 @@ class Scheduler:
         r.pages = hit + self.allocator.allocate(new_pages)
         r.num_registered_pages = len(hit)
         r.num_computed = cached
+        r.prefill_target = len(tokens)
         if r.num_preemptions == 0:
             r.metrics.cached_tokens = cached
         r.slot = self.free_slots.pop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,8 @@ def runs():
         "json": (["generate", PROMPT, *greedy, "--json", "--logprobs", "2"], None),
         "tokenize": (["tokenize", PROMPT, "--json"], None),
         "tokenize_chat": (["tokenize", "-", "--chat", "--json"], PROMPT),
+        "interrupted": (["generate", "Write a long story about a cat.", "--max-tokens", "1000", "--temperature", "0",
+                         *ENGINE], None),
     }
     procs = {}
     try:
@@ -128,8 +131,12 @@ def runs():
         expected = llm.chat([{"role": "user", "content": PROMPT}], params)[0]
 
         results = {}
+        first = procs["interrupted"].stdout.read(1)  # blocks until text streams out
+        procs["interrupted"].send_signal(signal.SIGINT)
         for name, p in procs.items():
             out, err = p.communicate(timeout=180)
+            if name == "interrupted":
+                out = first + out
             results[name] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     finally:
         for p in procs.values():
@@ -215,3 +222,12 @@ def test_tokenize_chat_from_stdin_renders_the_template_with_generation_prompt(ru
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
     assert d["token_ids"] == ids
     assert d["token_ids"] == list(expected.prompt_token_ids)  # what generate --chat sends the model
+
+
+@needs_model
+@pytest.mark.model
+def test_ctrl_c_while_streaming_exits_130_quietly(runs):
+    p = runs[0]["interrupted"]
+    assert p.returncode == 130, p.stderr
+    assert p.stderr == ""
+    assert p.stdout.strip() and p.stdout.endswith("\n")  # what streamed so far, line ended

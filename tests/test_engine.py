@@ -1,0 +1,278 @@
+"""The continuous-batching engine: scheduling, chunked prefill, prefix cache, preemption, abort.
+
+Most tests drive the engine step by step (``autostart=False``) so arrivals and
+aborts land at exact steps; the threaded tests use the engine as callers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxinfer
+from conftest import TINY, TINY_ENGINE, tiny_params
+from jaxinfer.engine import Engine
+from jaxinfer.request import Request
+from jaxinfer.runner import ModelRunner
+from jaxinfer.sampling_params import SamplingParams
+
+SP = SamplingParams
+_RUNNER = None
+
+
+def runner():
+    """One runner (params + KV cache) shared by the step-driven tests: engines come and go over it."""
+    global _RUNNER
+    if _RUNNER is None:
+        _RUNNER = ModelRunner(TINY, TINY_ENGINE, tiny_params())
+    return _RUNNER
+
+
+def new_engine(num_pages=None, budget=None, prefix=True, policy="fcfs"):
+    r = runner()
+    ecfg = TINY_ENGINE if num_pages is None else TINY_ENGINE.replace(num_pages=num_pages)
+    r.ecfg = ecfg
+    return Engine(r, max_num_batched_tokens=budget, enable_prefix_caching=prefix, policy=policy, autostart=False)
+
+
+class _Detok:
+    text, stop_reason = "", None
+
+    def add(self, ids):
+        return ""
+
+    def finish(self):
+        return ""
+
+
+def make(prompt, max_tokens, params=None, rid=None, priority=0):
+    params = params or SP(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(
+        rid or f"r{id(prompt)}-{np.random.randint(1 << 30)}",
+        prompt,
+        params,
+        seed=params.seed if params.seed is not None else 0,
+        max_tokens=max_tokens,
+        stop_token_ids=frozenset(),
+        detokenizer=_Detok(),
+        priority=priority,
+    )
+
+
+def run_until_done(engine, streams, max_steps=10_000):
+    for _ in range(max_steps):
+        if engine.is_idle():
+            break
+        engine.step()
+    assert engine.is_idle(), "engine did not drain"
+    return [s.output for s in streams]
+
+
+_ALONE: dict = {}
+
+
+def alone(prompt, max_tokens, params=None):
+    """What a request produces with the engine to itself (large pool, no prefix cache)."""
+    key = (tuple(prompt), max_tokens, repr(params))
+    if key not in _ALONE:
+        eng = new_engine(prefix=False)
+        s = eng.submit(make(prompt, max_tokens, params))
+        _ALONE[key] = run_until_done(eng, [s])[0].outputs[0].token_ids
+    return _ALONE[key]
+
+
+def rand_prompt(rng, lo=1, hi=40):
+    return rng.integers(0, TINY.vocab_size, int(rng.integers(lo, hi))).tolist()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(2, 7),
+    num_pages=st.sampled_from([14, 20, 40, 96]),
+    budget=st.sampled_from([8, 16, 64]),
+    prefix=st.booleans(),
+)
+def test_random_workload_matches_alone_and_frees_everything(seed, n, num_pages, budget, prefix):
+    rng = np.random.default_rng(seed)
+    shared = rand_prompt(rng, 8, 20)  # some requests share a prefix, so the prefix cache is used
+    reqs = []
+    for i in range(n):
+        p = rand_prompt(rng, 1, 30)
+        if rng.random() < 0.4:
+            p = shared + p[:5]
+        reqs.append((int(rng.integers(0, 6)), p, int(rng.integers(1, 12)), rng.random() < 0.2))
+    # the pool must at least hold the largest single request
+    need = max((len(p) + m) // TINY_ENGINE.page_size + 1 for _, p, m, _ in reqs)
+    eng = new_engine(num_pages=max(num_pages, need + 1), budget=budget, prefix=prefix)
+    streams, abort_at = {}, {}
+    step = 0
+    pending = sorted(reqs, key=lambda x: x[0])
+    while pending or not eng.is_idle():
+        while pending and pending[0][0] <= step:
+            at, p, m, ab = pending.pop(0)
+            r = make(p, m)
+            streams[r.request_id] = (eng.submit(r), p, m)
+            if ab:
+                abort_at[r.request_id] = step + int(rng.integers(0, 4))
+        for rid, when in list(abort_at.items()):
+            if when <= step:
+                eng.abort(rid)
+                del abort_at[rid]
+        eng.step()
+        step += 1
+        assert step < 5000
+    for rid, (s, p, m) in streams.items():
+        out = s.output.outputs[0]
+        if out.finish_reason == "abort":
+            assert out.token_ids == alone(p, m)[: len(out.token_ids)]
+        else:
+            assert out.token_ids == alone(p, m), (rid, s.output.metrics.summary())
+    eng.allocator.check_all_free()
+    assert sorted(eng.scheduler.free_slots) == list(range(TINY_ENGINE.max_num_seqs))
+
+
+def test_preempted_requests_recompute_to_the_same_tokens():
+    rng = np.random.default_rng(1)
+    ps = [rand_prompt(rng, 10, 20) for _ in range(4)]
+    eng = new_engine(num_pages=20, budget=64)  # 19 pages of 4 tokens for 4 requests of ~35 tokens
+    streams = [eng.submit(make(p, 20)) for p in ps]
+    outs = run_until_done(eng, streams)
+    assert eng.scheduler.num_preemptions > 0
+    for p, o in zip(ps, outs):
+        assert o.outputs[0].token_ids == alone(p, 20)
+    eng.allocator.check_all_free()
+
+
+def test_seeded_sampled_request_is_the_same_alone_and_in_a_busy_preempting_batch():
+    rng = np.random.default_rng(2)
+    p = rand_prompt(rng, 5, 15)
+    sp = SP(max_tokens=16, temperature=1.0, top_k=20, seed=42, frequency_penalty=0.5, ignore_eos=True)
+    solo = alone(p, 16, sp)
+    eng = new_engine(num_pages=22, budget=16)
+    others = [eng.submit(make(rand_prompt(rng, 10, 30), 18)) for _ in range(3)]
+    mine = eng.submit(make(p, 16, sp))
+    outs = run_until_done(eng, others + [mine])
+    assert outs[-1].outputs[0].token_ids == solo
+    assert eng.scheduler.num_preemptions > 0
+
+
+def test_chunked_prefill_and_prefix_hits_give_the_plain_tokens():
+    rng = np.random.default_rng(3)
+    system = rand_prompt(rng, 30, 31)
+    a, b = system + [1, 2, 3], system + [4, 5]
+    eng = new_engine(budget=8)  # prompts of ~33 tokens go in 8-token chunks
+    sa = eng.submit(make(a, 6))
+    run_until_done(eng, [sa])
+    sb = eng.submit(make(b, 6))
+    ob = run_until_done(eng, [sb])[0]
+    assert sa.output.outputs[0].token_ids == alone(a, 6)
+    assert ob.outputs[0].token_ids == alone(b, 6)
+    assert ob.metrics.cached_tokens == (len(b) - 1) // TINY_ENGINE.page_size * TINY_ENGINE.page_size
+    assert ob.usage["cached_tokens"] == ob.metrics.cached_tokens > 0
+    assert len(sa.output.metrics.prefill_chunks) == -(-len(a) // 8)
+    assert eng.allocator.hit_rate() > 0
+
+
+def test_running_requests_keep_decoding_while_a_long_prompt_is_prefilled():
+    rng = np.random.default_rng(4)
+    eng = new_engine(budget=16)
+    short = [eng.submit(make(rand_prompt(rng, 3, 5), 30)) for _ in range(2)]
+    for _ in range(4):
+        eng.step()
+    long_req = make(rand_prompt(rng, 120, 121), 2)
+    sl = eng.submit(long_req)
+    tokens_during = []
+    while not long_req.prefill_done:
+        before = sum(len(s.output.outputs[0].token_ids) if s.output else 0 for s in short)
+        eng.step()
+        tokens_during.append(long_req.num_computed)
+    # every step of the long prefill also decoded the running requests (one token each)
+    assert all(r.num_sampled > 0 for r in eng.scheduler.running if r is not long_req)
+    assert len(tokens_during) >= 120 // 16
+    run_until_done(eng, short + [sl])
+    del before
+
+
+def test_priority_policy_admits_lower_values_first():
+    eng = new_engine(budget=16, policy="priority")
+    eng.scheduler.ecfg = TINY_ENGINE.replace(max_num_seqs=1)
+    reqs = [make([1, 2, 3], 2, rid=f"p{i}", priority=pr) for i, pr in enumerate([5, 0, 3])]
+    streams = [eng.submit(r) for r in reqs]
+    order = []
+    while not eng.is_idle():
+        eng.step()
+        for r in eng.scheduler.running:
+            if r.request_id not in order:
+                order.append(r.request_id)
+    assert order == ["p1", "p2", "p0"]
+    eng.scheduler.ecfg = TINY_ENGINE
+    del streams
+
+
+def test_abort_from_another_thread_frees_pages_within_a_step(tiny_llm):
+    llm = tiny_llm
+    p = list(range(1, 20))
+    req = llm.make_request(p, SP(max_tokens=100, temperature=0, ignore_eos=True))
+    stream = llm.submit(req)
+    it = iter(stream)
+    next(it)
+    t = threading.Thread(target=llm.engine.abort, args=(req.request_id,))
+    t.start()
+    t.join()
+    rest = list(it)
+    assert rest[-1].finish_reason == "abort" and rest[-1].output.outputs[0].finish_reason == "abort"
+    assert llm.wait_idle()
+    llm.engine.allocator.check_all_free()
+
+
+def test_async_streams_from_many_tasks(tiny_llm):
+    async def one(i):
+        req = tiny_llm.make_request([i + 1, 7, 9], SP(max_tokens=5, temperature=0, ignore_eos=True))
+        toks = []
+        async for d in tiny_llm.submit(req):
+            toks += d.token_ids
+        return toks
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    got = asyncio.run(main())
+    for i, toks in enumerate(got):
+        assert toks == tiny_llm.generate([[i + 1, 7, 9]], SP(max_tokens=5, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_no_compilation_after_warmup_under_a_random_workload():
+    # few buckets, so warming every program stays quick on CPU
+    ecfg = TINY_ENGINE.replace(batch_buckets=(1, 4), chunk_buckets=(8, 16), page_buckets=(8, 32))
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=ecfg, max_num_batched_tokens=32)
+    compiled = llm.engine.warmup(variants=("greedy", "sample+filters"), progress=False)
+    shapes = llm.engine.compile_shapes()
+    assert compiled <= 2 * (len(shapes["prefill"]) + len(shapes["decode"]))
+    before = llm.engine.compiled_count()
+    rng = np.random.default_rng(5)
+    ps = [rand_prompt(rng, 1, 100) for _ in range(12)]
+    params = [
+        SP(max_tokens=int(rng.integers(1, 20)), temperature=0)
+        if i % 2
+        else SP(max_tokens=int(rng.integers(1, 20)), temperature=0.8, top_p=0.9, seed=i)
+        for i in range(12)
+    ]
+    llm.generate(ps, params)
+    assert llm.engine.compiled_count() == before
+    llm.close()
+
+
+def test_stats_line_reads_like_vllm(tiny_llm):
+    tiny_llm.generate([[1, 2, 3]] * 3, SP(max_tokens=4, temperature=0))
+    line = tiny_llm.engine.stats.line()
+    for part in ("Avg prompt throughput:", "Avg generation throughput:", "Running:", "Waiting:",
+                 "KV cache usage:", "Prefix cache hit rate:"):
+        assert part in line
+    snap = tiny_llm.engine.stats.snapshot()
+    assert snap["generation_tokens"] >= 12 and snap["finished"].get("length", 0) >= 3
