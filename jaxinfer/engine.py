@@ -215,6 +215,8 @@ class Engine:
 
     def step(self) -> None:
         """One engine iteration (public so tests and benchmarks can drive it synchronously)."""
+        t_step = time.perf_counter()
+        wait_before = self.stats.wait_s
         self._drain_inbox()
         sched = self.scheduler.schedule()
         now = time.perf_counter()
@@ -251,6 +253,10 @@ class Engine:
         keep = len(self._pending) - n_before
         while len(self._pending) > keep:
             self._read(*self._pending.popleft())
+        if not sched.empty:
+            total = time.perf_counter() - t_step
+            self.stats.busy_s += total
+            self.stats.host_s += total - (self.stats.wait_s - wait_before)
 
     def _read(self, rows: list, out) -> None:
         reqs = [r for r, _ in rows]

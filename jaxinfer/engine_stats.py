@@ -20,6 +20,8 @@ class EngineStats:
         self.steps = 0
         self.preemptions = 0
         self.wait_s = 0.0  # host time spent waiting for device results
+        self.busy_s = 0.0  # wall time of steps that dispatched work
+        self.host_s = 0.0  # of which the host was working (not waiting for the device)
         self.finished: dict = {}
         self.recent: deque = deque(maxlen=4096)  # summaries of finished requests
         self._mark = (time.perf_counter(), 0, 0)
@@ -42,6 +44,7 @@ class EngineStats:
             "generation_tokens": self.generation_tokens,
             "steps": self.steps,
             "preemptions": self.preemptions,
+            "host_share": self.host_s / self.busy_s if self.busy_s else 0.0,
             "finished": dict(self.finished),
         }
 

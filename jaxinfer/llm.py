@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine import Engine, RequestStream
 from jaxinfer.metrics import RequestMetrics
@@ -117,6 +118,7 @@ class LLM:
         log_stats_interval: Optional[float] = None,
         max_num_batched_tokens: Optional[int] = None,
     ) -> None:
+        enable_compilation_cache()
         self.model_config: ModelConfig = cfg
         self.tokenizer = tokenizer
         self.generation_defaults: GenerationDefaults = generation
