@@ -43,4 +43,15 @@ __all__ = [
     "sample",
     "prefill",
     "decode_step",
+    "Client",
+    "AsyncClient",
 ]
+
+
+def __getattr__(name):
+    # The gRPC clients load on first use, so `import jaxinfer` does not import grpc.
+    if name in ("Client", "AsyncClient"):
+        from jaxinfer.server import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")

@@ -1,8 +1,9 @@
-"""The ``jaxinfer`` command: generate (streamed) and tokenize from a terminal.
+"""The ``jaxinfer`` command: generate (streamed), tokenize and bench from a terminal.
 
     jaxinfer generate "Why is the sky blue?" --max-tokens 64 --temperature 0
     echo "Explain paged attention" | jaxinfer generate - --json
     jaxinfer tokenize --chat "Hello"
+    jaxinfer bench --num-prompts 64 --input-len 128 --output-len 32 --request-rate 8
 
 Bad input (a flag out of range, an empty prompt, an unknown model, a prompt
 longer than the context) exits with status 2 and one line on stderr,
@@ -111,7 +112,8 @@ def _float(s: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        description="An LLM inference engine on JAX: generate text and inspect tokenization from a terminal.",
+        description="An LLM inference engine on JAX: generate text, inspect tokenization and benchmark serving "
+        "from a terminal.",
         epilog="Run 'jaxinfer <command> --help' for a command's options. "
         "Set JAXINFER_COMPILATION_CACHE=0 to disable the persistent XLA compilation cache.",
     )
@@ -176,6 +178,62 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
     t.add_argument("--json", action="store_true", help="print one JSON object: token_ids, tokens, count")
     t.set_defaults(func=cmd_tokenize)
+
+    b = sub.add_parser(
+        "bench",
+        help="measure serving throughput and latency under a synthetic or dataset load",
+        description="Send many requests to the engine, paced by a request rate and capped by a concurrency "
+        "limit, and report request and token throughput with the mean, median, p90 and p99 of time to "
+        "first token (TTFT), time per output token (TPOT), inter-token latency (ITL) and end-to-end latency, "
+        "as vLLM's 'bench serve' does. Prompts are random token ids of the given lengths, or the prompts of "
+        "--dataset; every request produces exactly its output length (end-of-sequence is ignored).",
+    )
+    _add_model_args(b)
+    w = b.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=_positive_int, metavar="N",
+                   help="how many requests to measure (default: 100, or every prompt of --dataset)")
+    w.add_argument("--input-len", type=_positive_int, metavar="N", help="prompt length in tokens (default: 128)")
+    w.add_argument("--output-len", type=_positive_int, metavar="N", help="output length in tokens (default: 64)")
+    w.add_argument("--input-len-range", metavar="LO:HI",
+                   help="random prompt lengths, uniform in [LO, HI] (instead of --input-len)")
+    w.add_argument("--output-len-range", metavar="LO:HI",
+                   help="random output lengths, uniform in [LO, HI] (instead of --output-len)")
+    w.add_argument("--dataset", metavar="FILE",
+                   help='a JSON list of prompts: strings, or {"prompt": TEXT, "output_len": N} objects '
+                   "(an entry without output_len gets --output-len)")
+    w.add_argument("--temperature", type=_float, default=0.0, metavar="T", help="sampling temperature (default: 0)")
+    w.add_argument("--seed", type=_int, default=0, metavar="N",
+                   help="seed for prompts, lengths, arrivals and sampling (default: 0)")
+    a = b.add_argument_group("load")
+    a.add_argument("--request-rate", type=_float, default=float("inf"), metavar="R",
+                   help="requests per second, sent as a Poisson process; inf sends all at once (default: inf)")
+    a.add_argument("--burstiness", type=_float, default=1.0, metavar="X",
+                   help="shape of the gamma-distributed gaps between arrivals: 1 is Poisson, below 1 burstier, "
+                   "above 1 more regular (default: 1)")
+    a.add_argument("--max-concurrency", type=_positive_int, metavar="C",
+                   help="at most C requests in flight at once (default: no limit)")
+    a.add_argument("--warmup-requests", type=_int, default=0, metavar="K",
+                   help="send K unmeasured requests first (default: 0)")
+    e = b.add_argument_group("engine")
+    e.add_argument("--engine-config", metavar="NAME",
+                   help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
+    e.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="cap the context length (prompt + output), in tokens")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="weight and activation dtype (default: the preset's; float32 on CPU)")
+    e.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
+                   help="most requests in the running batch (default: the preset's)")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
+                   help="token budget of one engine step (default: the preset's)")
+    e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    e.add_argument("--warmup", action="store_true",
+                   help="compile every program the engine can use before the run")
+    o = b.add_argument_group("output")
+    o.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="write every figure (and each request's) as JSON to FILE; with no FILE, print the "
+                   "JSON to stdout instead of the table")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -383,6 +441,13 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         lines.append(f"{len(ids)} tokens")
         _write(sys.stdout, "\n".join(lines) + "\n")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    enable_compilation_cache()
+    from jaxinfer.benchmarks.serving import bench_command
+
+    return bench_command(args)
 
 
 # --------------------------------------------------------------------------- #

@@ -136,6 +136,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             policy=scheduling_policy,
             log_stats_interval=log_stats_interval,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         stops = set(generation.eos_token_ids)
         if tokenizer is not None:

@@ -1,0 +1,538 @@
+"""The gRPC server, end to end: a real server on loopback, the real clients, a tiny random-weight model.
+
+Each property of issue 4 is one test: streamed tokens equal the library's,
+cancels / disconnects / deadlines abort the request and free its KV pages,
+admission control, every INVALID_ARGUMENT case, TLS and token auth, graceful
+shutdown. Tests that need requests to stay in flight slow the engine's decode
+step down (a sleep around the real one) so the timing is not left to chance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import jaxinfer
+from conftest import TINY, TINY_ENGINE, requires_smollm2, tiny_params
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.client import (
+    AsyncClient, Client, InvalidArgument, ResourceExhausted, ServerError, Unauthenticated, Unavailable,
+)
+from jaxinfer.server.service import ServerConfig, ServerThread
+
+ENGINE = TINY_ENGINE.replace(num_pages=256)
+MAX_LEN = 128  # the tiny engine's context: 32 pages of 4 tokens
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=ENGINE)
+    assert llm.max_model_len == MAX_LEN
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with ServerThread(llm, ServerConfig(port=0)) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def client(server):
+    with Client(server.address, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture()
+def slow_decode(llm, monkeypatch):
+    """Make every decode step take at least 20 ms, so requests stay in flight long enough to act on."""
+    real = llm.runner.decode
+
+    def decode(reqs):
+        time.sleep(0.02)
+        return real(reqs)
+
+    monkeypatch.setattr(llm.runner, "decode", decode)
+
+
+def prompt(i: int, n: int = 6) -> list:
+    return [(7 * i + 3 * j + 1) % TINY.vocab_size for j in range(n)]
+
+
+def assert_all_free(llm, server=None):
+    if server is not None:
+        deadline = time.time() + 5
+        while server.call(lambda: len(server.servicer.active)) and time.time() < deadline:
+            time.sleep(0.01)
+        assert server.call(lambda: len(server.servicer.active)) == 0
+    assert llm.wait_idle(10)
+    llm.engine.allocator.check_all_free()
+
+
+def library(llm, prompts, params) -> list:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+# --------------------------------------------------------------------------- #
+# Streaming
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_streamed_tokens_equal_the_library_output(llm, client, params):
+    want = library(llm, [prompt(1), prompt(2, 13)], params)
+    pieces = list(client.generate(prompt(1), params))
+    assert [t for p in pieces for t in p.token_ids] == want[0]
+    assert len(pieces) >= 2 and all(not p.finished for p in pieces[:-1]), "tokens arrive as separate messages"
+    last = pieces[-1]
+    assert last.finish_reason == "length"
+    assert last.usage == {"prompt_tokens": 6, "cached_tokens": last.usage["cached_tokens"],
+                          "completion_tokens": 20, "total_tokens": 26}
+    t = last.timings
+    assert t["ttft_s"] > 0 and t["e2e_s"] >= t["ttft_s"] and t["itl_p50_s"] <= t["itl_max_s"]
+    assert t["decode_steps"] >= 19 and t["user_tokens"] == 6
+    # the same through keyword arguments and the asyncio client
+    kw = {k: getattr(params, k) for k in ("max_tokens", "temperature", "top_p", "seed", "ignore_eos")}
+    assert client.complete(prompt(2, 13), **kw).token_ids == want[1]
+
+    async def run():
+        async with AsyncClient(client.target) as ac:
+            return await ac.complete(prompt(2, 13), **kw)
+
+    assert asyncio.run(run()).token_ids == want[1]
+
+
+def test_logprobs_and_stop_token_ids(llm, client):
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    want = llm.generate([prompt(3)], params)[0].outputs[0]
+    got = client.complete(prompt(3), params)
+    assert got.token_ids == want.token_ids
+    assert [lp.token_id for lp in got.logprobs] == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and len(a.top) == 3
+    stop_at = want.token_ids[4]
+    got = client.complete(prompt(3), max_tokens=12, temperature=0, stop_token_ids=[stop_at])
+    assert got.finish_reason == "stop" and got.stop_reason == stop_at
+    assert got.token_ids == want.token_ids[: want.token_ids.index(stop_at) + 1]
+
+
+def test_32_concurrent_streams_half_cancelled_the_rest_complete_and_every_page_is_freed(llm, server):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [prompt(i, 5 + i % 9) for i in range(32)]
+    want = library(llm, prompts[0::2], params)
+    aborted_before = llm.engine.stats.finished.get("abort", 0)
+
+    long = params.clone(max_tokens=100)  # the cancelled ones would run long: the cancel must end them
+
+    async def one(ac, i):
+        got = []
+        async for piece in ac.generate(prompts[i], long if i % 2 else params):
+            got += piece.token_ids
+            if i % 2 and len(got) >= 3:
+                break  # closing the stream cancels the call mid-stream
+        return got
+
+    async def run():
+        async with AsyncClient(server.address, timeout=60) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert results[0::2] == want
+    for i in range(1, 32, 2):
+        assert 3 <= len(results[i]) < 100
+    assert_all_free(llm, server)
+    assert llm.engine.stats.finished.get("abort", 0) - aborted_before == 16
+    with Client(server.address) as c:
+        assert c.health() == "SERVING"
+        assert c.health("jaxinfer.v1.Generation") == "SERVING"
+
+
+def test_many_cancel_events_leak_nothing(llm, server):
+    """Cancels at every stage (before the first token, after a few, right at the end) leave no page behind."""
+
+    async def one(ac, i):
+        n = 0
+        async for piece in ac.generate(prompt(i, 3 + i % 20), max_tokens=4 + i % 30, temperature=0,
+                                       ignore_eos=True):
+            n += len(piece.token_ids)
+            if n >= i % 7:
+                break
+
+    async def run():
+        async with AsyncClient(server.address, timeout=60) as ac:
+            tasks = [asyncio.create_task(one(ac, i)) for i in range(120)]
+            await asyncio.sleep(0.05)
+            for t in tasks[::5]:
+                t.cancel()  # cancelled from the client task itself, some before any message
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+    assert_all_free(llm, server)
+
+
+def test_client_that_goes_away_between_messages_has_its_request_aborted(llm, server, slow_decode):
+    c = Client(server.address)
+    it = iter(c.generate(prompt(4), max_tokens=100, temperature=0, ignore_eos=True))
+    next(it)
+    assert server.call(lambda: len(server.servicer.active)) == 1
+    c.close()  # the channel goes away without the iterator being closed
+    t0 = time.time()
+    assert_all_free(llm, server)
+    assert time.time() - t0 < 2.0
+
+
+def test_deadline_exceeded_client_side_and_aborted_server_side(llm, server, slow_decode):
+    with Client(server.address) as c:
+        t0 = time.time()
+        with pytest.raises(ServerError) as e:
+            c.complete(prompt(5), max_tokens=100, temperature=0, ignore_eos=True, timeout=0.3)
+        assert e.value.code.name == "DEADLINE_EXCEEDED" and isinstance(e.value, TimeoutError)
+        assert time.time() - t0 < 2.0
+    assert_all_free(llm, server)
+
+
+# --------------------------------------------------------------------------- #
+# Admission control and bad input
+# --------------------------------------------------------------------------- #
+
+
+def test_flood_beyond_max_waiting_gets_resource_exhausted_at_once(llm, slow_decode):
+    cfg = ServerConfig(port=0, max_waiting=2)  # capacity: 4 running + 2 waiting
+    with ServerThread(llm, cfg) as srv:
+
+        async def one(ac, i):
+            t0 = time.perf_counter()
+            try:
+                out = await ac.complete(prompt(i), max_tokens=10, temperature=0, ignore_eos=True)
+                return "ok", out, time.perf_counter() - t0
+            except ResourceExhausted as e:
+                return "full", e, time.perf_counter() - t0
+
+        async def run():
+            async with AsyncClient(srv.address, timeout=60) as ac:
+                return await asyncio.gather(*(one(ac, i) for i in range(16)))
+
+        results = asyncio.run(run())
+        ok = [r for r in results if r[0] == "ok"]
+        full = [r for r in results if r[0] == "full"]
+        assert len(ok) >= 6 and len(full) >= 1, [r[0] for r in results]
+        assert all(r[1].finish_reason == "length" and len(r[1].token_ids) == 10 for r in ok)
+        for _, e, dt in full:
+            assert "max_waiting=2" in e.details and e.code.name == "RESOURCE_EXHAUSTED"
+            assert dt < 0.5, "refused at once, not after waiting"
+        assert Client(srv.address).model_info()["stats"]["server_rejected"] == len(full)
+        assert_all_free(llm, srv)
+
+
+BAD = [
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5."),
+    (dict(temperature=-1.0), "temperature must be non-negative, got -1.0."),
+    (dict(max_tokens=0), "max_tokens must be at least 1, got 0."),
+    (dict(logprobs=6), "greater than max allowed: 5"),
+    (dict(top_k=1000), "vocabulary size (512)"),
+    (dict(seed=-3), "seed must be in [0, 4294967295], got -3."),
+    (dict(max_tokens=5, min_tokens=6), "min_tokens must be less than or equal to max_tokens=5, got 6."),
+    (dict(prompt=[]), "The prompt is empty"),
+    (dict(prompt=list(range(1, 201))), "The prompt is 200 tokens long, but the model's context length "
+                                       "(max_model_len) is 128 tokens"),
+    (dict(max_tokens=125), "maximum context length (max_model_len) is 128 tokens. However, you requested 131"),
+    (dict(prompt=[1, 2, 512]), "token_ids.ids[2] = 512 is out of range: token ids must be in [0, 512)"),
+    (dict(prompt=[1, -1]), "token_ids.ids[1] = -1 is out of range"),
+    (dict(stop_token_ids=[600]), "stop_token_ids must be smaller than the vocabulary size (512), got 600."),
+    (dict(prompt="hello"), "this model has no tokenizer"),
+    (dict(prompt=[{"role": "user", "content": "hi"}]), "this model has no chat template"),
+]
+
+
+@pytest.mark.parametrize("kw,message", BAD, ids=[m[:30] for _, m in BAD])
+def test_invalid_arguments_are_refused_with_the_field_and_the_limit(llm, client, kw, message):
+    kw = dict(kw)
+    p = kw.pop("prompt", prompt(6))
+    with pytest.raises(InvalidArgument) as e:
+        client.complete(p, **kw)
+    assert message in e.value.details
+    assert e.value.code.name == "INVALID_ARGUMENT" and isinstance(e.value, ValueError)
+
+
+def test_a_bad_request_does_not_disturb_the_others(llm, client, server):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = library(llm, [prompt(8)], params)[0]
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", client.complete(prompt(8), params)))
+    t.start()
+    for kw, _ in BAD[:4]:
+        with pytest.raises(InvalidArgument):
+            client.complete(prompt(9), **kw)
+    with pytest.raises(InvalidArgument):
+        client.complete([], max_tokens=3)
+    t.join(30)
+    assert out["r"].token_ids == want
+    assert_all_free(llm, server)
+
+
+def test_request_id_is_the_clients_and_must_be_unique_while_running(llm, client, server, slow_decode):
+    it = iter(client.generate(prompt(10), max_tokens=50, temperature=0, ignore_eos=True, request_id="mine"))
+    assert next(it).request_id == "mine"
+    with pytest.raises(ServerError) as e:
+        client.complete(prompt(11), max_tokens=2, request_id="mine")
+    assert e.value.code.name == "ALREADY_EXISTS"
+    it.close()
+    assert_all_free(llm, server)
+
+
+def test_model_info_and_tokenize(llm, client):
+    info = client.model_info()
+    assert info["max_model_len"] == MAX_LEN and info["vocab_size"] == 512 and info["page_size"] == 4
+    assert info["num_pages"] == 256 and info["kv_capacity_tokens"] == 255 * 4
+    assert info["page_buckets"] == list(ENGINE.page_buckets) and info["has_tokenizer"] is False
+    assert info["max_waiting"] == -1
+    assert set(info["stats"]) >= {"running", "waiting", "kv_usage", "prefix_hit_rate", "generation_throughput"}
+    with pytest.raises(ServerError) as e:
+        client.tokenize("hello")
+    assert e.value.code.name == "FAILED_PRECONDITION"
+
+
+def test_reflection_lists_the_services(server):
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"jaxinfer.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+# --------------------------------------------------------------------------- #
+# Security
+# --------------------------------------------------------------------------- #
+
+
+def _self_signed_cert(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("neither the cryptography package nor the openssl command is available")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    return str(cert), str(key)
+
+
+def test_tls_and_bearer_token_auth(llm, tmp_path):
+    cert, key = _self_signed_cert(tmp_path)
+    cfg = ServerConfig(port=0, tls_cert=cert, tls_key=key, auth_token="s3cret")
+    with ServerThread(llm, cfg) as srv:
+        with Client(srv.address, token="s3cret", tls_ca=cert, timeout=30) as c:
+            out = c.complete(prompt(12), max_tokens=4, temperature=0)
+            assert len(out.token_ids) == 4 and out.finish_reason == "length"
+        for token in (None, "wrong"):
+            with Client(srv.address, token=token, tls_ca=cert, timeout=10) as c:
+                with pytest.raises(Unauthenticated) as e:
+                    c.complete(prompt(12), max_tokens=4)
+                assert "bearer token" in e.value.details
+                with pytest.raises(Unauthenticated):
+                    c.model_info()
+                assert c.health() == "SERVING"  # health checks stay open
+        with Client(srv.address, token="s3cret", timeout=5) as plain:  # plaintext to a TLS port
+            with pytest.raises(Unavailable):
+                plain.model_info()
+        assert_all_free(llm, srv)
+
+
+def test_auth_token_from_environment(monkeypatch, tmp_path):
+    from jaxinfer.server.service import read_auth_token
+
+    monkeypatch.setenv("JAXINFER_AUTH_TOKEN", " from-env\n")
+    assert read_auth_token(None) == "from-env"
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    assert read_auth_token(str(f)) == "from-file"
+    with pytest.raises(ValueError, match="TLS needs both"):
+        ServerConfig(tls_cert="c.pem")
+    assert ServerConfig().host == "127.0.0.1"  # loopback by default
+
+
+# --------------------------------------------------------------------------- #
+# Graceful shutdown
+# --------------------------------------------------------------------------- #
+
+
+def test_graceful_shutdown_lets_running_requests_finish_and_refuses_new_ones(llm, slow_decode):
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = library(llm, [prompt(13)], params)[0]
+    srv = ServerThread(llm, ServerConfig(port=0)).start()
+    c = Client(srv.address, timeout=30)
+    it = iter(c.generate(prompt(13), params))
+    got = list(next(it).token_ids)
+    done = srv.shutdown(grace=10, wait=False)
+    deadline = time.time() + 5
+    while c.health() != "NOT_SERVING":
+        assert time.time() < deadline
+        time.sleep(0.01)
+    with pytest.raises(Unavailable, match="shutting down"):
+        c.complete(prompt(14), max_tokens=2)
+    for piece in it:
+        got += piece.token_ids
+    assert got == want and piece.finish_reason == "length"
+    done.result(10)
+    with pytest.raises(Unavailable):
+        c.health(timeout=2)
+    c.close()
+    assert_all_free(llm)
+
+
+def test_shutdown_aborts_what_outlives_the_grace_period_with_a_clear_status(llm, slow_decode):
+    srv = ServerThread(llm, ServerConfig(port=0)).start()
+    with Client(srv.address, timeout=30) as c:
+        it = iter(c.generate(prompt(15), max_tokens=120, temperature=0, ignore_eos=True))
+        next(it)
+        done = srv.shutdown(grace=0.2, wait=False)
+        with pytest.raises(Unavailable, match="aborted after the 0.2 s grace period"):
+            for _ in it:
+                pass
+        done.result(10)
+    assert_all_free(llm)
+
+
+_SERVE_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import jaxinfer
+from conftest import TINY, TINY_ENGINE, tiny_params
+from jaxinfer.server.service import ServerConfig, serve
+llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE)
+real = llm.runner.decode
+def slow(reqs):
+    import time; time.sleep(0.02); return real(reqs)
+llm.runner.decode = slow
+serve(llm, ServerConfig(port=0, grace_period=20), ready=lambda s: print("READY", s.port, flush=True))
+llm.close()
+print("STOPPED", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_server_process(tmp_path):
+    script = _SERVE_SCRIPT.format(tests=os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        port = int(line.split()[1])
+        with Client(f"localhost:{port}", timeout=60) as c:
+            it = iter(c.generate(prompt(16), max_tokens=25, temperature=0, ignore_eos=True))
+            got = list(next(it).token_ids)
+            proc.send_signal(15)
+            for piece in it:
+                got += piece.token_ids
+            assert len(got) == 25 and piece.finish_reason == "length"
+        assert proc.wait(20) == 0
+        assert "STOPPED" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# --------------------------------------------------------------------------- #
+# CLI pieces
+# --------------------------------------------------------------------------- #
+
+
+def _generate_args(server_addr, prompt_text, **kw):
+    import argparse
+
+    from jaxinfer.server.cli import add_server_client_arguments
+
+    p = argparse.ArgumentParser()
+    p.add_argument("prompt")
+    for flag in ("max-tokens", "top-k", "seed", "logprobs"):
+        p.add_argument(f"--{flag}", type=int)
+    for flag in ("temperature", "top-p", "min-p", "presence-penalty", "frequency-penalty", "repetition-penalty"):
+        p.add_argument(f"--{flag}", type=float)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--system")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--trace", action="store_true")
+    add_server_client_arguments(p)
+    argv = [prompt_text, "--server", server_addr]
+    for flag, value in kw.items():
+        argv += [flag] if value is None else [flag, str(value)]
+    return p.parse_args(argv)
+
+
+def test_generate_via_server_reports_bad_input_in_one_line(server, capsys):
+    from jaxinfer.server.cli import generate_via_server
+
+    assert generate_via_server(_generate_args(server.address, "hello", **{"--top-p": 2})) == 2
+    assert "top_p must be in (0, 1], got 2.0." in capsys.readouterr().err
+    assert generate_via_server(_generate_args(server.address, "hello", **{"--no-chat": None})) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+    assert generate_via_server(_generate_args("localhost:1", "hello", **{"--timeout": 2})) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_serve_arguments_parse_with_safe_defaults():
+    import argparse
+
+    from jaxinfer.server.cli import add_serve_arguments, server_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    cfg = server_config_from_args(p.parse_args([]))
+    assert (cfg.host, cfg.port, cfg.max_waiting, cfg.auth_token, cfg.tls_cert) == ("127.0.0.1", 50051, None,
+                                                                                    None, None)
+    cfg = server_config_from_args(p.parse_args(["--port", "0", "--max-waiting", "3", "--host", "0.0.0.0"]))
+    assert (cfg.port, cfg.max_waiting, cfg.host) == (0, 3, "0.0.0.0")
+
+
+# --------------------------------------------------------------------------- #
+# The real model: text, chat and tokenize over the server
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.model
+@requires_smollm2
+def test_real_model_text_and_chat_over_the_server_equal_the_library(smollm2_llm, capsys):
+    llm = smollm2_llm
+    params = SamplingParams(max_tokens=24, temperature=0.7, seed=42)
+    messages = [{"role": "user", "content": "Name a primary colour."}]
+    want_text = llm.generate(["The capital of France is"], params)[0].outputs[0]
+    want_chat = llm.chat(messages, params)[0].outputs[0]
+    with ServerThread(llm, ServerConfig(port=0)) as srv, Client(srv.address, timeout=120) as c:
+        got = c.complete("The capital of France is", params)
+        assert (got.text, got.token_ids) == (want_text.text, want_text.token_ids)
+        pieces = list(c.generate(messages, params))
+        assert "".join(p.text for p in pieces) == want_chat.text
+        assert [t for p in pieces for t in p.token_ids] == want_chat.token_ids
+        assert pieces[-1].timings["template_tokens"] > 0
+        tok = c.tokenize(messages)
+        assert tok["token_ids"] == llm.tokenizer.encode(tok["prompt"], add_special_tokens=False)
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == llm.max_model_len
+        assert c.tokenize("Hello world")["token_ids"] == llm.tokenizer.encode("Hello world")
+        assert c.model_info()["has_chat_template"] is True
+
+        import json
+
+        from jaxinfer.server.cli import generate_via_server
+
+        args = _generate_args(srv.address, "Name a primary colour.",
+                              **{"--json": None, "--temperature": 0.7, "--seed": 42, "--max-tokens": 24})
+        assert generate_via_server(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["chat"] is True and out["text"] == want_chat.text and out["usage"]["completion_tokens"] == 24
+    assert_all_free(llm)
