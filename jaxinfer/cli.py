@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap the context length (prompt + output), in tokens")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="weight and activation dtype (default: the preset's; float32 on CPU)")
+    from jaxinfer.server.cli import add_serve_arguments, add_server_client_arguments
+
+    add_server_client_arguments(g)  # --server HOST:PORT, --auth-token-file, --tls-ca, --timeout
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser(
@@ -234,7 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "JSON to stdout instead of the table")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve the model over gRPC (streaming)",
+        description="Serve a model over gRPC: Generate (streamed), Tokenize, GetModelInfo, health, reflection. "
+        "Binds 127.0.0.1 unless --host says otherwise.",
+    )
+    add_serve_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.server.cli import run_serve
+
+    return run_serve(args)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -318,6 +336,10 @@ def _write(stream, text: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if getattr(args, "server", None):
+        from jaxinfer.server.cli import generate_via_server
+
+        return generate_via_server(args)
     from jaxinfer.config import EngineConfig
     from jaxinfer.sampling_params import SamplingParams
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -5,10 +5,16 @@ that has torch + transformers; jax is not needed) and talks to it in JSON
 lines, so both engines are measured in one invocation, in alternating rounds:
 
     stdin  line 1: {"model": PATH, "threads": 2, "prompt": [ids], "batch_prompts": [[ids], ...],
-                    "decode_tokens": 64, "attn": "sdpa"}
+                    "decode_tokens": 64, "attn": "sdpa", "mode": "full"}
     stdout line 1: {"ready": true, "load_s": ..., "versions": {...}, ...}
     stdin  "round" -> stdout one JSON object of timings (seconds) for one round
     stdin  "quit"  -> exit
+
+``"mode": "batch"`` (used by `jaxinfer.benchmarks.engine`) times only the static
+batch: ``model.generate`` over all of ``batch_prompts`` at once, for one token
+and for ``decode_tokens`` tokens (min_new_tokens = max_new_tokens, greedy);
+``"prompt"`` may then be omitted. The default ``"full"`` mode also times the
+batch-1 paths (`jaxinfer.benchmarks.core`).
 
 Only this file imports torch and transformers, and it imports nothing from
 jaxinfer (whose package imports jax), so run it by path, not with ``-m``.
@@ -54,7 +60,7 @@ class Peer:
         self.torch = torch
         self.model = model
         self.n = decode_tokens
-        self.ids = torch.tensor([prompt], dtype=torch.long)
+        self.ids = torch.tensor([prompt], dtype=torch.long) if prompt else None
         self.batch = torch.tensor(batch_prompts, dtype=torch.long)
         eos = model.generation_config.eos_token_id
         self.pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
@@ -99,6 +105,25 @@ class Peer:
         t2 = time.perf_counter()
         return t1 - t0, (t2 - t1) / (self.n - 1), toks
 
+    def batch_round(self) -> dict:
+        """The static batch alone: first token (prefill) and the whole generation, wall clock."""
+        with self.torch.inference_mode():
+            b1, _ = self._generate(self.batch, 1)
+            bn, btoks = self._generate(self.batch, self.n)
+        nb = self.batch.shape[0]
+        return {
+            "batch_size": nb,
+            "batch_first_s": b1,
+            "batch_generate_s": bn,
+            "batch_decode_tok_s": nb * (self.n - 1) / (bn - b1),
+            "batch_e2e_tok_s": nb * self.n / bn,
+            "batch_tokens_first": btoks[0],
+        }
+
+    def warm_batch(self) -> None:
+        with self.torch.inference_mode():
+            self._generate(self.batch, 2)
+
     def round(self) -> dict:
         with self.torch.inference_mode():
             ttft, tpot, toks = self._manual()
@@ -128,9 +153,15 @@ def main() -> int:
     t0 = time.perf_counter()
     model = load(setup["model"], int(setup.get("threads", 2)), setup.get("attn", "sdpa"))
     load_s = time.perf_counter() - t0
-    peer = Peer(model, setup["prompt"], setup["batch_prompts"], int(setup["decode_tokens"]))
+    mode = setup.get("mode", "full")
+    if mode not in ("full", "batch"):
+        _emit({"error": f"unknown mode {mode!r}; use 'full' or 'batch'"})
+        return 2
+    peer = Peer(model, setup.get("prompt"), setup["batch_prompts"], int(setup["decode_tokens"]))
+    run_round = peer.round if mode == "full" else peer.batch_round
     t0 = time.perf_counter()
-    peer.round()  # warm-up: first-call allocations, one-time kernels
+    # warm-up: first-call allocations, one-time kernels
+    peer.round() if mode == "full" else peer.warm_batch()
     warm_s = time.perf_counter() - t0
 
     import torch
@@ -139,6 +170,7 @@ def main() -> int:
     _emit(
         {
             "ready": True,
+            "mode": mode,
             "load_s": load_s,
             "warmup_round_s": warm_s,
             "attn": model.config._attn_implementation,
@@ -151,7 +183,7 @@ def main() -> int:
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "round":
-            _emit(peer.round())
+            _emit(run_round())
         elif cmd == "quit" or not cmd:
             break
         else:

@@ -1,0 +1,753 @@
+"""Continuous-batching benchmark: the engine under load, against transformers' static batch.
+
+    JAXINFER_HF_PYTHON=/path/to/venv-with-torch/bin/python python -m jaxinfer.benchmarks.engine
+    python -m jaxinfer.benchmarks.engine --quick --no-hf --json engine.json
+
+What it measures, all in one process (transformers in a subprocess, ``hf_peer.py``
+in ``"batch"`` mode), on the engine preset of this backend:
+
+1. **throughput**: 32 requests of 128 prompt tokens and 64 output tokens
+   submitted at once (greedy, ``ignore_eos``) through ``LLM.generate``, vs
+   transformers' static batch of 32 (``model.generate``) on the same weights,
+   in alternating rounds; the ratio of output tokens/s (wall clock, prefill
+   included), the decode-only rates, and the machine's compute ceiling
+   (a jitted float32 matmul's GFLOP/s over the model's FLOPs per token);
+2. **serving**: the ``jaxinfer bench`` driver (`serving.LibraryBackend`) at
+   concurrency 1, 8 and 32: output tokens/s, TTFT and ITL p50 / p99;
+3. **prefix cache**: TTFT of a request whose 1,000-token system prompt is cached
+   vs. an engine without the prefix cache, and the ``cached_tokens`` it reports;
+4. **host share** of a steady decode step at batch 1 and 8 (engine stats), next
+   to the jitted step alone and the model's matmuls at each batch size;
+5. **stall**: the longest gap of 8 running streams while a 2,000-token prompt is
+   prefilled in chunks, vs. their usual gap and vs. one 512-token chunk step.
+
+Every shape is run once before it is measured. Random token ids are fresh for
+every measured request unless a prefix hit is the point, so the prefix cache
+never helps a figure by accident. Figures are medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxinfer
+from jaxinfer import step as step_mod
+from jaxinfer.benchmarks import serving
+from jaxinfer.benchmarks.core import HF_PEER, HFPeer, StepBench, common_prefix, find_hf_python
+from jaxinfer.metrics import RequestMetrics
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.weights import resolve_model
+
+
+def median(xs) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else None
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def loadavg() -> list:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class Ids:
+    """Fresh random prompt ids from one seeded stream (away from the vocabulary's special ends)."""
+
+    def __init__(self, vocab_size: int, seed: int):
+        self.vocab = vocab_size
+        self.rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list:
+        return serving.random_token_ids(self.rng, n, self.vocab)
+
+
+# --------------------------------------------------------------------------- #
+# Compute ceiling
+# --------------------------------------------------------------------------- #
+
+
+def matmul_gflops(m: int = 4096, k: int = 576, n: int = 1536, repeats: int = 7) -> float:
+    """float32 GFLOP/s of a jitted [m,k] x [k,n] matmul (median of `repeats`)."""
+    a = jnp.ones((m, k), jnp.float32) * 0.01
+    b = jnp.ones((k, n), jnp.float32) * 0.01
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2.0 * m * k * n / median(ts) / 1e9
+
+
+def model_flops(cfg, context: float = 0.0, with_head: bool = True) -> float:
+    """FLOPs to run one token through the model: 2 x the matmul weights (+ attention over `context`)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
+    weights = cfg.num_layers * per_layer + (d * cfg.vocab_size if with_head else 0)
+    attn = cfg.num_layers * 4 * q * context  # scores + weighted sum
+    return 2.0 * weights + attn
+
+
+def ceiling(cfg, gflops: float, n_req: int, prompt_len: int, out_len: int) -> dict:
+    """Output tokens/s if every FLOP ran at the measured matmul rate."""
+    # decode: each output token after the first is one token through the model, at a mean context
+    ctx = prompt_len + out_len / 2
+    per_decode = model_flops(cfg, ctx)
+    # the whole batch: the prompts' prefill (the LM head only on each last token) plus the decode
+    prefill = n_req * (prompt_len * model_flops(cfg, prompt_len / 2, with_head=False) + 2 * cfg.hidden_size * cfg.vocab_size)
+    decode = n_req * (out_len - 1) * per_decode
+    return {
+        "matmul_gflops": gflops,
+        "flops_per_decode_token": per_decode,
+        "decode_tok_s": gflops * 1e9 / per_decode,
+        "batch_e2e_tok_s": n_req * out_len / ((prefill + decode) / (gflops * 1e9)),
+    }
+
+
+# --------------------------------------------------------------------------- #
+# 1. Throughput vs transformers' static batch
+# --------------------------------------------------------------------------- #
+
+
+class BatchPeer(HFPeer):
+    """The transformers worker in ``"batch"`` mode: only the static batch is timed each round."""
+
+    def __init__(self, python: str, model_path: str, threads: int, attn: str, batch_prompts, n: int):
+        import subprocess
+        import tempfile
+
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="hf_peer_", suffix=".log", delete=False)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen(
+            [python, str(HF_PEER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
+        setup = {
+            "model": model_path,
+            "threads": threads,
+            "attn": attn,
+            "mode": "batch",
+            "batch_prompts": [list(p) for p in batch_prompts],
+            "decode_tokens": n,
+        }
+        self.info = self._send(json.dumps(setup))
+        if "error" in self.info:
+            raise RuntimeError(self.info["error"])
+
+
+def engine_batch_round(llm, prompts: list, n: int) -> dict:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, greedy(n))
+    t1 = time.perf_counter()
+    ms = [o.metrics for o in outs]
+    ntok = [len(o.outputs[0].token_ids) for o in outs]
+    all_first = max(m.first_token_time for m in ms)
+    last = max(m.finished_time for m in ms)
+    return {
+        "wall_s": t1 - t0,
+        "output_tokens": sum(ntok),
+        "e2e_tok_s": sum(ntok) / (t1 - t0),
+        # after every request has its first token (all prefills done) to the last token
+        "decode_tok_s": sum(k - 1 for k in ntok) / (last - all_first),
+        "all_first_tokens_s": all_first - t0,
+        "cached_tokens": sum(m.cached_tokens for m in ms),
+        "tokens_first": list(outs[0].outputs[0].token_ids),
+    }
+
+
+def bench_throughput(llm, a, ids: Ids, log) -> dict:
+    n_req, plen, n = a.batch, a.prompt_len, a.output_len
+    hf_prompts = [ids(plen) for _ in range(n_req)]
+    log(f"[1] warm-up: {n_req} x {plen} in / {n} out through the engine (compiles its shapes)")
+    c0 = step_mod.compiled_count()
+    t0 = time.perf_counter()
+    engine_batch_round(llm, [ids(plen) for _ in range(n_req)], n)
+    warm = {"warmup_s": time.perf_counter() - t0, "programs_compiled": step_mod.compiled_count() - c0}
+
+    peer, why = None, "skipped (--no-hf)"
+    if not a.no_hf:
+        python, why = find_hf_python(a.hf_python)
+        if python:
+            log(f"[1] starting transformers ({python}; load + a short warm-up generate at batch {n_req})")
+            try:
+                peer = BatchPeer(python, str(resolve_model(a.model).path), a.threads, a.attn, hf_prompts, n)
+                why = python
+            except Exception as e:
+                log(f"transformers peer failed: {e}")
+                why, peer = f"failed: {e}", None
+
+    jr, hr = [], []
+    c1 = step_mod.compiled_count()
+    for i in range(a.rounds):
+        # round 1 uses transformers' prompts (for the token check); later rounds fresh ids, so no prefix hits
+        prompts = hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)]
+        order = ["jax", "hf"] if i % 2 == 0 else ["hf", "jax"]
+        for who in order:
+            if who == "jax":
+                log(f"[1] round {i + 1}/{a.rounds}: jaxinfer")
+                jr.append(engine_batch_round(llm, prompts, n))
+            elif peer is not None:
+                log(f"[1] round {i + 1}/{a.rounds}: transformers")
+                try:
+                    hr.append(peer.round())
+                except Exception as e:
+                    log(f"transformers peer failed: {e}")
+                    why = f"failed: {e}"
+                    peer.close()
+                    peer = None
+    res = {
+        "jaxinfer": {
+            **warm,
+            "recompiles": step_mod.compiled_count() - c1,
+            "e2e_tok_s": median(r["e2e_tok_s"] for r in jr),
+            "decode_tok_s": median(r["decode_tok_s"] for r in jr),
+            "wall_s": median(r["wall_s"] for r in jr),
+            "all_first_tokens_s": median(r["all_first_tokens_s"] for r in jr),
+            "cached_tokens": sum(r["cached_tokens"] for r in jr),
+            "rounds": [{k: v for k, v in r.items() if k != "tokens_first"} for r in jr],
+        },
+        "transformers_python": why,
+    }
+    if hr:
+        res["transformers"] = {
+            "info": peer.info if peer is not None else None,
+            "e2e_tok_s": median(r["batch_e2e_tok_s"] for r in hr),
+            "decode_tok_s": median(r["batch_decode_tok_s"] for r in hr),
+            "wall_s": median(r["batch_generate_s"] for r in hr),
+            "first_token_s": median(r["batch_first_s"] for r in hr),
+            "rounds": [{k: v for k, v in r.items() if k != "batch_tokens_first"} for r in hr],
+        }
+        res["ratio_e2e"] = res["jaxinfer"]["e2e_tok_s"] / res["transformers"]["e2e_tok_s"]
+        res["ratio_decode"] = res["jaxinfer"]["decode_tok_s"] / res["transformers"]["decode_tok_s"]
+        res["agree_row0"] = common_prefix(jr[0]["tokens_first"], hr[0]["batch_tokens_first"])
+    if peer is not None:
+        peer.close()
+    return res
+
+
+# --------------------------------------------------------------------------- #
+# 2. The serving driver at concurrency 1, 8, 32
+# --------------------------------------------------------------------------- #
+
+
+def bench_serving(llm, a, log) -> dict:
+    backend = serving.LibraryBackend(llm)
+    vocab = llm.model_config.vocab_size
+    out = {}
+    for j, c in enumerate(a.concurrency):
+        n = a.requests_per_slot * c
+        work = serving.synthetic_workload(n, (a.prompt_len,) * 2, (a.output_len,) * 2, vocab, seed=1000 + j)
+        warm = serving.warmup_workload(work, c, vocab, seed=2000 + j)
+        cfg = serving.BenchConfig(max_concurrency=c, progress=False, warmup_requests=len(warm))
+        log(f"[2] concurrency {c}: {len(warm)} warm-up + {n} measured requests ({a.prompt_len} in / {a.output_len} out)")
+        s = serving.summarize(serving.run_benchmark(backend, work, cfg, warm))
+        out[str(c)] = {
+            "requests": n,
+            "failed": s["failed"],
+            "duration_s": s["duration_s"],
+            "output_tok_s": s["output_throughput"],
+            "ttft_ms": {k: s["ttft_ms"][k] for k in ("median", "p99", "mean")},
+            "itl_ms": {k: s["itl_ms"][k] for k in ("median", "p99", "mean", "max")},
+            "tpot_ms": {k: s["tpot_ms"][k] for k in ("median", "p99")},
+            "engine": s["engine"],
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# 3. Prefix cache on a shared system prompt
+# --------------------------------------------------------------------------- #
+
+
+def _ttft(llm, prompt: list) -> tuple:
+    o = llm.generate([prompt], greedy(1))[0]
+    return o.metrics.ttft_s, o.usage["cached_tokens"]
+
+
+def bench_prefix(llm, a, ids: Ids, log) -> dict:
+    plain = jaxinfer.LLM.from_params(
+        llm.model_config,
+        llm.runner.params,
+        tokenizer=llm.tokenizer,
+        engine_config=llm.engine_config,
+        enable_prefix_caching=False,
+    )
+    try:
+        system = ids(a.system_len)
+        log(f"[3] warm-up: a {a.system_len}-token system prompt on both engines (another prompt)")
+        other = ids(a.system_len)
+        for eng in (llm, plain):
+            _ttft(eng, other + ids(a.suffix_len))
+        _ttft(llm, other + ids(a.suffix_len))  # the cached shape
+        t_fill, _ = _ttft(llm, system + ids(a.suffix_len))  # fills the cache with `system`
+        cached, uncached, hits = [], [], []
+        for i in range(a.prefix_requests):
+            log(f"[3] request {i + 1}/{a.prefix_requests}: with and without the prefix cache")
+            for eng in ((llm, plain) if i % 2 == 0 else (plain, llm)):
+                t, hit = _ttft(eng, system + ids(a.suffix_len))
+                if eng is llm:
+                    cached.append(t)
+                    hits.append(hit)
+                else:
+                    uncached.append(t)
+    finally:
+        plain.close()
+    res = {
+        "prompt_tokens": a.system_len + a.suffix_len,
+        "fill_ttft_s": t_fill,
+        "ttft_cached_s": median(cached),
+        "ttft_uncached_s": median(uncached),
+        "cached_tokens": hits,
+        "samples_cached_s": cached,
+        "samples_uncached_s": uncached,
+    }
+    res["speedup"] = res["ttft_uncached_s"] / res["ttft_cached_s"]
+    return res
+
+
+# --------------------------------------------------------------------------- #
+# 4. Host share of a steady decode step
+# --------------------------------------------------------------------------- #
+
+
+def _submit(llm, prompt: list, n: int):
+    m = RequestMetrics(arrival_time=time.perf_counter())
+    r = llm.make_request(prompt, greedy(n), metrics=m)
+    return r, llm.submit(r)
+
+
+def _wait(cond, timeout: float = 120.0, poll: float = 0.002) -> bool:
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        if cond():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def steady_window(llm, b: int, prompt_len: int, ids: Ids, skip: int, window: int) -> dict:
+    """Run `b` requests; once each has `skip` tokens, read the engine's counters over `window` more tokens each."""
+    st = llm.engine.stats
+    reqs = [_submit(llm, ids(prompt_len), skip + window + 16) for _ in range(b)]
+    ms = [r.metrics for r, _ in reqs]
+    _wait(lambda: all(len(m.token_times) >= skip for m in ms))
+    s0 = (st.busy_s, st.host_s, st.wait_s, st.steps, st.generation_tokens, time.perf_counter())
+    _wait(lambda: all(len(m.token_times) >= skip + window for m in ms))
+    s1 = (st.busy_s, st.host_s, st.wait_s, st.steps, st.generation_tokens, time.perf_counter())
+    for _, s in reqs:
+        s.abort()
+    llm.wait_idle(60)
+    d = [y - x for x, y in zip(s0, s1)]
+    busy, host, wait, steps, toks, wall = d
+    gaps = [g for m in ms for g in m.itl_s[skip:skip + window]]
+    return {
+        "batch": b,
+        "steps": steps,
+        "host_share": host / busy if busy else None,
+        "step_ms": 1e3 * busy / steps if steps else None,
+        "host_ms_per_step": 1e3 * host / steps if steps else None,
+        "wait_ms_per_step": 1e3 * wait / steps if steps else None,
+        "busy_share_of_wall": busy / wall if wall else None,
+        "tok_s": toks / wall if wall else None,
+        "itl_median_ms": 1e3 * median(gaps) if gaps else None,
+    }
+
+
+def matmul_times(cfg, batches, repeats: int = 15) -> dict:
+    """ms of the model's matmul shapes at each batch size (jitted, blocking), per layer and for the head."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d), "head": (d, cfg.vocab_size)}
+    mm = jax.jit(lambda x, w: x @ w)
+    out = {}
+    for name, (k, n) in shapes.items():
+        w = jnp.ones((k, n), jnp.float32) * 0.01
+        row = {}
+        for b in batches:
+            x = jnp.ones((b, k), jnp.float32)
+            mm(x, w).block_until_ready()
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                mm(x, w).block_until_ready()
+                ts.append(time.perf_counter() - t0)
+            row[str(b)] = 1e3 * median(ts)
+        out[name] = {"shape": [k, n], "ms": row}
+    per_layer = {str(b): sum(out[k]["ms"][str(b)] for k in ("qkv", "o", "gate_up", "down")) for b in batches}
+    out["model_ms"] = {str(b): cfg.num_layers * per_layer[str(b)] + out["head"]["ms"][str(b)] for b in batches}
+    return out
+
+
+def bench_host(llm, a, ids: Ids, log) -> dict:
+    res = {"engine": {}, "step_alone_ms": {}}
+    for b in a.host_batches:  # warm-up: the decode shapes at these batch sizes and contexts
+        log(f"[4] warm-up at batch {b}")
+        steady_window(llm, b, a.prompt_len, ids, 2, 8)
+    for i in range(a.rounds):
+        for b in (a.host_batches if i % 2 == 0 else a.host_batches[::-1]):
+            log(f"[4] round {i + 1}/{a.rounds}: steady decode at batch {b}")
+            res["engine"].setdefault(str(b), []).append(steady_window(llm, b, a.prompt_len, ids, 8, a.host_window))
+    summary = {}
+    for b, rs in res["engine"].items():
+        summary[b] = {k: median(r[k] for r in rs) for k in rs[0] if k != "batch"}
+    res["summary"] = summary
+    # the jitted step alone (inputs on device) and through ModelRunner.decode, same context
+    context = a.prompt_len + a.output_len
+    log(f"[4] the jitted decode step alone at batch {', '.join(map(str, a.step_batches))}, context {context}")
+    prompt = ids(a.prompt_len)
+    benches = {b: StepBench(llm, prompt, context, b) for b in a.step_batches}
+    direct = {b: [] for b in benches}
+    runner = {b: [] for b in benches}
+    for i in range(a.rounds + 1):
+        for b in (list(benches) if i % 2 == 0 else list(benches)[::-1]):
+            direct[b] += benches[b].direct(8)
+            runner[b] += benches[b].through_runner(4)
+    for b, bench in benches.items():
+        res["step_alone_ms"][str(b)] = {"direct": 1e3 * median(direct[b]), "runner": 1e3 * median(runner[b])}
+        bench.close()
+    log("[4] the model's matmuls at each batch size")
+    res["matmuls"] = matmul_times(llm.model_config, a.step_batches)
+    return res
+
+
+# --------------------------------------------------------------------------- #
+# 5. Stall of running streams when a long prompt arrives
+# --------------------------------------------------------------------------- #
+
+
+def stall_run(llm, a, ids: Ids) -> dict:
+    n_streams, skip = a.stall_streams, 12
+    streams = [_submit(llm, ids(a.prompt_len), 2000) for _ in range(n_streams)]
+    ms = [r.metrics for r, _ in streams]
+    _wait(lambda: all(len(m.token_times) >= skip for m in ms))
+    t_submit = time.perf_counter()
+    long_r, long_s = _submit(llm, ids(a.long_len), 2)
+    _wait(lambda: long_r.metrics.first_token_time is not None)
+    t_first = long_r.metrics.first_token_time
+    counts = [len(m.token_times) for m in ms]
+    _wait(lambda: all(len(m.token_times) >= c + 4 for m, c in zip(ms, counts)))
+    for _, s in streams:
+        s.abort()
+    long_s.result()
+    llm.wait_idle(60)
+    before, during = [], []
+    for m in ms:
+        t = list(m.token_times)
+        for x, y in zip(t, t[1:]):
+            if y <= t_submit:
+                before.append(y - x)
+            elif x < t_first:  # the gap overlaps the long prompt's prefill
+                during.append(y - x)
+    before = before[-n_streams * 8:]  # the steady gaps just before
+    return {
+        "long_ttft_s": long_r.metrics.ttft_s,
+        "long_chunks": len(long_r.metrics.prefill_chunks),
+        "median_gap_before_ms": 1e3 * median(before),
+        "max_gap_during_ms": 1e3 * max(during) if during else None,
+        "median_gap_during_ms": 1e3 * median(during) if during else None,
+        "gaps_during": len(during),
+    }
+
+
+def bench_stall(llm, a, ids: Ids, log) -> dict:
+    chunk = llm.engine_config.chunk_buckets[-1]
+    log(f"[5] warm-up: {a.stall_streams} streams + a {a.long_len}-token prompt; lone {chunk}- and {a.long_len}-token prompts")
+    stall_run(llm, a, ids)
+    _ttft(llm, ids(chunk))
+    _ttft(llm, ids(a.long_len))
+    lone_chunk, lone_long, runs = [], [], []
+    for i in range(a.rounds):
+        log(f"[5] round {i + 1}/{a.rounds}")
+        lone_chunk.append(_ttft(llm, ids(chunk))[0])
+        lone_long.append(_ttft(llm, ids(a.long_len))[0])
+        runs.append(stall_run(llm, a, ids))
+    res = {k: median(r[k] for r in runs) for k in runs[0]}
+    res["max_gap_during_worst_ms"] = max(r["max_gap_during_ms"] for r in runs if r["max_gap_during_ms"] is not None)
+    res["lone_chunk_ttft_ms"] = 1e3 * median(lone_chunk)
+    res["lone_long_ttft_ms"] = 1e3 * median(lone_long)
+    res["chunk_tokens"] = chunk
+    res["budget_tokens"] = llm.engine.scheduler.budget
+    res["runs"] = runs
+    return res
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+
+
+def fmt(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(res: dict) -> str:
+    L = []
+    s = res["system"]
+    L.append(
+        f"jaxinfer engine benchmark — {res['model']} ({res['dtype']}), engine config {res['engine_config']} "
+        f"(max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}); "
+        f"{s['cpus']} CPUs, jax {s['jax']} on {s['backend']}"
+    )
+    L.append(f"load average at start {s['loadavg_start']}, at end {s.get('loadavg_end')}; medians of {res['rounds']} rounds")
+
+    t, c = res.get("throughput"), res.get("ceiling")
+    if t:
+        j, h = t["jaxinfer"], t.get("transformers")
+        L.append("")
+        L.append(
+            f"1. {res['batch']} requests x {res['prompt_len']} prompt / {res['output_len']} output tokens at once "
+            f"(greedy, ignore_eos)"
+        )
+        w = 46
+        L.append(f"   {'':<{w}} {'jaxinfer':>10} {'transformers':>13} {'ratio':>7}")
+
+        def row(name, x, y):
+            r = f"{x / y:.2f}x" if (x and y) else "-"
+            L.append(f"   {name:<{w}} {fmt(x):>10} {fmt(y):>13} {r:>7}")
+
+        row("output tok/s, wall clock incl. prefill", j["e2e_tok_s"], h and h["e2e_tok_s"])
+        row("decode-only tok/s (after all first tokens)", j["decode_tok_s"], h and h["decode_tok_s"])
+        L.append(
+            f"   wall time: jaxinfer {fmt(j['wall_s'], '.2f')} s (all first tokens after "
+            f"{fmt(j['all_first_tokens_s'], '.2f')} s)"
+            + (f"; transformers {fmt(h['wall_s'], '.2f')} s (first token {fmt(h['first_token_s'], '.2f')} s)" if h else "")
+        )
+        L.append(
+            f"   per-round e2e tok/s: jaxinfer {[round(r['e2e_tok_s'], 1) for r in j['rounds']]}"
+            + (f", transformers {[round(r['batch_e2e_tok_s'], 1) for r in h['rounds']]}" if h else "")
+        )
+        L.append(
+            f"   jaxinfer warm-up {j['warmup_s']:.1f} s ({j['programs_compiled']} programs compiled), "
+            f"{j['recompiles']} compiled during the rounds; prefix-cache tokens reused in the rounds: {j['cached_tokens']}"
+        )
+        if h:
+            i = h.get("info") or {}
+            L.append(
+                f"   transformers: {i.get('attn')} attention, {i.get('threads')} threads, torch "
+                f"{(i.get('versions') or {}).get('torch')}, transformers {(i.get('versions') or {}).get('transformers')}; "
+                f"greedy row 0 agrees for {t['agree_row0']} of {res['output_len']} tokens"
+            )
+            ok = t["ratio_e2e"] >= 2.5
+            L.append(f"   target >= 2.5x transformers: [{'PASS' if ok else 'MISS'}] {t['ratio_e2e']:.2f}x")
+        else:
+            L.append(f"   transformers: {t['transformers_python']}")
+    if c:
+        L.append(
+            f"   compute ceiling: jitted float32 [4096,576]x[576,1536] matmul {c['matmul_gflops']:.1f} GFLOP/s; "
+            f"{c['flops_per_decode_token'] / 1e6:.0f} MFLOP per decode token => decode <= "
+            f"{c['decode_tok_s']:.0f} tok/s; with the batch's prefill counted, output <= {c['batch_e2e_tok_s']:.0f} tok/s"
+        )
+        if t:
+            L.append(
+                f"   jaxinfer at {100 * t['jaxinfer']['decode_tok_s'] / c['decode_tok_s']:.0f}% of the decode ceiling, "
+                f"{100 * t['jaxinfer']['e2e_tok_s'] / c['batch_e2e_tok_s']:.0f}% of the end-to-end ceiling"
+            )
+
+    sv = res.get("serving")
+    if sv:
+        L.append("")
+        L.append(
+            f"2. jaxinfer bench driver (LibraryBackend), {res['requests_per_slot']} x concurrency requests of "
+            f"{res['prompt_len']} in / {res['output_len']} out, all sent at once under the cap"
+        )
+        L.append(
+            f"   {'conc':>4} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+            f"{'ITL max':>8} {'TPOT p50':>9}  (ms)"
+        )
+        for k, v in sv.items():
+            L.append(
+                f"   {k:>4} {v['requests']:>5} {fmt(v['output_tok_s']):>10} {fmt(v['ttft_ms']['median']):>9} "
+                f"{fmt(v['ttft_ms']['p99']):>9} {fmt(v['itl_ms']['median']):>8} {fmt(v['itl_ms']['p99']):>8} "
+                f"{fmt(v['itl_ms']['max']):>8} {fmt(v['tpot_ms']['median']):>9}"
+                + (f"  failed {v['failed']}" if v["failed"] else "")
+            )
+
+    p = res.get("prefix")
+    if p:
+        L.append("")
+        L.append(f"3. prefix cache: {p['prompt_tokens']}-token prompts sharing a {res['system_len']}-token system prompt")
+        L.append(
+            f"   TTFT with the cache {1e3 * p['ttft_cached_s']:.1f} ms, without {1e3 * p['ttft_uncached_s']:.1f} ms: "
+            f"{p['speedup']:.1f}x faster; cached_tokens reported {p['cached_tokens']} "
+            f"(the request that filled it: {1e3 * p['fill_ttft_s']:.1f} ms)"
+        )
+        L.append(
+            f"   samples (ms): cached {[round(1e3 * x, 1) for x in p['samples_cached_s']]}, "
+            f"uncached {[round(1e3 * x, 1) for x in p['samples_uncached_s']]}"
+        )
+
+    hs = res.get("host")
+    if hs:
+        L.append("")
+        L.append("4. host share of a steady decode step (engine stats over a window, all requests decoding)")
+        for b, v in hs["summary"].items():
+            L.append(
+                f"   batch {b:>2}: step {fmt(v['step_ms'], '.2f')} ms, host {fmt(v['host_ms_per_step'], '.2f')} ms, "
+                f"waiting on the device {fmt(v['wait_ms_per_step'], '.2f')} ms => host share "
+                f"{100 * v['host_share']:.0f}%; {fmt(v['tok_s'])} tok/s, ITL p50 {fmt(v['itl_median_ms'], '.2f')} ms"
+            )
+        sa = hs["step_alone_ms"]
+        b0 = next(iter(sa))
+        L.append(
+            "   jitted decode step alone (inputs on device) / through ModelRunner.decode: "
+            + ", ".join(
+                f"b{b} {v['direct']:.2f} / {v['runner']:.2f} ms ({v['direct'] / sa[b0]['direct']:.2f}x b{b0})"
+                for b, v in sa.items()
+            )
+        )
+        mm = hs["matmuls"]
+        L.append(
+            "   the model's matmuls alone (30 layers + head, jitted one by one): "
+            + ", ".join(f"b{b} {v:.2f} ms" for b, v in mm["model_ms"].items())
+        )
+        for name in ("qkv", "o", "gate_up", "down", "head"):
+            v = mm[name]
+            L.append(
+                f"     {name:<8} {str(v['shape']):<13} " + ", ".join(f"b{b} {x:.3f} ms" for b, x in v["ms"].items())
+            )
+
+    st = res.get("stall")
+    if st:
+        L.append("")
+        L.append(
+            f"5. stall: {res['stall_streams']} streams decoding, then a {res['long_len']}-token prompt arrives "
+            f"(chunk {st['chunk_tokens']}, budget {st['budget_tokens']} tokens/step)"
+        )
+        L.append(
+            f"   gaps before {st['median_gap_before_ms']:.1f} ms (median); during its prefill ({st['long_chunks']:.0f} chunks, "
+            f"TTFT {1e3 * st['long_ttft_s']:.0f} ms) median {fmt(st['median_gap_during_ms'])} ms, "
+            f"max {fmt(st['max_gap_during_ms'])} ms (worst round {st['max_gap_during_worst_ms']:.1f} ms)"
+        )
+        L.append(
+            f"   one {st['chunk_tokens']}-token chunk step alone (TTFT of a lone {st['chunk_tokens']}-token prompt) "
+            f"{st['lone_chunk_ttft_ms']:.1f} ms; lone {res['long_len']}-token prompt {st['lone_long_ttft_ms']:.0f} ms "
+            f"= {st['lone_long_ttft_ms'] / st['long_chunks']:.1f} ms per chunk"
+        )
+        r1 = st["max_gap_during_ms"] / st["median_gap_before_ms"]
+        r2 = st["max_gap_during_ms"] / st["lone_chunk_ttft_ms"]
+        r3 = st["max_gap_during_ms"] / (st["lone_long_ttft_ms"] / st["long_chunks"] + st["median_gap_before_ms"])
+        L.append(
+            f"   max gap = {r1:.1f}x the usual gap, {r2:.2f}x a lone first chunk, "
+            f"{r3:.2f}x (mean chunk of the long prompt + one decode step)"
+        )
+    return "\n".join(L)
+
+
+# --------------------------------------------------------------------------- #
+# Main
+# --------------------------------------------------------------------------- #
+
+SECTIONS = ("throughput", "serving", "prefix", "host", "stall")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.benchmarks.engine", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--engine-config", default=None, help="engine preset (default: this backend's)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and requests")
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds per figure (default 3, --quick 2)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-slot", type=int, default=None, help="serving requests per unit of concurrency (default 2)")
+    p.add_argument("--system-len", type=int, default=1000)
+    p.add_argument("--suffix-len", type=int, default=16)
+    p.add_argument("--prefix-requests", type=int, default=None, help="default 5, --quick 3")
+    p.add_argument("--host-batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--host-window", type=int, default=None, help="decode tokens per request timed (default 48, --quick 24)")
+    p.add_argument("--long-len", type=int, default=2000)
+    p.add_argument("--stall-streams", type=int, default=8)
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="run only these sections")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers (+ gguf) for the peer")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write every figure as JSON to this file")
+    a = p.parse_args(argv)
+    a.rounds = a.rounds or (2 if a.quick else 3)
+    a.requests_per_slot = a.requests_per_slot or (1 if a.quick else 2)
+    a.prefix_requests = a.prefix_requests or (3 if a.quick else 5)
+    a.host_window = a.host_window or (24 if a.quick else 48)
+    a.step_batches = sorted(set(a.host_batches) | {a.batch})
+    if a.output_len < 2:
+        p.error("--output-len must be at least 2")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    sections = a.only or SECTIONS
+    llm = jaxinfer.LLM(a.model, engine_config=a.engine_config)
+    e = llm.engine_config
+    res: dict = {
+        "model": llm.model_name,
+        "dtype": e.dtype,
+        "engine_config": e.name,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": llm.engine.scheduler.budget,
+        "rounds": a.rounds,
+        "batch": a.batch,
+        "prompt_len": a.prompt_len,
+        "output_len": a.output_len,
+        "requests_per_slot": a.requests_per_slot,
+        "system_len": a.system_len,
+        "long_len": a.long_len,
+        "stall_streams": a.stall_streams,
+        "system": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "loadavg_start": loadavg(),
+        },
+    }
+    log(f"loaded {llm.model_name} in {llm.load_time_s:.1f} s; load average {loadavg()}")
+    ids = Ids(llm.model_config.vocab_size, a.seed)
+    try:
+        log("compute ceiling: jitted float32 [4096,576]x[576,1536] matmul")
+        res["ceiling"] = ceiling(llm.model_config, matmul_gflops(), a.batch, a.prompt_len, a.output_len)
+        for name, fn in (
+            ("throughput", bench_throughput),
+            ("serving", lambda l, a, i, g: bench_serving(l, a, g)),
+            ("prefix", bench_prefix),
+            ("host", bench_host),
+            ("stall", bench_stall),
+        ):
+            if name in sections:
+                res[name] = fn(llm, a, ids, log)
+                res["system"][f"loadavg_after_{name}"] = loadavg()
+                log(f"{name} done; load average {loadavg()}")
+    finally:
+        llm.close()
+    res["system"]["loadavg_end"] = loadavg()
+    res["wall_s"] = time.perf_counter() - t_start
+    print(report(res))
+    print(f"\n(total {res['wall_s']:.0f} s)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2, default=str))
+        print(f"figures written to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
