@@ -43,6 +43,24 @@ class AttentionMetadata:
 NEG_INF = -1e30
 
 
+def _write_after_read(cache_layer, k, v, slots, read_value):
+    """Write the new keys/values to the cache with a data dependency on the read.
+
+    Without it the read and the in-place update are unordered and XLA copies the
+    whole layer first (measured: 30 full-cache copies per CPU decode step); reading
+    through the write instead makes XLA fuse the update into the gather, which
+    copies too. `read_value` is any element of what was read.
+    """
+    b, t, kvh, d = k.shape
+    after_read = jnp.nan_to_num(read_value.astype(jnp.float32)) * 0.0
+    return write_kv(
+        cache_layer,
+        (k + after_read.astype(k.dtype)).reshape(b * t, kvh, d),
+        (v + after_read.astype(v.dtype)).reshape(b * t, kvh, d),
+        slots.reshape(-1),
+    )
+
+
 def paged_attention(
     q: jax.Array,
     k: jax.Array,
@@ -57,28 +75,24 @@ def paged_attention(
     Returns (out [B, T, H, D], updated cache_layer).
     """
     b, t, h, d = q.shape
-    kvh = k.shape[2]
     chex.assert_shape(meta.positions, (b, t))
     chex.assert_shape(meta.slots, (b, t))
-    # Read the cached context, then place this chunk's own keys/values into the gathered
-    # copy (padding tokens, at position -1, are dropped).
+    if t == 1:
+        return _decode_attention(q, k, v, cache_layer, meta, scale)
+    return _chunk_attention(q, k, v, cache_layer, meta, scale)
+
+
+def _chunk_attention(q, k, v, cache_layer, meta, scale):
+    """Prefill chunks: gather the context, overlay the chunk's own keys/values, attend causally."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
     keys, values = gather_kv(cache_layer, meta.page_table)  # [B, S, KVH, D]
     s = keys.shape[1]
     rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    at = jnp.where(meta.positions >= 0, meta.positions, s)
+    at = jnp.where(meta.positions >= 0, meta.positions, s)  # padding tokens (position -1) are dropped
     keys = keys.at[rows, at].set(k.astype(keys.dtype), mode="drop")
     values = values.at[rows, at].set(v.astype(values.dtype), mode="drop")
-    # Write the new keys/values to the cache with a data dependency on the read. Without
-    # it the read and the in-place update are unordered and XLA copies the whole layer
-    # first (measured: 30 full-cache copies per CPU decode step); reading through the
-    # write instead makes XLA fuse the update into the gather, which copies too.
-    after_read = jnp.nan_to_num(keys[0, 0, 0, 0].astype(jnp.float32)) * 0.0
-    cache_layer = write_kv(
-        cache_layer,
-        (k + after_read.astype(k.dtype)).reshape(b * t, kvh, d),
-        (v + after_read.astype(v.dtype)).reshape(b * t, kvh, d),
-        meta.slots.reshape(-1),
-    )
+    cache_layer = _write_after_read(cache_layer, k, v, meta.slots, keys[0, 0, 0, 0])
     g = h // kvh
     qg = q.reshape(b, t, kvh, g, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -91,3 +105,44 @@ def paged_attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(q.dtype))
     return out.reshape(b, t, h, d), cache_layer
+
+
+def _decode_attention(q, k, v, cache_layer, meta, scale):
+    """One new token per row: attend over the cached context plus the token's own key/value.
+
+    The gathered pages are used in their stored layout, as rows ``n = s * 2KVH + 2 * kv_head + j``
+    (j = 0 key, 1 value), by two plain batched matmuls; scores against the other heads' rows are
+    dropped afterwards. This avoids the transposes and the overlay scatter of the chunk path,
+    each of which is a full extra pass over the gathered context (on CPU they made a batch-8
+    decode step several times slower than batch 1).
+    """
+    b, _, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    pages = cache_layer[meta.page_table]  # [B, P, page_size, 2*KVH, D]
+    s = pages.shape[1] * pages.shape[2]
+    ctx = pages.reshape(b, s * 2 * kvh, d).astype(q.dtype)
+    qf = q.reshape(b, h, d)
+    f32 = jnp.float32
+    sc = jnp.einsum("bnd,bhd->bnh", ctx, qf, preferred_element_type=f32)  # [B, N, H]
+    sc = sc.reshape(b, s, kvh, 2, kvh, g)[:, :, :, 0]  # key rows: [B, S, KVH(row), KVH(query), G]
+    sc = jnp.diagonal(sc, axis1=2, axis2=3) * scale  # each query head with its own KV head: [B, S, G, KVH]
+    start = meta.positions[:, 0]  # the new token's position; cached keys are those before it
+    old = jnp.arange(s, dtype=jnp.int32)[None, :] < start[:, None]  # [B, S]
+    sc = jnp.where(old[:, :, None, None], sc, NEG_INF)
+    k1, v1 = k[:, 0], v[:, 0]  # [B, KVH, D]
+    own = jnp.einsum("bkgd,bkd->bgk", q.reshape(b, kvh, g, d), k1, preferred_element_type=f32) * scale
+    mx = jnp.maximum(sc.max(axis=1), own)  # [B, G, KVH]
+    e_old = jnp.exp(sc - mx[:, None])
+    e_own = jnp.exp(own - mx)
+    denom = e_old.sum(axis=1) + e_own
+    p_old = (e_old / denom[:, None]).astype(q.dtype)  # [B, S, G, KVH]
+    p_own = (e_own / denom).astype(q.dtype)  # [B, G, KVH]
+    # spread the probabilities back onto the value rows of the matching head
+    eye = jnp.eye(kvh, dtype=q.dtype)
+    p_rows = jnp.transpose(p_old, (0, 1, 3, 2))[:, :, :, None, :] * eye[None, None, :, :, None]  # [B,S,KVH,KVH,G]
+    p_rows = jnp.stack([jnp.zeros_like(p_rows), p_rows], axis=3).reshape(b, s * 2 * kvh, h)  # [B, N, H]
+    out = jnp.einsum("bnh,bnd->bhd", p_rows, ctx, preferred_element_type=f32)  # [B, H, D]
+    out = out.reshape(b, kvh, g, d) + jnp.transpose(p_own, (0, 2, 1))[..., None] * v1[:, :, None, :]
+    cache_layer = _write_after_read(cache_layer, k, v, meta.slots, ctx[0, 0, 0])
+    return out.reshape(b, 1, h, d).astype(q.dtype), cache_layer

@@ -92,6 +92,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, let running requests finish for this long, then abort them (default: 30)")
     n.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    n.add_argument("--metrics-port", type=_port, metavar="PORT",
+                   help="serve Prometheus metrics (text exposition) at http://HOST:PORT/metrics, on the same host "
+                   "as the server (default: off)")
     e = p.add_argument_group("engine")
     e.add_argument("--engine-config", metavar="NAME",
                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
@@ -116,6 +119,7 @@ def server_config_from_args(args: argparse.Namespace):
         host=args.host, port=args.port, max_waiting=args.max_waiting, grace_period=args.grace_period,
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=read_auth_token(args.auth_token_file),
         max_message_bytes=args.max_message_size, reflection=not args.no_reflection,
+        metrics_port=getattr(args, "metrics_port", None),
     )
 
 
@@ -157,7 +161,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(
             f"jaxinfer: serving {llm.model_name} on {server.address} ({security}; max_model_len "
             f"{llm.max_model_len}, {e.num_pages - 1} KV pages x {e.page_size}, max_num_seqs {e.max_num_seqs}, "
-            f"backend {llm.info()['backend']}) - ready",
+            f"backend {llm.info()['backend']}"
+            + (f"; metrics at {server.metrics_url}" if server.metrics_url else "") + ") - ready",
             flush=True,
         )
 

@@ -20,6 +20,10 @@ library's own message (field and limit). `serve()` runs a server until
 SIGTERM/SIGINT and then shuts it down gracefully: health turns NOT_SERVING,
 new calls get UNAVAILABLE, running requests may finish within the grace
 period, and the rest are aborted with UNAVAILABLE and a message that says so.
+
+Metrics: with ``metrics_port`` set, Prometheus text on ``http://host:port/metrics``
+(`jaxinfer.server.metrics`: vLLM's names with the ``jaxinfer:`` prefix), from
+this server's own registry.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class ServerConfig:
     auth_token: Optional[str] = None  # require "authorization: Bearer <token>" (health stays open)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     reflection: bool = True
+    metrics_port: Optional[int] = None  # Prometheus text on http://<metrics_host>:<port>/metrics; None: off, 0: any
+    metrics_host: Optional[str] = None  # None: the server's host
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -95,6 +101,8 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}.")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("the auth token is empty.")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}.")
 
     @property
     def address(self) -> str:
@@ -210,7 +218,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.idle = asyncio.Event()
         self.idle.set()
         self.throughput = _Throughput(self.engine.stats)
+        self.metrics = None  # a ServerMetrics when the server exports Prometheus metrics
         self._token_text: dict = {}
+
+    def _rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
 
     # -- Generate ---------------------------------------------------------------
 
@@ -268,22 +281,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         if self.draining:
+            self._rejected("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down and accepts no new requests.")
         try:
             req = self._build_request(request)
         except ValueError as e:
+            self._rejected("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:  # noqa: BLE001 - a bug preparing one request must not look like bad input
             log.exception("could not prepare a request")
+            self._rejected("internal")
             await context.abort(grpc.StatusCode.INTERNAL, f"could not prepare the request: {e}")
         rid = req.request_id
         if rid in self.active:
+            self._rejected("duplicate_request_id")
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use by a running request."
             )
         cap = self._capacity()
         if cap is not None and len(self.active) >= cap:
             self.rejected += 1
+            self._rejected("resource_exhausted")
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the server is at capacity: {len(self.active)} requests in flight, the most allowed is {cap} "
@@ -312,6 +330,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.active.pop(rid, None)
             if not self.active:
                 self.idle.set()
+            if self.metrics is not None:
+                self.metrics.on_call_end(stream)
         out = stream.output
         if self.abort_message is not None and out is not None and out.outputs[0].finish_reason == "abort":
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.abort_message)
@@ -423,9 +443,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuse calls without ``authorization: Bearer <token>`` metadata (UNAUTHENTICATED); health stays open."""
 
-    def __init__(self, token: str, open_prefixes: tuple = (HEALTH_PREFIX,)):
+    def __init__(self, token: str, open_prefixes: tuple = (HEALTH_PREFIX,), on_deny: Optional[Callable] = None):
         self._expected = f"Bearer {token}".encode()
         self._open = open_prefixes
+        self._on_deny = on_deny  # called with the method name of each refused call
 
     async def intercept_service(self, continuation, details):
         if details.method.startswith(self._open):
@@ -440,6 +461,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         msg = "missing bearer token" if not given else "invalid bearer token"
+        if self._on_deny is not None:
+            self._on_deny(details.method)
         return _denying_handler(handler, f"{msg}: send 'authorization: Bearer <token>' metadata.")
 
 
@@ -478,17 +501,30 @@ class JaxinferServer:
         self._server: Optional[grpc.aio.Server] = None
         self._sampler: Optional[asyncio.Task] = None
         self._stopped = asyncio.Event()
+        self.metrics = None  # a ServerMetrics when config.metrics_port is set
+        self.metrics_port: Optional[int] = None
 
     async def start(self) -> int:
         cfg = self.config
-        interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        self.servicer = GenerationServicer(self.llm, cfg)
+        if cfg.metrics_port is not None:
+            from jaxinfer.server.metrics import ServerMetrics
+
+            servicer = self.servicer
+            self.metrics = ServerMetrics(self.llm.engine, self.llm.model_name, active_calls=lambda: len(servicer.active))
+            servicer.metrics = self.metrics
+
+        def on_deny(method: str) -> None:
+            if self.metrics is not None and method.startswith(f"/{SERVICE_NAME}/Generate"):
+                self.metrics.rejected("unauthenticated")
+
+        interceptors = [BearerTokenInterceptor(cfg.auth_token, on_deny=on_deny)] if cfg.auth_token else []
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        self.servicer = GenerationServicer(self.llm, cfg)
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -506,6 +542,12 @@ class JaxinferServer:
             port = server.add_insecure_port(cfg.address)
         if not port:
             raise OSError(f"could not bind {cfg.address}")
+        if self.metrics is not None:
+            try:
+                self.metrics_port = self.metrics.start_http(cfg.metrics_host or cfg.host, cfg.metrics_port)
+            except OSError as e:
+                await server.stop(None)
+                raise OSError(f"could not serve metrics on port {cfg.metrics_port}: {e}") from e
         await server.start()
         self._server = server
         self.port = port
@@ -524,6 +566,15 @@ class JaxinferServer:
         host = self.config.host
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """``http://host:port/metrics`` when Prometheus metrics are served, else None."""
+        if self.metrics_port is None:
+            return None
+        host = (self.config.metrics_host or self.config.host).strip("[]")
+        host = "127.0.0.1" if host == "0.0.0.0" else "[::1]" if host == "::" else f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.metrics_port}/metrics"
 
     async def shutdown(self, grace: Optional[float] = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let running ones finish for `grace` s, abort the rest, stop."""
@@ -552,6 +603,8 @@ class JaxinferServer:
             self._sampler.cancel()
         await self._server.stop(1.0)
         self._server = None
+        if self.metrics is not None:
+            self.metrics.stop_http()
         self._stopped.set()
 
     async def wait_for_termination(self) -> None:
