@@ -236,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write every figure (and each request's) as JSON to FILE; with no FILE, print the "
                    "JSON to stdout instead of the table")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sv = b.add_argument_group("server")
+    sv.add_argument("--server", metavar="HOST:PORT",
+                    help="benchmark a running 'jaxinfer serve' over gRPC instead of a model loaded here; latencies "
+                    "are timed on the client as the streamed messages arrive, the server's own timings are "
+                    "reported beside them (model and engine flags are then the server's)")
+    sv.add_argument("--auth-token-file", metavar="FILE",
+                    help="with --server: send the bearer token in FILE (default: $JAXINFER_AUTH_TOKEN if set)")
+    sv.add_argument("--tls-ca", metavar="FILE", help="with --server: connect with TLS, trusting this CA (PEM)")
     b.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser(

@@ -55,10 +55,15 @@ class RequestStream:
 
     def _put(self, item) -> None:
         with self._lock:
-            if self._aq is not None:
-                self._aloop.call_soon_threadsafe(self._aq.put_nowait, item)
-            else:
+            if self._aq is None:
                 self._q.put(item)
+                return
+            try:
+                self._aloop.call_soon_threadsafe(self._aq.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed: nobody will read this
+                self._aq = None
+                if self.output is None and item is not _END:
+                    self._engine.abort(self.request_id)
 
     def __iter__(self):
         try:

@@ -276,3 +276,23 @@ def test_stats_line_reads_like_vllm(tiny_llm):
         assert part in line
     snap = tiny_llm.engine.stats.snapshot()
     assert snap["generation_tokens"] >= 12 and snap["finished"].get("length", 0) >= 3
+
+
+def test_a_closed_event_loop_on_one_stream_does_not_fail_the_others(tiny_llm):
+    """A consumer whose asyncio loop is gone is aborted; other requests are untouched."""
+    p = [3, 4, 5]
+    sp = SP(max_tokens=30, temperature=0, ignore_eos=True)
+    other = tiny_llm.submit(tiny_llm.make_request(p, sp))
+    orphan = tiny_llm.submit(tiny_llm.make_request(p, sp))
+
+    async def read_one():
+        async for _ in orphan:
+            return
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(read_one())  # leaves the async iterator suspended, attached to this loop
+    loop.close()
+    out = other.result()
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 30
+    assert tiny_llm.wait_idle()
+    tiny_llm.engine.allocator.check_all_free()

@@ -389,8 +389,48 @@ def matmul_times(cfg, batches, repeats: int = 15) -> dict:
                 ts.append(time.perf_counter() - t0)
             row[str(b)] = 1e3 * median(ts)
         out[name] = {"shape": [k, n], "ms": row}
+    # the head as the model computes it with tied embeddings: hidden x embed^T
+    emb = jnp.ones((cfg.vocab_size, d), jnp.float32) * 0.01
+    ein = jax.jit(lambda x, e: jnp.einsum("...d,vd->...v", x, e, preferred_element_type=jnp.float32))
+    row = {}
+    for b in batches:
+        x = jnp.ones((b, d), jnp.float32)
+        ein(x, emb).block_until_ready()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            ein(x, emb).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        row[str(b)] = 1e3 * median(ts)
+    out["head_tied"] = {"shape": [cfg.vocab_size, d], "ms": row}
     per_layer = {str(b): sum(out[k]["ms"][str(b)] for k in ("qkv", "o", "gate_up", "down")) for b in batches}
     out["model_ms"] = {str(b): cfg.num_layers * per_layer[str(b)] + out["head"]["ms"][str(b)] for b in batches}
+    return out
+
+
+def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict:
+    """ms of one layer's decode attention (`paged_attention`, T = 1) at each batch size, jitted alone."""
+    from jaxinfer.attention import AttentionMetadata, paged_attention
+    from jaxinfer.buckets import bucket_for, pages_needed
+
+    ps, kvh, hd = ecfg.page_size, cfg.num_kv_heads, cfg.head_dim
+    p = bucket_for(pages_needed(context, ps), ecfg.page_buckets)
+    cache = jnp.zeros((ecfg.num_pages, ps, 2 * kvh, hd), jnp.float32)
+    f = jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, m, hd**-0.5)[0])
+    out = {"pages": p}
+    for b in batches:
+        q = jnp.ones((b, 1, cfg.num_heads, hd), jnp.float32)
+        k = jnp.ones((b, 1, kvh, hd), jnp.float32)
+        table = np.arange(1, 1 + b * p, dtype=np.int32).reshape(b, p) % (ecfg.num_pages - 1) + 1
+        pos = np.full((b, 1), context - 1, np.int32)
+        meta = AttentionMetadata(pos, table[:, :1] * ps, table, np.full((b,), context, np.int32))
+        f(q, k, k, cache, meta).block_until_ready()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(q, k, k, cache, meta).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        out[str(b)] = 1e3 * median(ts)
     return out
 
 
@@ -423,6 +463,7 @@ def bench_host(llm, a, ids: Ids, log) -> dict:
         bench.close()
     log("[4] the model's matmuls at each batch size")
     res["matmuls"] = matmul_times(llm.model_config, a.step_batches)
+    res["attention"] = attention_times(llm.model_config, llm.engine_config, a.step_batches, context)
     return res
 
 
@@ -616,7 +657,12 @@ def report(res: dict) -> str:
             "   the model's matmuls alone (30 layers + head, jitted one by one): "
             + ", ".join(f"b{b} {v:.2f} ms" for b, v in mm["model_ms"].items())
         )
-        for name in ("qkv", "o", "gate_up", "down", "head"):
+        at = hs["attention"]
+        L.append(
+            f"   decode attention alone, one layer ({at['pages']} pages attended) x {res['num_layers']} layers: "
+            + ", ".join(f"b{b} {res['num_layers'] * at[str(b)]:.2f} ms" for b in hs["step_alone_ms"])
+        )
+        for name in ("qkv", "o", "gate_up", "down", "head", "head_tied"):
             v = mm[name]
             L.append(
                 f"     {name:<8} {str(v['shape']):<13} " + ", ".join(f"b{b} {x:.3f} ms" for b, x in v["ms"].items())
@@ -706,6 +752,7 @@ def main(argv=None) -> int:
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": llm.engine.scheduler.budget,
         "rounds": a.rounds,
+        "num_layers": llm.model_config.num_layers,
         "batch": a.batch,
         "prompt_len": a.prompt_len,
         "output_len": a.output_len,

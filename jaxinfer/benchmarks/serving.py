@@ -12,7 +12,9 @@ The pieces are kept apart so the same driver can run over other transports:
 * a **backend** (`Backend.run_one`): sends one request and reports its
   `RequestResult`. `LibraryBackend` drives an in-process `LLM` through the
   engine's async streams and takes TTFT / ITL / TPOT from the engine's own
-  `RequestMetrics`; a gRPC backend plugs in the same way;
+  `RequestMetrics`; `GrpcBackend` sends each request to a ``jaxinfer serve``
+  and times the streamed messages as they arrive at the client (the view a
+  user has), keeping the server's own timings alongside;
 * the **driver** (`run_benchmark`): paces arrivals, caps concurrency, samples
   engine gauges, and returns a `BenchmarkResult`;
 * the **report** (`summarize`, `format_table`): throughputs and
@@ -226,6 +228,7 @@ class RequestResult:
     queue_s: Optional[float] = None
     cached_tokens: int = 0
     error: str = ""
+    server: Optional[dict] = None  # the server's own timings of the request (seconds), when it reports them
 
     def to_dict(self) -> dict:
         def ms(x):
@@ -242,6 +245,7 @@ class RequestResult:
             "queue_ms": ms(self.queue_s),
             "cached_tokens": self.cached_tokens,
             "error": self.error,
+            **({"server_ms": {k: ms(v) for k, v in self.server.items()}} if self.server else {}),
         }
 
 
@@ -253,6 +257,15 @@ class Backend:
     """
 
     name = "backend"
+
+    async def open(self) -> None:
+        """Called in the benchmark's event loop before the first request (connect, start polling)."""
+
+    async def close(self) -> None:
+        """Called in the benchmark's event loop after the last request."""
+
+    async def refresh(self) -> None:
+        """Bring `counters` up to date (called just before and after the measured run)."""
 
     async def run_one(self, prompt_ids: list, params: SamplingParams) -> RequestResult:
         raise NotImplementedError
@@ -328,6 +341,123 @@ class LibraryBackend(Backend):
             "running": e.scheduler.num_running,
             "waiting": e.scheduler.num_waiting,
         }
+
+
+# Server timings kept per request: the names of the final message's Timings fields.
+_SERVER_TIMINGS = ("queue_s", "prefill_s", "ttft_s", "tpot_s", "itl_mean_s", "itl_p99_s", "e2e_s")
+
+
+class GrpcBackend(Backend):
+    """A running ``jaxinfer serve``, reached with the asyncio client (`jaxinfer.server.client.AsyncClient`).
+
+    Prompts go as token ids. TTFT, ITL, TPOT and end-to-end are measured on the
+    client, from the send to each streamed message's arrival, so they include
+    the network, (de)serialization and the server's own queueing: the honest
+    view of a user. A message carrying several tokens is one gap, as in vLLM's
+    ``bench serve``. The server's own timings (from the final message) are
+    kept in `RequestResult.server`. Engine counters and gauges come from
+    ``GetModelInfo``, polled every `poll_interval` seconds.
+    """
+
+    name = "grpc"
+
+    def __init__(self, target: str, token: Optional[str] = None, tls_ca: Optional[str] = None,
+                 timeout: Optional[float] = None, poll_interval: float = 0.5):
+        self.target = target
+        self.token = token
+        self.tls_ca = tls_ca
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self.client = None
+        self._stats: dict = {}
+        self._poller: Optional[asyncio.Task] = None
+
+    async def open(self) -> None:
+        from jaxinfer.server.client import AsyncClient
+
+        self.client = AsyncClient(self.target, token=self.token, tls_ca=self.tls_ca)
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+            self._poller = None
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+    async def refresh(self) -> None:
+        info = await self.client.model_info(timeout=30.0)
+        self._stats = info.get("stats") or {}
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a missed sample is not a failed run
+                pass
+
+    async def run_one(self, prompt_ids: list, params: SamplingParams) -> RequestResult:
+        from jaxinfer.server.client import ServerError
+
+        n_out = params.max_tokens or 0
+        kw = dict(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, temperature=params.temperature,
+                  seed=params.seed)
+        times: list = []
+        n_tokens = 0
+        final = None
+        arrival = time.perf_counter()
+        try:
+            async for piece in self.client.generate(list(prompt_ids), timeout=self.timeout, **kw):
+                now = time.perf_counter()
+                if piece.token_ids:
+                    times.append(now)
+                    n_tokens += len(piece.token_ids)
+                if piece.finished:
+                    final = piece
+        except ServerError as e:
+            return RequestResult(False, len(prompt_ids), output_len=n_tokens, expected_output_len=n_out,
+                                 arrival_time=arrival, error=f"{e.code.name}: {e.details}")
+        except Exception as e:  # noqa: BLE001 - one failed request is a data point
+            return RequestResult(False, len(prompt_ids), output_len=n_tokens, expected_output_len=n_out,
+                                 arrival_time=arrival, error=f"{type(e).__name__}: {e}")
+        end = time.perf_counter()
+        reason = final.finish_reason if final is not None else None
+        ok = reason not in (None, "abort", "error")
+        timings = (final.timings or {}) if final is not None else {}
+        return RequestResult(
+            ok=ok,
+            prompt_len=len(prompt_ids),
+            output_len=n_tokens,
+            expected_output_len=n_out,
+            arrival_time=arrival,
+            ttft_s=times[0] - arrival if times else None,
+            tpot_s=(times[-1] - times[0]) / (n_tokens - 1) if n_tokens > 1 else None,
+            itl_s=[b - a for a, b in zip(times, times[1:])],
+            e2e_s=end - arrival,
+            queue_s=timings.get("queue_s"),
+            cached_tokens=(final.usage or {}).get("cached_tokens", 0) if final is not None else 0,
+            error="" if ok else f"finished with {reason!r}",
+            server={k: timings.get(k) for k in _SERVER_TIMINGS} if timings else None,
+        )
+
+    def counters(self) -> dict:
+        s = self._stats
+        if not s:
+            return {}
+        return {"preemptions": s.get("preemptions", 0), "engine_steps": s.get("steps", 0)}
+
+    def gauges(self) -> dict:
+        s = self._stats
+        if not s:
+            return {}
+        return {"kv_usage": s.get("kv_usage"), "running": s.get("running"), "waiting": s.get("waiting")}
 
 
 # --------------------------------------------------------------------------- #
@@ -452,11 +582,20 @@ async def run_benchmark_async(backend: Backend, workload: list, cfg: BenchConfig
     """Run `warmup` (unmeasured, all at once within the concurrency cap), then `workload` as measured."""
     if not workload:
         raise ValueError("the workload is empty: there is nothing to benchmark.")
+    await backend.open()
+    try:
+        return await _run_measured(backend, workload, cfg, warmup)
+    finally:
+        await backend.close()
+
+
+async def _run_measured(backend: Backend, workload: list, cfg: BenchConfig, warmup: Optional[list]) -> BenchmarkResult:
     if warmup:
         p = Progress(len(warmup), "warm-up", enabled=cfg.progress)
         await _run_all(backend, warmup, cfg, [0.0] * len(warmup), p)
         p.close()
     offsets = arrival_offsets(len(workload), cfg.request_rate, cfg.seed, cfg.burstiness)
+    await backend.refresh()
     before = backend.counters()
     peaks: dict = {}
     progress = Progress(len(workload), "bench", enabled=cfg.progress)
@@ -472,6 +611,7 @@ async def run_benchmark_async(backend: Backend, workload: list, cfg: BenchConfig
         except asyncio.CancelledError:
             pass
         progress.close()
+    await backend.refresh()
     after = backend.counters()
     counters = {k: after[k] - before.get(k, 0) for k in after}
     return BenchmarkResult(list(results), duration, counters, peaks, cfg)
@@ -520,6 +660,12 @@ def summarize(bench: BenchmarkResult, info: Optional[dict] = None) -> dict:
     if "waiting" in bench.peaks:
         engine["peak_waiting"] = bench.peaks["waiting"]
     failed = [r for r in bench.results if not r.ok]
+    server = [r.server for r in ok if r.server]
+    extra: dict[str, Any] = {}
+    if server:  # the server's own account, next to the client's
+        extra["server_timings_ms"] = {
+            k[:-2]: describe([t.get(k) for t in server], 1e3) for k in _SERVER_TIMINGS
+        }
     return {
         "info": dict(info or {}),
         "config": {
@@ -545,6 +691,7 @@ def summarize(bench: BenchmarkResult, info: Optional[dict] = None) -> dict:
         "itl_ms": describe([g for r in ok for g in r.itl_s], 1e3),
         "e2e_ms": describe([r.e2e_s for r in ok], 1e3),
         "engine": engine,
+        **extra,
         "requests": [r.to_dict() for r in bench.results],
     }
 
@@ -593,6 +740,15 @@ def format_table(s: dict) -> str:
         row(f"Median {abbr} (ms):", d["median"])
         row(f"P90 {abbr} (ms):", d["p90"])
         row(f"P99 {abbr} (ms):", d["p99"])
+    st = s.get("server_timings_ms")
+    if st:
+        title("Server-reported (median / p99 ms)")
+        for key, label in (("queue", "Queue"), ("prefill", "Prefill"), ("ttft", "TTFT"), ("tpot", "TPOT"),
+                           ("itl_mean", "ITL (request mean)"), ("e2e", "E2EL")):
+            d = st[key]
+            med = "-" if d["median"] is None else f"{d['median']:.2f}"
+            p99 = "-" if d["p99"] is None else f"{d['p99']:.2f}"
+            rows.append(f"{label + ':':<{width - 24}}{med:>12}{p99:>12}")
     e = s["engine"]
     if e:
         title("Engine")
@@ -668,6 +824,81 @@ def _engine_config(args):
     return engine
 
 
+def _bench_config(args) -> BenchConfig:
+    return BenchConfig(
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        warmup_requests=args.warmup_requests,
+        temperature=args.temperature,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+
+
+def _write_summary(summary: dict, args, out) -> int:
+    if args.json == "-":
+        out.write(json.dumps(summary) + "\n")
+    else:
+        out.write(format_table(summary) + "\n")
+        if args.json is not None:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
+                f.write("\n")
+    out.flush()
+    return 0 if summary["completed"] else 1
+
+
+# Engine flags a remote server ignores: refused with --server rather than silently dropped.
+_ENGINE_FLAGS = (("engine_config", "--engine-config"), ("max_model_len", "--max-model-len"), ("dtype", "--dtype"),
+                 ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
+                 ("no_prefix_caching", "--no-prefix-caching"), ("warmup", "--warmup"))
+
+
+def bench_server_command(args, entries, in_range, out_range, out) -> int:
+    """``jaxinfer bench --server HOST:PORT``: the same workload and report, over gRPC."""
+    from jaxinfer.server.client import Client, ServerError
+    from jaxinfer.server.service import read_auth_token
+
+    given = [flag for name, flag in _ENGINE_FLAGS if getattr(args, name, None)]
+    if given:
+        raise ValueError(f"{', '.join(given)} configure a local engine; with --server the engine is the server's.")
+    token = read_auth_token(getattr(args, "auth_token_file", None))
+    tls_ca = getattr(args, "tls_ca", None)
+    try:
+        with Client(args.server, token=token, tls_ca=tls_ca, timeout=30.0) as client:
+            info = client.model_info()
+            if entries is not None:
+                if not info["has_tokenizer"]:
+                    raise ValueError(f"the server's model {info['name']!r} has no tokenizer, so --dataset prompts "
+                                     "cannot be used.")
+                entries = entries[: args.num_prompts] if args.num_prompts is not None else entries
+                workload = dataset_workload(entries, lambda p: client.tokenize(p)["token_ids"], out_range[0])
+    except ServerError as e:
+        sys.stderr.write(f"jaxinfer: error: the server at {args.server} answered {e.code.name}: {e.details}\n")
+        return 1
+    vocab = info["vocab_size"]
+    if entries is None:
+        n = args.num_prompts if args.num_prompts is not None else DEFAULT_NUM_PROMPTS
+        workload = synthetic_workload(n, in_range, out_range, vocab, args.seed)
+    check_workload_fits(workload, info["max_model_len"])
+    warm = warmup_workload(workload, args.warmup_requests, vocab, args.seed)
+    backend = GrpcBackend(args.server, token=token, tls_ca=tls_ca)
+    result = run_benchmark(backend, workload, _bench_config(args), warm)
+    summary = summarize(result, {
+        "backend": GrpcBackend.name,
+        "server": args.server,
+        "model": info["name"],
+        "device": info["backend"],
+        "dtype": info["dtype"],
+        "max_num_seqs": info["max_num_seqs"],
+        "max_num_batched_tokens": info["max_num_batched_tokens"],
+        "server_version": info["version"],
+        "dataset": args.dataset or "random",
+    })
+    return _write_summary(summary, args, out)
+
+
 def bench_command(args, out=None) -> int:
     """Run ``jaxinfer bench`` from parsed arguments; returns the exit status."""
     out = out if out is not None else sys.stdout
@@ -675,6 +906,8 @@ def bench_command(args, out=None) -> int:
     entries = read_dataset(args.dataset) if args.dataset is not None else None
     if entries is not None and args.num_prompts is not None and args.num_prompts > len(entries):
         raise ValueError(f"--num-prompts {args.num_prompts} is more than the {len(entries)} prompts in {args.dataset}.")
+    if getattr(args, "server", None):
+        return bench_server_command(args, entries, in_range, out_range, out)
     engine = _engine_config(args)
 
     from jaxinfer.llm import LLM
@@ -694,15 +927,7 @@ def bench_command(args, out=None) -> int:
         if args.warmup:
             llm.engine.warmup(variants=("greedy",) if args.temperature == 0 else ("sample",),
                               progress=not args.no_progress)
-        cfg = BenchConfig(
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            warmup_requests=args.warmup_requests,
-            temperature=args.temperature,
-            seed=args.seed,
-            progress=not args.no_progress,
-        )
+        cfg = _bench_config(args)
         warm = warmup_workload(workload, args.warmup_requests, vocab, args.seed)
         result = run_benchmark(LibraryBackend(llm), workload, cfg, warm)
     finally:
@@ -721,14 +946,4 @@ def bench_command(args, out=None) -> int:
         "prefix_caching": not args.no_prefix_caching,
         "dataset": args.dataset or "random",
     }
-    summary = summarize(result, info)
-    if args.json == "-":
-        out.write(json.dumps(summary) + "\n")
-    else:
-        out.write(format_table(summary) + "\n")
-        if args.json is not None:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(summary, f, indent=2)
-                f.write("\n")
-    out.flush()
-    return 0 if summary["completed"] else 1
+    return _write_summary(summarize(result, info), args, out)
