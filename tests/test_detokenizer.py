@@ -239,13 +239,31 @@ def test_stop_matching_equals_truncating_the_full_text(text, cuts):
     for include in (False, True):
         detok = IncrementalDetokenizer(CharTokenizer(), [], stop=stops, include_stop_str_in_output=include)
         got = "".join(stream(detok, ids_of(text), cuts))
-        hits = [(text.find(s), -len(s), s) for s in stops if s in text]
-        if hits:
-            at, _, s = min(hits)
+        # Streaming semantics: after each chunk, the first stop string present in the text so
+        # far wins (earliest start, then longest). A short stop that completes first beats a
+        # longer one that started earlier but is still incomplete.
+        expected = None
+        for n in chunk_ends(len(text), cuts):
+            hits = [(text[:n].find(s), -len(s), s) for s in stops if s in text[:n]]
+            if hits:
+                expected = min(hits)
+                break
+        if expected:
+            at, _, s = expected
             assert detok.stop_reason == s
             assert got == text[: at + (len(s) if include else 0)]
         else:
             assert detok.stop_reason is None and got == text
+
+
+def chunk_ends(total: int, cuts: list) -> list:
+    """Lengths of text fed after each chunk, as `stream` feeds it."""
+    ends, i, k = [], 0, 0
+    while i < total:
+        i += cuts[k % len(cuts)] if cuts else 1
+        k += 1
+        ends.append(min(i, total))
+    return ends
 
 
 @pytest.mark.model

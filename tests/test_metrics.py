@@ -133,8 +133,9 @@ def test_scraped_counts_and_histograms_match_the_requests_sent(llm, slow_decode)
         buckets = sorted(((float(dict(k)["le"]), v) for k, v in m[full + "_bucket"].items()))
         assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), f"{name}: buckets are cumulative"
         assert value(m, full + "_sum") >= 0
-    # decode steps were slowed to >= 20 ms: every gap is at least that long, so the sum says so
-    assert value(m, "jaxinfer:inter_token_latency_seconds_sum") >= 0.02 * gaps * 0.9
+    # decode steps were slowed to >= 20 ms, so gaps are that long on average (a gap can be shorter
+    # when the engine reads two steps' tokens in one iteration, at the end of a request)
+    assert value(m, "jaxinfer:inter_token_latency_seconds_sum") >= 0.02 * gaps * 0.5
     assert value(m, "jaxinfer:e2e_request_latency_seconds_sum") >= value(
         m, "jaxinfer:time_to_first_token_seconds_sum")
 
