@@ -26,6 +26,7 @@ from jaxinfer.compile_cache import enable_compilation_cache
 PROG = "jaxinfer"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_TOKENS = 256
+CLI_TEMPERATURE, CLI_TOP_P = 0.2, 0.9  # when the model gives no generation defaults
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate text for a prompt, streamed as it is produced",
         description="Generate text for PROMPT and stream it to stdout as tokens are produced. "
         "Sampling flags that are not given take the model's generation defaults "
-        "(generation_config.json), else vLLM's defaults (temperature 1.0, top-p 1.0, no top-k).",
+        "(generation_config.json), else temperature 0.2 and top-p 0.9 (what SmolLM2's authors suggest; "
+        "small models ramble at 1.0).",
     )
     g.add_argument("prompt", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
     _add_model_args(g)
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=_int, metavar="N",
                    help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS}, or what the context has room for)")
     s.add_argument("--temperature", type=_float, metavar="T",
-                   help="0 is greedy (default: the model's, else 1.0)")
+                   help="0 is greedy (default: the model's, else 0.2)")
     s.add_argument("--top-p", type=_float, metavar="P", help="nucleus sampling mass, in (0, 1]")
     s.add_argument("--top-k", type=_int, metavar="K", help="keep the K most likely tokens; 0 disables")
     s.add_argument("--min-p", type=_float, metavar="P", help="drop tokens below P times the top probability")
@@ -366,7 +368,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer.llm import LLM
 
     llm = LLM(args.model, engine_config=engine, dtype=args.dtype, max_model_len=args.max_model_len)
-    params = llm.get_default_sampling_params().clone(**overrides)
+    params = llm.get_default_sampling_params()
+    if llm.generation_defaults.temperature is None:  # the model ships no sampling defaults
+        params = params.clone(temperature=CLI_TEMPERATURE, top_p=CLI_TOP_P)
+    params = params.clone(**overrides)
     tok = llm.tokenizer
     has_template = tok is not None and tok.chat_template is not None
     chat = has_template if args.chat is None else args.chat
