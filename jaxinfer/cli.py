@@ -21,6 +21,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from jaxinfer._version import __version__
+from jaxinfer.argtypes import int_in, number
 from jaxinfer.compile_cache import enable_compilation_cache
 
 PROG = "jaxinfer"
@@ -81,28 +82,9 @@ class _Parser(argparse.ArgumentParser):
 # --------------------------------------------------------------------------- #
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer value: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _int(s: str) -> int:
-    try:
-        return int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer value: {s!r}") from None
-
-
-def _float(s: str) -> float:
-    try:
-        return float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {s!r}") from None
+_positive_int = int_in(1)
+_int = int_in()
+_float = number
 
 
 # --------------------------------------------------------------------------- #

@@ -286,7 +286,7 @@ class Engine:
             delta = StreamDelta(r.request_id, text, [tok], [lp] if lp is not None else None, r.finish_reason)
             if r.finished:
                 self._finish(r, text, delta)
-            elif stream is not None and (text or tok is not None):
+            elif stream is not None:
                 stream._put(delta)
 
     def _finish(self, r: Request, text: str, delta: Optional[StreamDelta] = None) -> None:

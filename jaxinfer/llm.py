@@ -21,7 +21,7 @@ from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine import Engine, RequestStream
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.models import get_family
-from jaxinfer.outputs import RequestOutput, StreamDelta
+from jaxinfer.outputs import StreamDelta
 from jaxinfer.request import Request, new_request_id
 from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams

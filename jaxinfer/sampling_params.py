@@ -9,7 +9,7 @@ by `SamplingParams.check_against`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5

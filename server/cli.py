@@ -18,47 +18,18 @@ import logging
 import sys
 from typing import Optional
 
+from jaxinfer.argtypes import int_in, non_negative_number
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_TOKENS = 256  # as local generate
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logprobs")
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer value: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _nonnegative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer value: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {v}")
-    return v
-
-
-def _port(s: str) -> int:
-    v = _nonnegative_int(s)
-    if v > 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {v}")
-    return v
-
-
-def _seconds(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {s}")
-    return v
+_positive_int = int_in(1)
+_nonnegative_int = int_in(0)
+_port = int_in(0, 65535)
+_seconds = non_negative_number
 
 
 def _err(message: str, code: int) -> int:

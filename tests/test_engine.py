@@ -10,7 +10,6 @@ import asyncio
 import threading
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
