@@ -22,13 +22,3 @@ def bucket_for(n: int, buckets: Sequence[int], what: str = "size") -> int:
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
-
-
-def chunk_plan(length: int, buckets: Sequence[int]) -> list[int]:
-    """Split a prompt of `length` tokens into chunk lengths, each at most the largest bucket."""
-    out, left = [], length
-    while left > 0:
-        c = min(left, buckets[-1])
-        out.append(c)
-        left -= c
-    return out

@@ -164,3 +164,16 @@ class IncrementalDetokenizer:
                     longest = n
                     break
         return longest
+
+
+class NullDetokenizer:
+    """Stands in when a model has no tokenizer: token ids only, no text, no stop strings."""
+
+    text = ""
+    stop_reason = None
+
+    def add(self, token_ids) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""

@@ -225,8 +225,6 @@ class Engine:
         self._drain_inbox()
         sched = self.scheduler.schedule()
         now = time.perf_counter()
-        for r in sched.preempted:
-            self.stats.preemptions += 1
         n_before = len(self._pending)
         if sched.prefill:
             out = self.runner.prefill(sched.prefill)

@@ -18,7 +18,6 @@ class EngineStats:
         self.prompt_tokens = 0  # prefilled (computed) prompt tokens
         self.generation_tokens = 0
         self.steps = 0
-        self.preemptions = 0
         self.wait_s = 0.0  # host time spent waiting for device results
         self.busy_s = 0.0  # wall time of steps that dispatched work
         self.host_s = 0.0  # of which the host was working (not waiting for the device)
@@ -43,7 +42,7 @@ class EngineStats:
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "steps": self.steps,
-            "preemptions": self.preemptions,
+            "preemptions": e.scheduler.num_preemptions,
             "host_share": self.host_s / self.busy_s if self.busy_s else 0.0,
             "finished": dict(self.finished),
         }

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.spec import ArraySpec, abstract
+from jaxinfer.spec import ArraySpec
 
 KVCache = list  # list[jax.Array], one [num_pages, page_size, 2*num_kv_heads, head_dim] per layer
 
@@ -41,9 +41,6 @@ def init_cache(model: ModelConfig, engine: EngineConfig, sharding: Any = None) -
         return [jnp.zeros(s.shape, s.dtype) for s in specs]
     return [jax.device_put(jnp.zeros(s.shape, s.dtype), sharding) for s in specs]
 
-
-def abstract_cache(model: ModelConfig, engine: EngineConfig):
-    return abstract(cache_specs(model, engine))
 
 
 def cache_bytes(model: ModelConfig, engine: EngineConfig) -> int:

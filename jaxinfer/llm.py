@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
+from jaxinfer.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from jaxinfer.engine import Engine, RequestStream
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.models import get_family
@@ -28,23 +29,6 @@ from jaxinfer.sampling_params import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-class _NoTextDetokenizer:
-    """Stands in when a model has no tokenizer: ids only, no text, no stop strings."""
-
-    text = ""
-    stop_reason = None
-
-    def add(self, ids):
-        return ""
-
-    def finish(self):
-        return ""
-
-
-def _resolve_dtype(engine: EngineConfig) -> Any:
-    return jnp.dtype(engine.dtype)
 
 
 class LLM:
@@ -73,7 +57,7 @@ class LLM:
         loaded = load_model(source)
         tokenizer = load_tokenizer(source.path)
         family = get_family(loaded.config.architecture)
-        params = family.params_from_hf(loaded.tensors, loaded.config, _resolve_dtype(engine))
+        params = family.params_from_hf(loaded.tensors, loaded.config, jnp.dtype(engine.dtype))
         del loaded.tensors
         self._setup(
             loaded.config, engine, params, tokenizer, loaded.generation, source.name,
@@ -205,10 +189,8 @@ class LLM:
         if self.tokenizer is None:
             if params.stop:
                 raise ValueError("stop strings need a tokenizer; this model has none.")
-            detok = _NoTextDetokenizer()
+            detok = NullDetokenizer()
         else:
-            from jaxinfer.detokenizer import IncrementalDetokenizer
-
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_ids,

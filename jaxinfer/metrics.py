@@ -21,7 +21,7 @@ class RequestMetrics:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     scheduled_time: Optional[float] = None  # left the queue
-    prefill_chunks: list = field(default_factory=list)  # seconds per dispatched chunk (host-observed)
+    prefill_chunks: list = field(default_factory=list)  # dispatch time of each prefill chunk
     prefill_done_time: Optional[float] = None
     first_token_time: Optional[float] = None
     token_times: list = field(default_factory=list)  # when each output token reached the host

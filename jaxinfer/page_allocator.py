@@ -11,7 +11,7 @@ recently freed page, evicting its name if it had one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 
 class OutOfPagesError(RuntimeError):
@@ -113,8 +113,6 @@ class PageAllocator:
         self._hash_of[page] = h
         self._page_of[h] = page
 
-    def cached_page(self, h: bytes) -> Optional[int]:
-        return self._page_of.get(h)
 
     def check_all_free(self) -> None:
         """Raise if any page is still referenced (tests and shutdown)."""

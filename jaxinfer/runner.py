@@ -18,7 +18,7 @@ from jaxinfer import step
 from jaxinfer.attention import AttentionMetadata
 from jaxinfer.buckets import bucket_for, pages_needed
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.kv_cache import init_cache
+from jaxinfer.kv_cache import init_cache, slots_for
 from jaxinfer.outputs import Logprob
 from jaxinfer.request import Request, TokenRef
 from jaxinfer.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
@@ -90,7 +90,7 @@ class ModelRunner:
             pos = np.arange(s, s + n, dtype=np.int32)
             tokens[i, :n] = ids
             positions[i, :n] = pos
-            slots[i, :n] = table[i, pos // ps] * ps + pos % ps
+            slots[i, :n] = slots_for(table[i], pos, ps)
             kv_lens[i] = s + n
             last[i] = n - 1
             rows[i] = RowSampling(
@@ -122,7 +122,7 @@ class ModelRunner:
         for i, r in enumerate(reqs):
             p = r.num_computed
             pos[i, 0] = p
-            slots[i, 0] = table[i, p // ps] * ps + p % ps
+            slots[i, 0] = slots_for(table[i], p, ps)
             kv_lens[i] = p + 1
             rows[i] = RowSampling(r.params, r.seed, p + 1, r.slot, is_output=True, banned=r.banned_ids())
         attn = AttentionMetadata(pos, slots, table, kv_lens)

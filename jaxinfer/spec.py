@@ -10,7 +10,7 @@ when real weights are loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,9 +84,6 @@ def check_tree(specs, arrays, what: str = "parameter") -> None:
                 f"{what} {jax.tree_util.keystr(path)} has shape {tuple(a.shape)}, expected {s.shape}"
             )
 
-
-def map_specs(fn: Callable[[ArraySpec], Any], specs) -> Any:
-    return jax.tree.map(fn, specs, is_leaf=is_spec)
 
 
 def nbytes(specs) -> int:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
+from jaxinfer.detokenizer import NullDetokenizer
 from jaxinfer.engine import Engine
 from jaxinfer.request import Request
 from jaxinfer.runner import ModelRunner
@@ -39,16 +40,6 @@ def new_engine(num_pages=None, budget=None, prefix=True, policy="fcfs"):
     return Engine(r, max_num_batched_tokens=budget, enable_prefix_caching=prefix, policy=policy, autostart=False)
 
 
-class _Detok:
-    text, stop_reason = "", None
-
-    def add(self, ids):
-        return ""
-
-    def finish(self):
-        return ""
-
-
 def make(prompt, max_tokens, params=None, rid=None, priority=0):
     params = params or SP(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return Request(
@@ -58,7 +49,7 @@ def make(prompt, max_tokens, params=None, rid=None, priority=0):
         seed=params.seed if params.seed is not None else 0,
         max_tokens=max_tokens,
         stop_token_ids=frozenset(),
-        detokenizer=_Detok(),
+        detokenizer=NullDetokenizer(),
         priority=priority,
     )
 

@@ -328,7 +328,7 @@ class LibraryBackend(Backend):
     def counters(self) -> dict:
         e = self.llm.engine
         return {
-            "preemptions": e.stats.preemptions,
+            "preemptions": e.scheduler.num_preemptions,
             "prefix_queries": e.allocator.queries,
             "prefix_hits": e.allocator.hits,
             "engine_steps": e.stats.steps,
