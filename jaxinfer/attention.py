@@ -6,23 +6,30 @@ chunk's keys/values into their cache slots.
 It serves whole-prompt prefill, chunked prefill, prefix-cache hits and
 decode alike: a decode step is a chunk of length 1.
 
-This is the pure-JAX gather reference that runs on CPU, GPU and TPU. Its cost
-grows with the pages attended (``P``, a bucketed size), never with the
-cache's capacity. On CPU, XLA emits the page gather element by element
-rather than as block copies; it is most of the cost of a batched decode step
-(measured: ~25 ms of a 63 ms batch-8 step, ~100 ms of a 190 ms batch-32 step).
-A kernel that reads pages in place (Pallas ragged paged attention on TPU/GPU)
-is the way past it.
+The pure-JAX path (`_gather_attention`) runs everywhere. Its cost grows with
+the pages attended (``P``, a bucketed size), never with the cache's capacity.
+On CPU, XLA emits its page gather element by element rather than as block
+copies; that gather and the masked softmax over the gathered copy were most
+of a batched step (measured on SmolLM2 at batch 32: ~100 ms of a 190 ms decode
+step; 0.6 s of a 1.8 s 32 x 128-token bfloat16 prefill). So on the CPU platform
+attention goes to a native kernel that reads the pages where they lie
+(`jaxinfer/kernels/paged_attention_cpu.cc`, built on first use), for decode
+and prefill chunks alike. The choice is staged with `lax.platform_dependent`,
+so a GPU or TPU program never sees the CPU kernel; Pallas ragged paged
+attention is the counterpart there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxinfer import kernels
 from jaxinfer.kv_cache import gather_kv, write_kv
 
 
@@ -81,6 +88,57 @@ def paged_attention(
     b, t, h, d = q.shape
     chex.assert_shape(meta.positions, (b, t))
     chex.assert_shape(meta.slots, (b, t))
+    if _cpu_kernel_fits(q, k, cache_layer) and _cpu_kernel() is not None:
+        return jax.lax.platform_dependent(
+            q,
+            k,
+            v,
+            cache_layer,
+            meta,
+            cpu=lambda *args: _cpu_attention(*args, scale),
+            default=functools.partial(_gather_attention, scale=scale),
+        )
+    return _gather_attention(q, k, v, cache_layer, meta, scale)
+
+
+CPU_TARGET = "jaxinfer_paged_attention"
+
+
+def _cpu_kernel_fits(q, k, cache_layer) -> bool:
+    """The shapes and dtypes the CPU kernel takes (others use the pure-JAX path)."""
+    h, d, kvh = q.shape[2], q.shape[3], k.shape[2]
+    return d in (16, 32, 64, 128) and h // kvh <= 64 and cache_layer.dtype in (jnp.float32, jnp.bfloat16)
+
+
+def _cpu_kernel():
+    return kernels.load("paged_attention_cpu.cc", {CPU_TARGET: "JaxinferPagedAttention"})
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _cpu_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float):
+    """CPU: the native kernel writes the chunk's keys/values into the cache in place, then attends.
+
+    Derivatives (research code differentiating the model) are those of the pure-JAX path,
+    which computes the same function.
+    """
+    b, t, h, d = q.shape
+    f32 = jnp.float32
+    out, cache_layer = jax.ffi.ffi_call(
+        CPU_TARGET,
+        (jax.ShapeDtypeStruct((b, t, h, d), f32), jax.ShapeDtypeStruct(cache_layer.shape, cache_layer.dtype)),
+        input_output_aliases={3: 1},
+    )(q.astype(f32), k.astype(f32), v.astype(f32), cache_layer, meta.page_table, meta.positions, scale=np.float32(scale))
+    return out.astype(q.dtype), cache_layer
+
+
+@_cpu_attention.defjvp
+def _cpu_attention_jvp(scale, primals, tangents):
+    return jax.jvp(functools.partial(_gather_attention, scale=scale), primals, tangents)
+
+
+def _gather_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float):
+    """The pure-JAX path: gather the attended pages, overlay the chunk, attend, write the chunk."""
+    b, t, h, d = q.shape
     kvh = k.shape[2]
     # Gather the context, then overlay the chunk's own keys/values on the gathered copy.
     keys, values = gather_kv(cache_layer, meta.page_table)  # [B, S, KVH, D]

@@ -1,0 +1,113 @@
+"""Native kernels for XLA's CPU backend, built from source on first use.
+
+Each kernel is a C++ XLA FFI handler in this package. It is compiled once per
+machine with the system C++ compiler (``$CXX``, else ``g++`` or ``c++``) for
+this CPU (``-march=native``), cached in ``$XDG_CACHE_HOME/jaxinfer/kernels``,
+and registered with JAX as a custom-call target for the ``cpu`` platform.
+
+Nothing depends on them: with no compiler, a failed build, or
+``JAXINFER_CPU_KERNELS=0``, `load` returns None (after one warning for a
+failed build) and callers take their pure-JAX path, which gives the same
+results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
+_lock = threading.Lock()
+_loaded: dict = {}  # source name -> ctypes library, or None when unavailable
+
+
+def enabled() -> bool:
+    return os.environ.get("JAXINFER_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's architecture and feature flags."""
+    import platform
+
+    from jaxinfer.config import cpu_flags
+
+    return " ".join([platform.machine(), platform.processor(), *sorted(cpu_flags())])
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxinfer", "kernels")
+
+
+def build(source: str) -> str:
+    """Compile ``source`` (a file in this package) to a shared library; returns its path.
+
+    Raises RuntimeError with the compiler's message when it cannot be built.
+    """
+    import jax
+    import jaxlib
+
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    src_path = os.path.join(_HERE, source)
+    with open(src_path, "rb") as f:
+        text = f.read()
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(
+        b"\0".join([text, " ".join(_FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
+    out_dir = cache_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, f"{os.path.splitext(source)[0]}-{key}.so")
+    if os.path.exists(out):
+        return out
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", src_path, "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build {source}:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders each land a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(source: str, targets: dict) -> Optional[ctypes.CDLL]:
+    """Build (once) and load ``source``, registering ``targets`` ({ffi target name: symbol}).
+
+    Returns the library, or None when native kernels are disabled or cannot be built.
+    """
+    with _lock:
+        if source in _loaded:
+            return _loaded[source]
+        lib = None
+        if enabled():
+            try:
+                import jax
+
+                lib = ctypes.CDLL(build(source))
+                for name, symbol in targets.items():
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            except (OSError, RuntimeError, AttributeError) as e:
+                warnings.warn(f"jaxinfer: native CPU kernel {source} unavailable, using the pure-JAX path: {e}")
+                lib = None
+        _loaded[source] = lib
+        return lib

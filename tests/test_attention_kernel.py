@@ -1,0 +1,118 @@
+"""The native CPU attention kernel against the pure-JAX gather path, on the same inputs.
+
+Both paths write the chunk's keys/values and attend over the pages; the kernel reads the
+pages in place. Random chunks cover decode (T = 1), prefill from position 0, chunks that
+continue a cached context, padding rows and padding tokens, grouped-query ratios, head
+sizes with and without a specialised loop, page sizes below and above the kernel's key
+block, and float32 and bfloat16 caches.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import attention, kernels
+from jaxinfer.attention import AttentionMetadata
+from jaxinfer.kv_cache import slots_for
+
+pytestmark = pytest.mark.skipif(
+    attention._cpu_kernel() is None or jax.default_backend() != "cpu", reason="native CPU kernel unavailable"
+)
+
+
+def make_case(rng, b, t, h, kvh, d, page_size, cache_dtype):
+    max_ctx = 3 * t + 40
+    pages_per_row = -(-max_ctx // page_size)
+    num_pages = 1 + b * pages_per_row
+    cache = jnp.asarray(rng.standard_normal((num_pages, page_size, 2 * kvh, d), np.float32)).astype(cache_dtype)
+    perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
+    table = perm.reshape(b, pages_per_row)
+    positions = np.full((b, t), -1, np.int32)
+    for i in range(b):
+        if i == b - 1 and b > 1:
+            continue  # a padding row
+        n = int(rng.integers(1, t + 1))  # tokens in this row's chunk (the rest are padding)
+        start = int(rng.integers(0, max_ctx - n + 1)) if rng.random() < 0.7 else 0
+        positions[i, :n] = np.arange(start, start + n)
+    slots = np.where(positions >= 0, slots_for(table, np.maximum(positions, 0), page_size), 0).astype(np.int32)
+    kv_lens = (positions.max(axis=1) + 1).astype(np.int32)
+    meta = AttentionMetadata(jnp.asarray(positions), jnp.asarray(slots), jnp.asarray(table), jnp.asarray(kv_lens))
+    q = jnp.asarray(rng.standard_normal((b, t, h, d), np.float32))
+    k = jnp.asarray(rng.standard_normal((b, t, kvh, d), np.float32))
+    v = jnp.asarray(rng.standard_normal((b, t, kvh, d), np.float32))
+    return q, k, v, cache, meta, positions
+
+
+CASES = [
+    # b, t, h, kvh, d, page_size, cache dtype
+    (5, 1, 9, 3, 64, 16, "float32"),  # SmolLM2's decode
+    (4, 128, 9, 3, 64, 16, "float32"),  # SmolLM2's prefill chunk
+    (3, 37, 4, 1, 32, 4, "float32"),  # pages smaller than a key block
+    (3, 20, 8, 8, 128, 32, "float32"),  # no grouping, pages larger than a key block
+    (2, 9, 32, 2, 16, 8, "float32"),  # 16 query heads per kv head: a tile is one token
+    (4, 1, 6, 2, 64, 16, "bfloat16"),
+    (3, 50, 6, 2, 64, 16, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("b,t,h,kvh,d,page_size,cache_dtype", CASES)
+def test_kernel_matches_gather_path(b, t, h, kvh, d, page_size, cache_dtype):
+    rng = np.random.default_rng(b * 1000 + t)
+    q, k, v, cache, meta, positions = make_case(rng, b, t, h, kvh, d, page_size, jnp.dtype(cache_dtype))
+    scale = d**-0.5
+    out_k, cache_k = jax.jit(lambda *a: attention._cpu_attention(*a, scale))(q, k, v, cache, meta)
+    out_r, cache_r = jax.jit(lambda *a: attention._gather_attention(*a, scale=scale))(q, k, v, cache, meta)
+    # page 0 is the dummy page the pure-JAX path sends padding tokens to; the kernel skips them
+    assert np.array_equal(np.asarray(cache_k)[1:], np.asarray(cache_r)[1:]), "the caches differ after the write"
+    real = positions >= 0
+    np.testing.assert_allclose(np.asarray(out_k)[real], np.asarray(out_r)[real], rtol=2e-5, atol=2e-5)
+    assert not np.any(np.asarray(out_k)[~real]), "padding tokens must come out as zeros"
+
+
+def test_paged_attention_uses_the_kernel_on_cpu():
+    rng = np.random.default_rng(0)
+    q, k, v, cache, meta, _ = make_case(rng, 2, 1, 4, 2, 64, 16, jnp.float32)
+    hlo = jax.jit(lambda *a: attention.paged_attention(*a, scale=0.125)).lower(q, k, v, cache, meta).as_text()
+    assert attention.CPU_TARGET in hlo
+
+
+def test_position_past_the_page_table_is_an_error():
+    rng = np.random.default_rng(1)
+    q, k, v, cache, meta, _ = make_case(rng, 2, 1, 4, 2, 64, 16, jnp.float32)
+    capacity = meta.page_table.shape[1] * cache.shape[1]
+    bad = AttentionMetadata(jnp.full_like(meta.positions, capacity), meta.slots, meta.page_table, meta.kv_lens)
+    with pytest.raises(Exception, match="past the pages given"):
+        jax.block_until_ready(jax.jit(lambda *a: attention._cpu_attention(*a, 0.125))(q, k, v, cache, bad))
+
+
+FALLBACK_PROBE = """
+import warnings, jax, jax.numpy as jnp, numpy as np
+warnings.simplefilter("error")  # disabling is not a failure: no warning either
+from jaxinfer import attention
+from jaxinfer.attention import AttentionMetadata
+q = jnp.zeros((1, 1, 4, 64)); k = jnp.zeros((1, 1, 2, 64)); cache = jnp.zeros((4, 16, 4, 64))
+meta = AttentionMetadata(np.zeros((1, 1), np.int32), np.full((1, 1), 16, np.int32), np.ones((1, 1), np.int32),
+                         np.ones((1,), np.int32))
+hlo = jax.jit(lambda *a: attention.paged_attention(*a, scale=0.125)).lower(q, k, k, cache, meta).as_text()
+print(attention.CPU_TARGET in hlo)
+"""
+
+
+def test_disabled_kernels_take_the_pure_jax_path():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAXINFER_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", FALLBACK_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_kernel_build_is_cached_per_source_and_machine():
+    path = kernels.build("paged_attention_cpu.cc")
+    assert path.startswith(kernels.cache_dir()) and path.endswith(".so")
+    assert kernels.build("paged_attention_cpu.cc") == path  # the second call finds the built library
