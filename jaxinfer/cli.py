@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
     e.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="cap the context length (prompt + output), in tokens")
-    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="weight and activation dtype (default: the preset's; float32 on CPU)")
+    e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights' dtype (default: the preset's, auto: bfloat16 where the hardware "
+                        "multiplies it natively, else float32; float32 is bit-faithful to transformers)")
     from jaxinfer.server.cli import add_serve_arguments, add_server_client_arguments
 
     add_server_client_arguments(g)  # --server HOST:PORT, --auth-token-file, --tls-ca, --timeout
@@ -206,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
     e.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="cap the context length (prompt + output), in tokens")
-    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="weight and activation dtype (default: the preset's; float32 on CPU)")
+    e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights' dtype (default: the preset's, auto: bfloat16 where the hardware "
+                        "multiplies it natively, else float32; float32 is bit-faithful to transformers)")
     e.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
                    help="most requests in the running batch (default: the preset's)")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",

@@ -136,7 +136,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget of one engine step (decode tokens + prefill chunks)
     max_model_len: Optional[int] = None  # None: the model's context length
-    dtype: str = "float32"
+    dtype: str = "float32"  # the weights' dtype (matmuls accumulate in float32); "auto": see resolve_dtype
+    kv_cache_dtype: str = "auto"  # "auto": the same as dtype
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     chunk_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     page_buckets: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512)
@@ -152,8 +153,21 @@ class EngineConfig:
             b = getattr(self, nm)
             if not b or list(b) != sorted(set(b)) or b[0] <= 0:
                 raise ValueError(f"{nm} must be a non-empty increasing tuple of positive ints, got {b}.")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}."
+            )
+
+    def resolved(self, backend: Optional[str] = None) -> "EngineConfig":
+        """This config with dtype "auto" replaced by `resolve_dtype`'s choice."""
+        return self.replace(dtype=resolve_dtype(self.dtype, backend)) if self.dtype == "auto" else self
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype: `kv_cache_dtype`, or `dtype` when that is "auto"."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
@@ -189,6 +203,37 @@ class EngineConfig:
 
             backend = jax.default_backend()
         return cls.preset({"cuda": "gpu", "rocm": "gpu"}.get(backend, backend))
+
+
+def cpu_flags() -> frozenset:
+    """The host CPU's feature flags (x86 "flags" / Arm "Features" in /proc/cpuinfo); empty if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def resolve_dtype(dtype: str, backend: Optional[str] = None) -> str:
+    """The weights' dtype for "auto": bfloat16 where matmuls run natively in it, else float32.
+
+    GPUs and TPUs: bfloat16. CPUs: bfloat16 when the CPU has bfloat16 dot-product
+    instructions (x86 AVX512-BF16 or AMX-BF16, Arm BF16), where XLA runs bfloat16 matmuls
+    at about twice the float32 rate (measured: 860 vs 430 GFLOP/s on a 2-core Zen 5);
+    float32 otherwise. Any other value is returned as given.
+    """
+    if dtype != "auto":
+        return dtype
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    if backend != "cpu":
+        return "bfloat16"
+    return "bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"} else "float32"
 
 
 @dataclass(frozen=True)

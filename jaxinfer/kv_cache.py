@@ -31,7 +31,7 @@ def cache_specs(model: ModelConfig, engine: EngineConfig) -> list[ArraySpec]:
     """The cache described once: one spec per layer."""
     shape = (engine.num_pages, engine.page_size, 2 * model.num_kv_heads, model.head_dim)
     axes = ("pages", "page_slot", "kv_heads", "head_dim")
-    return [ArraySpec(shape, jnp.dtype(engine.dtype), axes, init="zeros") for _ in range(model.num_layers)]
+    return [ArraySpec(shape, jnp.dtype(engine.cache_dtype), axes, init="zeros") for _ in range(model.num_layers)]
 
 
 def init_cache(model: ModelConfig, engine: EngineConfig, sharding: Any = None) -> KVCache:
@@ -45,7 +45,7 @@ def init_cache(model: ModelConfig, engine: EngineConfig, sharding: Any = None) -
 
 def cache_bytes(model: ModelConfig, engine: EngineConfig) -> int:
     per_layer = engine.num_pages * engine.page_size * 2 * model.num_kv_heads * model.head_dim
-    return per_layer * model.num_layers * jnp.dtype(engine.dtype).itemsize
+    return per_layer * model.num_layers * jnp.dtype(engine.cache_dtype).itemsize
 
 
 def write_kv(cache_layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:

@@ -365,4 +365,4 @@ def _engine_config(engine_config, dtype, max_model_len, overrides) -> EngineConf
     env_dtype = os.environ.get("JAXINFER_DTYPE")
     if env_dtype and "dtype" not in changes:
         changes["dtype"] = env_dtype
-    return engine.replace(**changes) if changes else engine
+    return (engine.replace(**changes) if changes else engine).resolved()

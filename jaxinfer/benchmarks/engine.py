@@ -81,11 +81,11 @@ class Ids:
 # --------------------------------------------------------------------------- #
 
 
-def matmul_gflops(m: int = 4096, k: int = 576, n: int = 1536, repeats: int = 7) -> float:
-    """float32 GFLOP/s of a jitted [m,k] x [k,n] matmul (median of `repeats`)."""
-    a = jnp.ones((m, k), jnp.float32) * 0.01
-    b = jnp.ones((k, n), jnp.float32) * 0.01
-    f = jax.jit(lambda x, y: x @ y)
+def matmul_gflops(m: int = 4096, k: int = 576, n: int = 1536, repeats: int = 7, dtype="float32") -> float:
+    """GFLOP/s of a jitted [m,k] x [k,n] matmul in `dtype`, accumulated in float32 (median of `repeats`)."""
+    a = (jnp.ones((m, k), jnp.float32) * 0.01).astype(dtype)
+    b = (jnp.ones((k, n), jnp.float32) * 0.01).astype(dtype)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     f(a, b).block_until_ready()
     ts = []
     for _ in range(repeats):
@@ -129,7 +129,7 @@ def ceiling(cfg, gflops: float, n_req: int, prompt_len: int, out_len: int) -> di
 class BatchPeer(HFPeer):
     """The transformers worker in ``"batch"`` mode: only the static batch is timed each round."""
 
-    def __init__(self, python: str, model_path: str, threads: int, attn: str, batch_prompts, n: int):
+    def __init__(self, python: str, model_path: str, threads: int, attn: str, batch_prompts, n: int, dtype: str):
         import subprocess
         import tempfile
 
@@ -142,6 +142,7 @@ class BatchPeer(HFPeer):
             "model": model_path,
             "threads": threads,
             "attn": attn,
+            "dtype": dtype,
             "mode": "batch",
             "batch_prompts": [list(p) for p in batch_prompts],
             "decode_tokens": n,
@@ -186,7 +187,7 @@ def bench_throughput(llm, a, ids: Ids, log) -> dict:
         if python:
             log(f"[1] starting transformers ({python}; load + a short warm-up generate at batch {n_req})")
             try:
-                peer = BatchPeer(python, str(resolve_model(a.model).path), a.threads, a.attn, hf_prompts, n)
+                peer = BatchPeer(python, str(resolve_model(a.model).path), a.threads, a.attn, hf_prompts, n, a.hf_dtype)
                 why = python
             except Exception as e:
                 log(f"transformers peer failed: {e}")
@@ -369,15 +370,17 @@ def steady_window(llm, b: int, prompt_len: int, ids: Ids, skip: int, window: int
     }
 
 
-def matmul_times(cfg, batches, repeats: int = 15) -> dict:
-    """ms of the model's matmul shapes at each batch size (jitted, blocking), per layer and for the head."""
+def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
+    """ms of the model's matmul shapes at each batch size (jitted, blocking), per layer and for the head.
+
+    Weights in `dtype`, activations rounded to it, float32 accumulation: as the model runs."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d), "head": (d, cfg.vocab_size)}
-    mm = jax.jit(lambda x, w: x @ w)
+    mm = jax.jit(lambda x, w: jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32))
     out = {}
     for name, (k, n) in shapes.items():
-        w = jnp.ones((k, n), jnp.float32) * 0.01
+        w = (jnp.ones((k, n), jnp.float32) * 0.01).astype(dtype)
         row = {}
         for b in batches:
             x = jnp.ones((b, k), jnp.float32)
@@ -390,8 +393,8 @@ def matmul_times(cfg, batches, repeats: int = 15) -> dict:
             row[str(b)] = 1e3 * median(ts)
         out[name] = {"shape": [k, n], "ms": row}
     # the head as the model computes it with tied embeddings: hidden x embed^T
-    emb = jnp.ones((cfg.vocab_size, d), jnp.float32) * 0.01
-    ein = jax.jit(lambda x, e: jnp.einsum("...d,vd->...v", x, e, preferred_element_type=jnp.float32))
+    emb = (jnp.ones((cfg.vocab_size, d), jnp.float32) * 0.01).astype(dtype)
+    ein = jax.jit(lambda x, e: jnp.einsum("...d,vd->...v", x.astype(e.dtype), e, preferred_element_type=jnp.float32))
     row = {}
     for b in batches:
         x = jnp.ones((b, d), jnp.float32)
@@ -415,7 +418,7 @@ def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict
 
     ps, kvh, hd = ecfg.page_size, cfg.num_kv_heads, cfg.head_dim
     p = bucket_for(pages_needed(context, ps), ecfg.page_buckets)
-    cache = jnp.zeros((ecfg.num_pages, ps, 2 * kvh, hd), jnp.float32)
+    cache = jnp.zeros((ecfg.num_pages, ps, 2 * kvh, hd), ecfg.cache_dtype)
     f = jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, m, hd**-0.5)[0])
     out = {"pages": p}
     for b in batches:
@@ -462,7 +465,7 @@ def bench_host(llm, a, ids: Ids, log) -> dict:
         res["step_alone_ms"][str(b)] = {"direct": 1e3 * median(direct[b]), "runner": 1e3 * median(runner[b])}
         bench.close()
     log("[4] the model's matmuls at each batch size")
-    res["matmuls"] = matmul_times(llm.model_config, a.step_batches)
+    res["matmuls"] = matmul_times(llm.model_config, a.step_batches, dtype=llm.engine_config.dtype)
     res["attention"] = attention_times(llm.model_config, llm.engine_config, a.step_batches, context)
     return res
 
@@ -541,7 +544,7 @@ def report(res: dict) -> str:
     L = []
     s = res["system"]
     L.append(
-        f"jaxinfer engine benchmark — {res['model']} ({res['dtype']}), engine config {res['engine_config']} "
+        f"jaxinfer engine benchmark — {res['model']} ({res['dtype']} weights, {res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} "
         f"(max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}); "
         f"{s['cpus']} CPUs, jax {s['jax']} on {s['backend']}"
     )
@@ -580,7 +583,7 @@ def report(res: dict) -> str:
         if h:
             i = h.get("info") or {}
             L.append(
-                f"   transformers: {i.get('attn')} attention, {i.get('threads')} threads, torch "
+                f"   transformers: {i.get('dtype')}, {i.get('attn')} attention, {i.get('threads')} threads, torch "
                 f"{(i.get('versions') or {}).get('torch')}, transformers {(i.get('versions') or {}).get('transformers')}; "
                 f"greedy row 0 agrees for {t['agree_row0']} of {res['output_len']} tokens"
             )
@@ -590,7 +593,7 @@ def report(res: dict) -> str:
             L.append(f"   transformers: {t['transformers_python']}")
     if c:
         L.append(
-            f"   compute ceiling: jitted float32 [4096,576]x[576,1536] matmul {c['matmul_gflops']:.1f} GFLOP/s; "
+            f"   compute ceiling: jitted {res['dtype']} [4096,576]x[576,1536] matmul {c['matmul_gflops']:.1f} GFLOP/s; "
             f"{c['flops_per_decode_token'] / 1e6:.0f} MFLOP per decode token => decode <= "
             f"{c['decode_tok_s']:.0f} tok/s; with the batch's prefill counted, output <= {c['batch_e2e_tok_s']:.0f} tok/s"
         )
@@ -706,6 +709,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m jaxinfer.benchmarks.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine-config", default=None, help="engine preset (default: this backend's)")
+    p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"), help="weights' dtype (default: the preset's)")
     p.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     p.add_argument("--rounds", type=int, default=None, help="measured rounds per figure (default 3, --quick 2)")
     p.add_argument("--batch", type=int, default=32)
@@ -725,6 +729,8 @@ def parse_args(argv=None):
     p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers (+ gguf) for the peer")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the peer's dtype (float32: what transformers' GGUF loader gives by default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write every figure as JSON to this file")
     a = p.parse_args(argv)
@@ -743,11 +749,12 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
     sections = a.only or SECTIONS
-    llm = jaxinfer.LLM(a.model, engine_config=a.engine_config)
+    llm = jaxinfer.LLM(a.model, engine_config=a.engine_config, dtype=a.dtype)
     e = llm.engine_config
     res: dict = {
         "model": llm.model_name,
         "dtype": e.dtype,
+        "kv_cache_dtype": e.cache_dtype,
         "engine_config": e.name,
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": llm.engine.scheduler.budget,
@@ -771,8 +778,8 @@ def main(argv=None) -> int:
     log(f"loaded {llm.model_name} in {llm.load_time_s:.1f} s; load average {loadavg()}")
     ids = Ids(llm.model_config.vocab_size, a.seed)
     try:
-        log("compute ceiling: jitted float32 [4096,576]x[576,1536] matmul")
-        res["ceiling"] = ceiling(llm.model_config, matmul_gflops(), a.batch, a.prompt_len, a.output_len)
+        log(f"compute ceiling: jitted {e.dtype} [4096,576]x[576,1536] matmul")
+        res["ceiling"] = ceiling(llm.model_config, matmul_gflops(dtype=e.dtype), a.batch, a.prompt_len, a.output_len)
         for name, fn in (
             ("throughput", bench_throughput),
             ("serving", lambda l, a, i, g: bench_serving(l, a, g)),

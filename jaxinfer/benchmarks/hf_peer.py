@@ -18,7 +18,8 @@ batch-1 paths (`jaxinfer.benchmarks.core`).
 
 Only this file imports torch and transformers, and it imports nothing from
 jaxinfer (whose package imports jax), so run it by path, not with ``-m``.
-A GGUF file is loaded dequantized to float32, the same weights jaxinfer uses.
+A GGUF file is loaded dequantized to float32 (or the ``dtype`` the setup line names),
+the same weights jaxinfer uses.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _emit(obj) -> None:
     sys.stdout.flush()
 
 
-def load(model_path: str, threads: int, attn: str):
+def load(model_path: str, threads: int, attn: str, dtype: str = "float32"):
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -43,7 +44,7 @@ def load(model_path: str, threads: int, attn: str):
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     torch.set_num_threads(threads)
-    kw = dict(dtype=torch.float32, attn_implementation=attn)
+    kw = dict(dtype=getattr(torch, dtype), attn_implementation=attn)
     if os.path.isfile(model_path):
         d, f = os.path.split(os.path.abspath(model_path))
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, **kw)
@@ -151,7 +152,7 @@ class Peer:
 def main() -> int:
     setup = json.loads(sys.stdin.readline())
     t0 = time.perf_counter()
-    model = load(setup["model"], int(setup.get("threads", 2)), setup.get("attn", "sdpa"))
+    model = load(setup["model"], int(setup.get("threads", 2)), setup.get("attn", "sdpa"), setup.get("dtype", "float32"))
     load_s = time.perf_counter() - t0
     mode = setup.get("mode", "full")
     if mode not in ("full", "batch"):
