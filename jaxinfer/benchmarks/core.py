@@ -12,7 +12,7 @@ FILE`` also writes every figure (and the per-round samples) as JSON.
 What it measures, all on this machine and in this process:
 
 * memory bandwidth (a jitted float32 sum and matvec over ~512 MB, numpy copy)
-  and the decode floor: the float32 weight bytes read once per step;
+  and the decode floor: the weight bytes (in the engine's dtype) read once per step;
 * jaxinfer: compile time (first request of a shape minus a warm one), time to
   first token for a 128-token prompt, batch-1 decode tokens/s, batch-8
   aggregate tokens/s;
@@ -406,7 +406,7 @@ def report(res: dict) -> str:
     bw, fl, j, h = res["bandwidth"], res["floor"], res["jaxinfer"], res.get("transformers")
     sysinfo = res["system"]
     L.append(
-        f"jaxinfer core benchmark — {res['model']} (float32), {sysinfo['cpus']} CPUs, jax {sysinfo['jax']} "
+        f"jaxinfer core benchmark — {res['model']} ({res.get('dtype', 'float32')} weights), {sysinfo['cpus']} CPUs, jax {sysinfo['jax']} "
         f"on {sysinfo['backend']}; medians of {res['repeats']} alternating rounds"
     )
     L.append(f"load average at start {sysinfo['loadavg_start']}, at end {sysinfo.get('loadavg_end')}")
@@ -416,7 +416,7 @@ def report(res: dict) -> str:
         f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write)"
     )
     L.append(
-        f"decode floor: {fl['weight_bytes'] / 1e6:.0f} MB of float32 weights / {fl['bandwidth_gbs']:.1f} GB/s "
+        f"decode floor: {fl['weight_bytes'] / 1e6:.0f} MB of {res.get('dtype', 'float32')} weights / {fl['bandwidth_gbs']:.1f} GB/s "
         f"(best jitted read) = {fl['floor_ms']:.2f} ms/step = {1e3 / fl['floor_ms']:.1f} tok/s"
     )
     L.append("")
@@ -560,6 +560,7 @@ def parse_args(argv=None):
     p.add_argument("--step-context", type=int, default=None, help="context of the timed decode step (default prompt + decode)")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per block")
     p.add_argument("--json", default=None, help="also write the figures as JSON to this file")
+    p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"), help="weights' dtype (default: the preset's)")
     a = p.parse_args(argv)
     if a.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2")
@@ -589,9 +590,8 @@ def main(argv=None) -> int:
     res["bandwidth"] = bw = measure_bandwidth()
 
     log(f"loading {a.model} with jaxinfer")
-    llm = jaxinfer.LLM(a.model)
-    if llm.engine_config.dtype != "float32":
-        log(f"note: engine dtype is {llm.engine_config.dtype}, not float32")
+    llm = jaxinfer.LLM(a.model, dtype=a.dtype)
+    res["dtype"] = llm.engine_config.dtype
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.runner.params))
     best_bw = max(bw["jax_sum_gbs"], bw["jax_matvec_gbs"])
     res["floor"] = {"weight_bytes": weight_bytes, "bandwidth_gbs": best_bw, "floor_ms": weight_bytes / best_bw / 1e6}

@@ -373,11 +373,13 @@ def steady_window(llm, b: int, prompt_len: int, ids: Ids, skip: int, window: int
 def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
     """ms of the model's matmul shapes at each batch size (jitted, blocking), per layer and for the head.
 
-    Weights in `dtype`, activations rounded to it, float32 accumulation: as the model runs."""
+    Through the model's own `matmul` (weights in `dtype`, float32 accumulation)."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d), "head": (d, cfg.vocab_size)}
-    mm = jax.jit(lambda x, w: jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32))
+    from jaxinfer.models.llama import matmul
+
+    mm = jax.jit(matmul)
     out = {}
     for name, (k, n) in shapes.items():
         w = (jnp.ones((k, n), jnp.float32) * 0.01).astype(dtype)
@@ -394,7 +396,7 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
         out[name] = {"shape": [k, n], "ms": row}
     # the head as the model computes it with tied embeddings: hidden x embed^T
     emb = (jnp.ones((cfg.vocab_size, d), jnp.float32) * 0.01).astype(dtype)
-    ein = jax.jit(lambda x, e: jnp.einsum("...d,vd->...v", x.astype(e.dtype), e, preferred_element_type=jnp.float32))
+    ein = jax.jit(lambda x, e: matmul(x, e, w_contract=1))
     row = {}
     for b in batches:
         x = jnp.ones((b, d), jnp.float32)
@@ -412,26 +414,32 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
 
 
 def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict:
-    """ms of one layer's decode attention (`paged_attention`, T = 1) at each batch size, jitted alone."""
+    """ms of one layer's decode attention (`paged_attention`, T = 1) at each batch size, jitted alone.
+
+    The cache layer is donated and fed back, as in the engine's step (the CPU kernel
+    updates it in place; without donation XLA would copy the layer first)."""
     from jaxinfer.attention import AttentionMetadata, paged_attention
     from jaxinfer.buckets import bucket_for, pages_needed
 
     ps, kvh, hd = ecfg.page_size, cfg.num_kv_heads, cfg.head_dim
     p = bucket_for(pages_needed(context, ps), ecfg.page_buckets)
     cache = jnp.zeros((ecfg.num_pages, ps, 2 * kvh, hd), ecfg.cache_dtype)
-    f = jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, m, hd**-0.5)[0])
+    f = jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, m, hd**-0.5), donate_argnums=(3,))
     out = {"pages": p}
     for b in batches:
         q = jnp.ones((b, 1, cfg.num_heads, hd), jnp.float32)
         k = jnp.ones((b, 1, kvh, hd), jnp.float32)
         table = np.arange(1, 1 + b * p, dtype=np.int32).reshape(b, p) % (ecfg.num_pages - 1) + 1
         pos = np.full((b, 1), context - 1, np.int32)
-        meta = AttentionMetadata(pos, table[:, :1] * ps, table, np.full((b,), context, np.int32))
-        f(q, k, k, cache, meta).block_until_ready()
+        slots = table[:, (context - 1) // ps : (context - 1) // ps + 1] * ps + (context - 1) % ps
+        meta = jax.device_put(AttentionMetadata(pos, slots, table, np.full((b,), context, np.int32)))
+        o, cache = f(q, k, k, cache, meta)
+        o.block_until_ready()
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            f(q, k, k, cache, meta).block_until_ready()
+            o, cache = f(q, k, k, cache, meta)
+            o.block_until_ready()
             ts.append(time.perf_counter() - t0)
         out[str(b)] = 1e3 * median(ts)
     return out
