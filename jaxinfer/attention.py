@@ -43,6 +43,9 @@ class AttentionMetadata:
                               (padding tokens write to the dummy page 0).
     page_table: [B, P] int32  pages each row attends to, padded with page 0.
     kv_lens:    [B]    int32  valid keys per row once this chunk is written.
+
+    The CPU kernel needs only positions and page_table (it finds each slot from
+    them and skips padding tokens); the pure-JAX path uses all four.
     """
 
     positions: jax.Array
@@ -105,9 +108,15 @@ CPU_TARGET = "jaxinfer_paged_attention"
 
 
 def _cpu_kernel_fits(q, k, cache_layer) -> bool:
-    """The shapes and dtypes the CPU kernel takes (others use the pure-JAX path)."""
+    """Whether to offer the CPU kernel: a CPU default backend (so GPU and TPU hosts never
+    build it) and the shapes and dtypes it takes; anything else uses the pure-JAX path."""
     h, d, kvh = q.shape[2], q.shape[3], k.shape[2]
-    return d in (16, 32, 64, 128) and h // kvh <= 64 and cache_layer.dtype in (jnp.float32, jnp.bfloat16)
+    return (
+        jax.default_backend() == "cpu"
+        and d in (16, 32, 64, 128)
+        and h // kvh <= 64
+        and cache_layer.dtype in (jnp.float32, jnp.bfloat16)
+    )
 
 
 def _cpu_kernel():
