@@ -75,7 +75,7 @@ def _rate_text(rate: float) -> str:
 
 def main(argv=None) -> int:
     from jaxinfer.benchmarks.serving import (
-        BenchConfig, GrpcBackend, LibraryBackend, run_benchmark, summarize, synthetic_workload, warmup_workload,
+        BenchConfig, GrpcBackend, LibraryBackend, run_benchmark, summarize, synthetic_workload,
     )
 
     p = argparse.ArgumentParser(prog="python -m jaxinfer.server.bench_figures", description=__doc__.split("\n")[0])
