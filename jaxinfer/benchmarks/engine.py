@@ -46,7 +46,7 @@ import numpy as np
 import jaxinfer
 from jaxinfer import step as step_mod
 from jaxinfer.benchmarks import serving
-from jaxinfer.benchmarks.core import HF_PEER, HFPeer, StepBench, common_prefix, find_hf_python
+from jaxinfer.benchmarks.core import HF_PEER, HFPeer, StepBench, common_prefix, find_hf_python, timed
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.weights import resolve_model
@@ -374,40 +374,25 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
     """ms of the model's matmul shapes at each batch size (jitted, blocking), per layer and for the head.
 
     Through the model's own `matmul` (weights in `dtype`, float32 accumulation)."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * f), "down": (f, d), "head": (d, cfg.vocab_size)}
     from jaxinfer.models.llama import matmul
 
-    mm = jax.jit(matmul)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    # name: (weight shape, contracting axis); head_tied is the LM head as the model computes
+    # it with tied embeddings (hidden x embed^T)
+    shapes = {"qkv": ((d, q + 2 * kv), 0), "o": ((q, d), 0), "gate_up": ((d, 2 * f), 0), "down": ((f, d), 0),
+              "head": ((d, cfg.vocab_size), 0), "head_tied": ((cfg.vocab_size, d), 1)}
+    mm = jax.jit(matmul, static_argnames="w_contract")
     out = {}
-    for name, (k, n) in shapes.items():
-        w = (jnp.ones((k, n), jnp.float32) * 0.01).astype(dtype)
+    for name, (shape, contract) in shapes.items():
+        w = (jnp.ones(shape, jnp.float32) * 0.01).astype(dtype)
         row = {}
         for b in batches:
-            x = jnp.ones((b, k), jnp.float32)
-            mm(x, w).block_until_ready()
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                mm(x, w).block_until_ready()
-                ts.append(time.perf_counter() - t0)
-            row[str(b)] = 1e3 * median(ts)
-        out[name] = {"shape": [k, n], "ms": row}
-    # the head as the model computes it with tied embeddings: hidden x embed^T
-    emb = (jnp.ones((cfg.vocab_size, d), jnp.float32) * 0.01).astype(dtype)
-    ein = jax.jit(lambda x, e: matmul(x, e, w_contract=1))
-    row = {}
-    for b in batches:
-        x = jnp.ones((b, d), jnp.float32)
-        ein(x, emb).block_until_ready()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            ein(x, emb).block_until_ready()
-            ts.append(time.perf_counter() - t0)
-        row[str(b)] = 1e3 * median(ts)
-    out["head_tied"] = {"shape": [cfg.vocab_size, d], "ms": row}
+            x = jnp.ones((b, shape[contract]), jnp.float32)
+            run = lambda: mm(x, w, w_contract=contract).block_until_ready()  # noqa: E731
+            run()
+            row[str(b)] = 1e3 * median(timed(run, repeats))
+        out[name] = {"shape": list(shape), "ms": row}
     per_layer = {str(b): sum(out[k]["ms"][str(b)] for k in ("qkv", "o", "gate_up", "down")) for b in batches}
     out["model_ms"] = {str(b): cfg.num_layers * per_layer[str(b)] + out["head"]["ms"][str(b)] for b in batches}
     return out
@@ -420,10 +405,11 @@ def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict
     updates it in place; without donation XLA would copy the layer first)."""
     from jaxinfer.attention import AttentionMetadata, paged_attention
     from jaxinfer.buckets import bucket_for, pages_needed
+    from jaxinfer.kv_cache import slots_for
 
     ps, kvh, hd = ecfg.page_size, cfg.num_kv_heads, cfg.head_dim
     p = bucket_for(pages_needed(context, ps), ecfg.page_buckets)
-    cache = jnp.zeros((ecfg.num_pages, ps, 2 * kvh, hd), ecfg.cache_dtype)
+    state = {"cache": jnp.zeros((ecfg.num_pages, ps, 2 * kvh, hd), ecfg.cache_dtype)}  # donated, fed back
     f = jax.jit(lambda q, k, v, c, m: paged_attention(q, k, v, c, m, hd**-0.5), donate_argnums=(3,))
     out = {"pages": p}
     for b in batches:
@@ -431,17 +417,14 @@ def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict
         k = jnp.ones((b, 1, kvh, hd), jnp.float32)
         table = np.arange(1, 1 + b * p, dtype=np.int32).reshape(b, p) % (ecfg.num_pages - 1) + 1
         pos = np.full((b, 1), context - 1, np.int32)
-        slots = table[:, (context - 1) // ps : (context - 1) // ps + 1] * ps + (context - 1) % ps
-        meta = jax.device_put(AttentionMetadata(pos, slots, table, np.full((b,), context, np.int32)))
-        o, cache = f(q, k, k, cache, meta)
-        o.block_until_ready()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            o, cache = f(q, k, k, cache, meta)
+        meta = jax.device_put(AttentionMetadata(pos, slots_for(table, pos, ps), table, np.full((b,), context, np.int32)))
+
+        def run():
+            o, state["cache"] = f(q, k, k, state["cache"], meta)
             o.block_until_ready()
-            ts.append(time.perf_counter() - t0)
-        out[str(b)] = 1e3 * median(ts)
+
+        run()
+        out[str(b)] = 1e3 * median(timed(run, repeats))
     return out
 
 
