@@ -13,10 +13,19 @@ copies; that gather and the masked softmax over the gathered copy were most
 of a batched step (measured on SmolLM2 at batch 32: ~100 ms of a 190 ms decode
 step; 0.6 s of a 1.8 s 32 x 128-token bfloat16 prefill). So on the CPU platform
 attention goes to a native kernel that reads the pages where they lie
-(`jaxinfer/kernels/paged_attention_cpu.cc`, built on first use), for decode
-and prefill chunks alike. The choice is staged with `lax.platform_dependent`,
-so a GPU or TPU program never sees the CPU kernel; Pallas ragged paged
-attention is the counterpart there.
+(`jaxinfer/kernels/paged_attention_cpu.cc`), for decode and prefill chunks
+alike. The choice is staged with `lax.platform_dependent`, so a GPU or TPU
+program never sees the CPU kernel; Pallas ragged paged attention is the
+counterpart there.
+
+The kernel is built by `prepare_cpu_kernel` (at model load, with its own
+progress line; cached per machine), never inside a jit trace: a trace uses
+the kernel only when it is already loaded, else the pure-JAX path.
+
+Compile keys: the kernel reads each row's real context length (it stops at
+the row's last position), so with it the page table is passed at its full
+width and pages attended are not a compile key (`reads_row_lengths`). The
+pure-JAX path gathers every page in the table, so it keeps page buckets.
 """
 
 from __future__ import annotations
@@ -91,7 +100,7 @@ def paged_attention(
     b, t, h, d = q.shape
     chex.assert_shape(meta.positions, (b, t))
     chex.assert_shape(meta.slots, (b, t))
-    if _cpu_kernel_fits(q, k, cache_layer) and _cpu_kernel() is not None:
+    if _cpu_kernel_fits(q.shape[2], k.shape[2], q.shape[3], cache_layer.dtype) and kernels.ready(CPU_SOURCE):
         return jax.lax.platform_dependent(
             q,
             k,
@@ -105,22 +114,48 @@ def paged_attention(
 
 
 CPU_TARGET = "jaxinfer_paged_attention"
+CPU_SOURCE = "paged_attention_cpu.cc"
 
 
-def _cpu_kernel_fits(q, k, cache_layer) -> bool:
+def _cpu_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype) -> bool:
     """Whether to offer the CPU kernel: a CPU default backend (so GPU and TPU hosts never
     build it) and the shapes and dtypes it takes; anything else uses the pure-JAX path."""
-    h, d, kvh = q.shape[2], q.shape[3], k.shape[2]
     return (
         jax.default_backend() == "cpu"
-        and d in (16, 32, 64, 128)
-        and h // kvh <= 64
-        and cache_layer.dtype in (jnp.float32, jnp.bfloat16)
+        and head_dim in (16, 32, 64, 128)
+        and num_heads // num_kv_heads <= 64
+        and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16)
     )
 
 
+def prepare_cpu_kernel() -> bool:
+    """Build (once per machine, then cached on disk) and register the CPU attention kernel.
+
+    Call it before tracing a step (`ModelRunner` does, at load). Returns whether the
+    kernel is available; a failed build warns once and the pure-JAX path is used.
+    """
+    if jax.default_backend() != "cpu" or not kernels.enabled():
+        return False
+    if not kernels.ready(CPU_SOURCE) and not kernels.tried(CPU_SOURCE):
+        from jaxinfer import progress
+
+        title = "loading the CPU attention kernel" if kernels.is_built(CPU_SOURCE) else (
+            "building the CPU attention kernel (once per machine)")
+        with progress.stage(title):
+            kernels.load(CPU_SOURCE, {CPU_TARGET: "JaxinferPagedAttention"})
+    return kernels.ready(CPU_SOURCE)
+
+
 def _cpu_kernel():
-    return kernels.load("paged_attention_cpu.cc", {CPU_TARGET: "JaxinferPagedAttention"})
+    """The loaded kernel library, built if needed (None when unavailable)."""
+    prepare_cpu_kernel()
+    return kernels.load(CPU_SOURCE, {CPU_TARGET: "JaxinferPagedAttention"}) if kernels.ready(CPU_SOURCE) else None
+
+
+def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype) -> bool:
+    """Whether steps traced now attend with the CPU kernel, which stops at each row's
+    length (so the page table can be passed at full width: one program for every length)."""
+    return _cpu_kernel_fits(num_heads, num_kv_heads, head_dim, cache_dtype) and kernels.ready(CPU_SOURCE)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))

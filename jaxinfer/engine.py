@@ -27,8 +27,7 @@ from typing import Optional
 
 import jax
 
-from jaxinfer import step as step_fns
-from jaxinfer.buckets import bucket_for
+from jaxinfer.compile_cache import compile_count
 from jaxinfer.engine_stats import EngineStats
 from jaxinfer.outputs import StreamDelta
 from jaxinfer.page_allocator import PageAllocator
@@ -317,31 +316,22 @@ class Engine:
 
     # -- warm-up -----------------------------------------------------------------------
 
-    def compile_shapes(self) -> dict:
-        """Every (batch, chunk, pages) prefill shape and (batch, pages) decode shape the engine can use."""
-        e = self.ecfg
-        area = self.scheduler.prefill_area
-        prefill = []
-        prev_t = 0
-        for t in e.chunk_buckets:
-            min_pages = bucket_for(max(1, -(-(prev_t + 1) // e.page_size)), e.page_buckets)
-            for b in e.batch_buckets:
-                if b * t > area:
-                    continue
-                prefill += [(b, t, p) for p in e.page_buckets if p >= min_pages]
-            prev_t = t
-        decode = [(b, p) for b in e.batch_buckets if b <= e.max_num_seqs for p in e.page_buckets]
-        return {"prefill": prefill, "decode": decode}
+    def program_keys(self) -> list:
+        """Every step program the engine can run (`jaxinfer.programs.ProgramKey`), in one list."""
+        return self.runner.programs.keys(self.scheduler.prefill_area)
 
-    def warmup(self, variants=("greedy",), progress: bool = True) -> int:
-        """Compile every program up front; returns how many were compiled now."""
-        from jaxinfer.warmup import compile_all
+    def warmup(self) -> int:
+        """Compile (or load from the program cache) every program up front; returns how many now.
 
-        return compile_all(self, variants=variants, progress=progress)
+        After it, serving compiles nothing: any mix of sampling settings, logprobs, prompt
+        lengths and batch sizes runs one of these programs.
+        """
+        return self.runner.programs.warmup(self.program_keys())
 
     @staticmethod
     def compiled_count() -> int:
-        return step_fns.compiled_count()
+        """Programs lowered in this process (step programs and eager ops alike)."""
+        return compile_count()
 
     @property
     def backend(self) -> str:

@@ -1,15 +1,20 @@
 """The sampler: one pure function run on device inside every step.
 
-Per-request parameters are padded data arrays (`SamplingMetadata`); only a
-few switches are compile keys: all-greedy, filters on (top-k / top-p / min-p),
-penalties on, and the number of top logprobs returned. Randomness is derived
-per row from the request's seed and the position being sampled, so a seeded
-request draws the same tokens whatever else is in the batch.
+Per-request parameters are padded data arrays (`SamplingMetadata`), and so
+is every switch: whether any row samples, uses filters (top-k / top-p /
+min-p), penalties or logprobs is read from the data on device, and each costly
+stage runs under a `lax.cond` only when some row needs it. No sampler setting
+is a compile key; the one static value is the engine's `max_logprobs` (the
+width of the top-logprobs output, the same for every step: rows cut it to
+their own count on the host). Randomness is derived per row from the
+request's seed and the position being sampled, so a seeded request draws the
+same tokens whatever else is in the batch.
 
 Penalties (presence / frequency / repetition) need each request's token
 history; it lives on device in `SamplerState`, one row per engine slot,
 donated and updated in place by the step, so the host never ships
-vocabulary-sized arrays.
+vocabulary-sized arrays. The state also keeps each slot's last drawn token,
+so a decode step feeds the previous step's tokens without a host round trip.
 
 Order, as in vLLM: penalties -> banned tokens (min_tokens) -> temperature
 -> min-p -> top-k -> top-p -> draw. Logprobs are of the raw model distribution.
@@ -33,7 +38,7 @@ NUM_BANNED = 16  # width of the per-row banned-token list (stop ids before min_t
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-row sampling inputs [B]; the last four fields are static switches."""
+    """Per-row sampling inputs [B]; `max_logprobs` (the engine's) is the only static field."""
 
     temperature: jax.Array  # [B] f32 (0 = greedy)
     top_k: jax.Array  # [B] i32 (0 = off)
@@ -48,19 +53,34 @@ class SamplingMetadata:
     slot_ids: jax.Array  # [B] i32, row in SamplerState (out of range = padding row)
     is_output: jax.Array  # [B] bool, the drawn token is an output token (not a mid-prompt chunk)
     prompt_lens: jax.Array  # [B] i32, tokens at or past this position are earlier outputs (recompute)
-    all_greedy: bool = field(default=True, metadata=dict(static=True))
-    use_filters: bool = field(default=False, metadata=dict(static=True))
-    use_penalties: bool = field(default=False, metadata=dict(static=True))
-    num_logprobs: int = field(default=0, metadata=dict(static=True))
+    want_logprobs: jax.Array  # [B] bool, the row's request asked for logprobs
+    max_logprobs: int = field(default=0, metadata=dict(static=True))
+
+    # Stage switches, read from the data on device (padding rows hold neutral values).
+    def sampling_rows(self) -> jax.Array:
+        return self.temperature >= GREEDY_EPS
+
+    def any_sampling(self) -> jax.Array:
+        return jnp.any(self.sampling_rows())
+
+    def any_filters(self) -> jax.Array:
+        uses = (self.top_k > 0) | (self.top_p < 1.0) | (self.min_p > 0.0)
+        return jnp.any(uses & self.sampling_rows())
+
+    def any_penalties(self) -> jax.Array:
+        return jnp.any(
+            (self.repetition_penalty != 1.0) | (self.presence_penalty != 0.0) | (self.frequency_penalty != 0.0)
+        )
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerState:
-    """Token history per engine slot, for penalties: [num_slots, vocab]."""
+    """Per engine slot: token history for penalties [num_slots, vocab], last drawn token [num_slots]."""
 
     output_counts: jax.Array  # i32
     prompt_mask: jax.Array  # bool
+    last_tokens: jax.Array  # i32
 
 
 @jax.tree_util.register_dataclass
@@ -76,6 +96,7 @@ def init_sampler_state(num_slots: int, vocab_size: int) -> SamplerState:
     return SamplerState(
         output_counts=jnp.zeros((num_slots, vocab_size), jnp.int32),
         prompt_mask=jnp.zeros((num_slots, vocab_size), jnp.bool_),
+        last_tokens=jnp.zeros((num_slots,), jnp.int32),
     )
 
 
@@ -96,7 +117,17 @@ def record_prompt(
     is_prompt = positions < md.prompt_lens[:, None]
     mask = mask.at[jnp.where(valid & is_prompt, rows, num_slots), tokens].set(True, mode="drop")
     counts = counts.at[jnp.where(valid & ~is_prompt, rows, num_slots), tokens].add(1, mode="drop")
-    return SamplerState(counts, mask)
+    return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
+
+
+def record_prompt_if_needed(state, tokens, positions, valid, md: "SamplingMetadata") -> SamplerState:
+    """`record_prompt`, run only when some row of the chunk uses penalties."""
+    return jax.lax.cond(
+        md.any_penalties(),
+        lambda st: record_prompt(st, tokens, positions, valid, md),
+        lambda st: st,
+        state,
+    )
 
 
 def _apply_penalties(logits, md: SamplingMetadata, state: SamplerState):
@@ -133,39 +164,58 @@ def _row_keys(seeds, positions):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-def sample(
-    logits: jax.Array, md: SamplingMetadata, state: Optional[SamplerState]
-) -> tuple[SamplerOutput, Optional[SamplerState]]:
-    """logits: [B, V] float32 -> drawn tokens (and logprobs), updated penalty state."""
+def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tuple[SamplerOutput, SamplerState]:
+    """logits: [B, V] float32 -> drawn tokens (and top logprobs), updated sampler state.
+
+    One program for every mix of settings: each stage below that some rows may
+    not need (penalties, filters, the random draw, logprobs) sits under a
+    `lax.cond` on a flag read from the data, so it costs nothing when no row
+    needs it and never selects another compiled program.
+    """
     b, v = logits.shape
     raw = logits
-    if md.use_penalties:
-        logits = _apply_penalties(logits, md, state)
+    logits = jax.lax.cond(
+        md.any_penalties(), lambda lg: _apply_penalties(lg, md, state), lambda lg: lg, logits
+    )
     banned = jnp.where(md.banned < 0, v, md.banned)
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned.shape)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if md.all_greedy:
-        tokens = greedy
-    else:
-        is_greedy = md.temperature < GREEDY_EPS
-        scaled = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
-        if md.use_filters:
-            scaled = _apply_filters(scaled, md)
+
+    def draw(lg):
+        is_greedy = ~md.sampling_rows()
+        scaled = lg / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+        scaled = jax.lax.cond(md.any_filters(), lambda x: _apply_filters(x, md), lambda x: x, scaled)
         keys = _row_keys(md.seeds, md.sample_pos)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
         drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-        tokens = jnp.where(is_greedy, greedy, drawn)
-    if md.use_penalties:
-        counts = state.output_counts.at[md.slot_ids, tokens].add(md.is_output.astype(jnp.int32), mode="drop")
-        state = SamplerState(counts, state.prompt_mask)
-    out = SamplerOutput(tokens=tokens)
-    if md.num_logprobs > 0:
-        lp = jax.nn.log_softmax(raw, axis=-1)
+        return jnp.where(is_greedy, greedy, drawn)
+
+    tokens = jax.lax.cond(md.any_sampling(), draw, lambda lg: greedy, logits)
+    num_slots = state.last_tokens.shape[0]
+    out_slots = jnp.where(md.is_output, md.slot_ids, num_slots)  # padding / mid-prompt rows: dropped
+    counts = jax.lax.cond(
+        md.any_penalties(),
+        lambda c: c.at[out_slots, tokens].add(1, mode="drop"),
+        lambda c: c,
+        state.output_counts,
+    )
+    state = SamplerState(counts, state.prompt_mask, state.last_tokens.at[out_slots].set(tokens, mode="drop"))
+    n = md.max_logprobs
+    if n == 0:
+        return SamplerOutput(tokens=tokens), state
+
+    def top(raw_logits):
+        lp = jax.nn.log_softmax(raw_logits, axis=-1)
         chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(lp, md.num_logprobs)
-        out = SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
-    return out, state
+        top_lp, top_ids = jax.lax.top_k(lp, n)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def none(raw_logits):
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)
+
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(md.want_logprobs), top, none, raw)
+    return SamplerOutput(tokens, chosen, top_ids, top_lp), state
 
 
 def build_metadata(
@@ -173,11 +223,12 @@ def build_metadata(
     batch_size: int,
     *,
     num_slots: int,
-    num_logprobs: int,
+    max_logprobs: int,
 ) -> SamplingMetadata:
     """Pad per-row host values into a `SamplingMetadata` of ``batch_size`` rows.
 
-    ``rows`` holds one `RowSampling` (or None for a padding row) per batch row.
+    ``rows`` holds one `RowSampling` (or None for a padding row) per batch row;
+    ``max_logprobs`` is the engine's (the width of every step's top-logprobs output).
     """
     f32 = lambda: np.zeros(batch_size, np.float32)  # noqa: E731
     temp, top_p, min_p = f32(), np.ones(batch_size, np.float32), f32()
@@ -189,7 +240,7 @@ def build_metadata(
     slots = np.full(batch_size, num_slots, np.int32)
     is_out = np.zeros(batch_size, np.bool_)
     plens = np.zeros(batch_size, np.int32)
-    all_greedy, filters, penalties = True, False, False
+    want_lp = np.zeros(batch_size, np.bool_)
     for i, r in enumerate(rows):
         if r is None:
             continue
@@ -201,9 +252,7 @@ def build_metadata(
         if r.banned:
             ids = list(r.banned)[:NUM_BANNED]
             banned[i, : len(ids)] = ids
-        all_greedy &= sp.greedy
-        filters |= sp.uses_filters
-        penalties |= sp.uses_penalties
+        want_lp[i] = sp.logprobs is not None
     return SamplingMetadata(
         temperature=temp,
         top_k=top_k,
@@ -218,10 +267,8 @@ def build_metadata(
         slot_ids=slots,
         is_output=is_out,
         prompt_lens=plens,
-        all_greedy=bool(all_greedy),
-        use_filters=bool(filters),
-        use_penalties=bool(penalties),
-        num_logprobs=int(num_logprobs),
+        want_logprobs=want_lp,
+        max_logprobs=int(max_logprobs),
     )
 
 

@@ -6,14 +6,16 @@ sampler state so they are updated in place, and both return the drawn tokens
 (and logprobs when asked) as device arrays. They share one core: a decode step
 is a prefill chunk of length one.
 
-Compile keys are the model config, the padded shapes (batch, chunk length,
-pages attended) and the sampler's static switches; nothing else.
+Compile keys are the model config and the padded shapes (batch, chunk length,
+and the page-table width); sampler settings, logprobs and context lengths are
+data. The engine compiles them ahead of time into its program table
+(`jaxinfer.programs`); calling these jitted functions directly works too.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import chex
 import jax
@@ -22,13 +24,13 @@ import jax.numpy as jnp
 from jaxinfer.attention import AttentionMetadata
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import get_family
-from jaxinfer.sampler import SamplerOutput, SamplerState, SamplingMetadata, record_prompt, sample
+from jaxinfer.sampler import SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, sample
 
 
 def _step_core(
     params: Any,
     kv_cache: list,
-    sampler_state: Optional[SamplerState],
+    sampler_state: SamplerState,
     tokens: jax.Array,
     attn: AttentionMetadata,
     last_index: jax.Array,
@@ -42,9 +44,9 @@ def _step_core(
     hidden, kv_cache = family.forward(params, cfg, tokens, kv_cache, attn)
     h_last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = family.logits(params, cfg, h_last)
-    if sampling.use_penalties and record:
+    if record:
         valid = jnp.arange(t)[None, :] <= last_index[:, None]
-        sampler_state = record_prompt(sampler_state, tokens, attn.positions, valid, sampling)
+        sampler_state = record_prompt_if_needed(sampler_state, tokens, attn.positions, valid, sampling)
     out, sampler_state = sample(logits, sampling, sampler_state)
     return out, kv_cache, sampler_state
 
@@ -53,14 +55,14 @@ def _step_core(
 def prefill(
     params: Any,
     kv_cache: list,
-    sampler_state: Optional[SamplerState],
+    sampler_state: SamplerState,
     tokens: jax.Array,
     attn: AttentionMetadata,
     last_index: jax.Array,
     sampling: SamplingMetadata,
     *,
     cfg: ModelConfig,
-) -> tuple[SamplerOutput, list, Optional[SamplerState]]:
+) -> tuple[SamplerOutput, list, SamplerState]:
     """Run a chunk of prompt tokens and draw the next token after each row's last one.
 
     tokens: [B, T] int32 (a chunk starting at ``attn.positions[:, 0]``, padded);
@@ -74,19 +76,30 @@ def prefill(
 def decode_step(
     params: Any,
     kv_cache: list,
-    sampler_state: Optional[SamplerState],
+    sampler_state: SamplerState,
     tokens: jax.Array,
+    from_state: jax.Array,
     attn: AttentionMetadata,
     sampling: SamplingMetadata,
     *,
     cfg: ModelConfig,
-) -> tuple[SamplerOutput, list, Optional[SamplerState]]:
-    """One token per running request. tokens: [B] int32; attention metadata has T = 1."""
+) -> tuple[SamplerOutput, list, SamplerState]:
+    """One token per running request; attention metadata has T = 1.
+
+    tokens: [B] int32, each row's input token where the host has it;
+    from_state: [B] bool, take the row's input instead from the token its slot drew
+    last (``sampler_state.last_tokens``): the previous step's output, still on device.
+    """
     b = tokens.shape[0]
+    chex.assert_shape(from_state, (b,))
+    on_device = sampler_state.last_tokens.at[sampling.slot_ids].get(mode="fill", fill_value=0)
+    tokens = jnp.where(from_state, on_device, tokens)
     last = jnp.zeros((b,), jnp.int32)
     return _step_core(params, kv_cache, sampler_state, tokens[:, None], attn, last, sampling, cfg, False)
 
 
 def compiled_count() -> int:
-    """How many programs the two entry points have compiled in this process."""
-    return prefill._cache_size() + decode_step._cache_size()
+    """Programs lowered in this process (steps and eager ops alike); see `jaxinfer.compile_cache`."""
+    from jaxinfer.compile_cache import compile_count
+
+    return compile_count()

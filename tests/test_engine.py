@@ -237,25 +237,81 @@ def test_async_streams_from_many_tasks(tiny_llm):
         assert toks == tiny_llm.generate([[i + 1, 7, 9]], SP(max_tokens=5, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
 
 
-def test_no_compilation_after_warmup_under_a_random_workload():
-    # few buckets, so warming every program stays quick on CPU
-    ecfg = TINY_ENGINE.replace(batch_buckets=(1, 4), chunk_buckets=(8, 16), page_buckets=(8, 32))
-    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=ecfg, max_num_batched_tokens=32)
-    compiled = llm.engine.warmup(variants=("greedy", "sample+filters"), progress=False)
-    shapes = llm.engine.compile_shapes()
-    assert compiled <= 2 * (len(shapes["prefill"]) + len(shapes["decode"]))
-    before = llm.engine.compiled_count()
+def random_params(rng, i: int) -> SamplingParams:
+    """Any mix of the sampler's features: greedy or not, filters, penalties, logprobs, seeds, min_tokens."""
+    pick = lambda *xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    return SP(
+        max_tokens=int(rng.integers(2, 24)),
+        temperature=pick(0.0, 0.0, 0.7, 1.3),
+        top_p=pick(1.0, 0.9, 0.5),
+        top_k=pick(0, 0, 5, 50),
+        min_p=pick(0.0, 0.0, 0.1),
+        presence_penalty=pick(0.0, 0.0, 0.5),
+        frequency_penalty=pick(0.0, -0.5, 0.3),
+        repetition_penalty=pick(1.0, 1.0, 1.3),
+        logprobs=pick(None, None, 0, 1, 3, TINY_ENGINE.max_logprobs),
+        min_tokens=pick(0, 0, 2),
+        seed=pick(None, i),
+        ignore_eos=True,
+    )
+
+
+def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
+    """After warm-up, any mix of sampling settings, logprobs counts, prompt lengths, batch sizes
+    and aborts runs programs from the list: the guard counts every lowering in the process, so a
+    stray eager op outside the steps would fail it too."""
+    from jaxinfer.compile_cache import compile_count
+
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE)
+    keys = llm.engine.program_keys()
+    assert llm.engine.warmup() == len(keys)
+    assert llm.runner.programs.num_ready == len(keys)
+    before = compile_count()
     rng = np.random.default_rng(5)
-    ps = [rand_prompt(rng, 1, 100) for _ in range(12)]
-    params = [
-        SP(max_tokens=int(rng.integers(1, 20)), temperature=0)
-        if i % 2
-        else SP(max_tokens=int(rng.integers(1, 20)), temperature=0.8, top_p=0.9, seed=i)
-        for i in range(12)
-    ]
-    llm.generate(ps, params)
-    assert llm.engine.compiled_count() == before
+    reqs = [llm.make_request(rand_prompt(rng, 1, 90), random_params(rng, i)) for i in range(24)]
+    streams = [llm.submit(r) for r in reqs]
+    for s in streams[::5]:  # abort some mid-stream
+        next(iter(s))
+        s.abort()
+    outs = [s.result() for s in streams]
+    assert llm.wait_idle()
+    assert compile_count() == before, "something compiled after warm-up"
+    assert llm.runner.programs.compiled_late == []
+    llm.engine.allocator.check_all_free()
+    for r, o in zip(reqs, outs):
+        comp = o.outputs[0]
+        if comp.finish_reason == "length":
+            assert len(comp.token_ids) == r.max_tokens
+        if r.params.logprobs is not None and comp.logprobs:
+            assert all(len(lp.top) == r.params.logprobs for lp in comp.logprobs)
+            assert comp.logprobs[0].token_id == comp.token_ids[0]
+        if r.params.logprobs is None:
+            assert comp.logprobs is None
     llm.close()
+
+
+def test_cpu_preset_program_list_is_short_and_covers_every_step_shape():
+    """The cpu preset's whole program list stays small, and every padded shape the runner can
+    produce (any batch up to max_num_seqs, any chunk within the prefill area) is in it."""
+    from jaxinfer.buckets import bucket_for
+    from jaxinfer.config import EngineConfig
+
+    ecfg = EngineConfig.preset("cpu").replace(num_pages=64, dtype="float32")
+    eng = Engine(ModelRunner(TINY, ecfg, tiny_params()), autostart=False)
+    keys = set(eng.program_keys())
+    assert len(keys) <= 32, len(keys)
+    table = eng.runner.programs
+    for n in range(1, ecfg.max_num_seqs + 1):
+        b = bucket_for(n, ecfg.batch_buckets)
+        for ctx in (1, 200, ecfg.page_size * ecfg.page_buckets[-1]):
+            p = table.page_width(-(-ctx // ecfg.page_size))
+            assert (("decode", b, 1, p)) in {(k.kind, k.batch, k.tokens, k.pages) for k in keys}
+        for t in ecfg.chunk_buckets:
+            if b * t > eng.scheduler.prefill_area:
+                continue
+            for ctx in (t, t + 100, ecfg.page_size * ecfg.page_buckets[-1]):
+                p = table.page_width(-(-ctx // ecfg.page_size))
+                assert ("prefill", b, t, p) in {(k.kind, k.batch, k.tokens, k.pages) for k in keys}
 
 
 def test_stats_line_reads_like_vllm(tiny_llm):

@@ -12,7 +12,7 @@ from jaxinfer import kv_cache, step
 from jaxinfer.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig, RopeScaling
 from jaxinfer.models import llama
-from jaxinfer.sampler import RowSampling, build_metadata
+from jaxinfer.sampler import RowSampling, build_metadata, init_sampler_state
 from jaxinfer.sampling_params import SamplingParams
 
 PS = TINY_ENGINE.page_size
@@ -110,9 +110,10 @@ def test_decode_step_does_not_copy_the_cache():
     attn = AttentionMetadata(
         np.array([[5]], np.int32), np.array([[45]], np.int32), np.array([[11, 12]], np.int32), np.array([6], np.int32)
     )
-    md = build_metadata([RowSampling(SamplingParams(temperature=0), 0, 6, 0)], 1, num_slots=4, num_logprobs=0)
+    md = build_metadata([RowSampling(SamplingParams(temperature=0), 0, 6, 0)], 1, num_slots=4, max_logprobs=5)
+    state = init_sampler_state(4, cfg.vocab_size)
     compiled = step.decode_step.lower(
-        params, cache, None, jnp.zeros((1,), jnp.int32), attn, md, cfg=cfg
+        params, cache, state, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.bool_), attn, md, cfg=cfg
     ).compile()
     layer_shape = "f32[%d,%d,%d,%d]" % cache[0].shape
     hlo = compiled.as_text()

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxinfer.compile_cache import compile_count
 from jaxinfer.sampler import RowSampling, build_metadata, init_sampler_state, record_prompt, sample
 from jaxinfer.sampling_params import SamplingParams
 
@@ -27,7 +28,8 @@ def draw(logits, params_list, *, seeds=None, positions=None, state=None, slots=N
         )
         for i, p in enumerate(params_list)
     ]
-    md = build_metadata(rows, b, num_slots=8, num_logprobs=num_logprobs)
+    md = build_metadata(rows, b, num_slots=8, max_logprobs=num_logprobs)
+    state = init_sampler_state(8, logits.shape[1]) if state is None else state
     out, state = sample_jit(np.asarray(logits, np.float32), md, state)
     return out, state
 
@@ -162,7 +164,7 @@ def test_recomputed_outputs_count_as_outputs_again():
 
 def md_for(slot, prompt_len):
     return build_metadata(
-        [RowSampling(SamplingParams(), 0, prompt_len, slot, prompt_len=prompt_len)], 1, num_slots=8, num_logprobs=0
+        [RowSampling(SamplingParams(), 0, prompt_len, slot, prompt_len=prompt_len)], 1, num_slots=8, max_logprobs=0
     )
 
 
@@ -173,6 +175,38 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_allclose(np.asarray(out.logprob), ref[np.arange(2), lg.argmax(-1)], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-lg, axis=-1)[:, :3])
     assert np.all(np.diff(np.asarray(out.top_logprobs), axis=-1) <= 0)
+
+
+def test_one_program_serves_every_sampler_setting():
+    """Sampler settings are data: one jitted sampler, traced once, serves greedy, sampling, filters,
+    penalties and logprobs in any mix, and each stage still acts only on the rows that ask for it."""
+    fn = jax.jit(sample)
+    lg = rand_logits(4, seed=21)
+    mixes = [
+        [SamplingParams(temperature=0)] * 4,
+        [SamplingParams(temperature=0.8, top_p=0.5, seed=1), SamplingParams(temperature=0), SamplingParams(top_k=3),
+         SamplingParams(min_p=0.2)],
+        [SamplingParams(temperature=0, presence_penalty=1.0), SamplingParams(temperature=0, logprobs=2),
+         SamplingParams(repetition_penalty=1.5), SamplingParams(temperature=1.2, logprobs=0)],
+    ]
+    state = init_sampler_state(8, V)
+    lowered = []
+    for i, params in enumerate(mixes):
+        lowered.append(compile_count())
+        rows = [RowSampling(p, seed=j, sample_pos=i, slot=j) for j, p in enumerate(params)]
+        md = build_metadata(rows, 4, num_slots=8, max_logprobs=5)
+        out, state = fn(lg, md, state)
+        for j, p in enumerate(params):
+            if p.greedy and not p.uses_penalties:
+                assert int(out.tokens[j]) == lg[j].argmax()
+            if p.top_k:
+                assert int(out.tokens[j]) in np.argsort(-lg[j])[: p.top_k]
+        assert np.asarray(state.last_tokens)[:4].tolist() == np.asarray(out.tokens).tolist()
+    assert lowered[1] == lowered[2] == compile_count(), "a sampler setting compiled another program"
+    # logprobs rows get the raw distribution's top entries; the others are cut on the host
+    ref = jax.nn.log_softmax(lg, axis=-1)
+    np.testing.assert_array_equal(np.asarray(out.top_ids)[1], np.argsort(-lg[1])[:5])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs)[1], np.sort(ref[1])[::-1][:5], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

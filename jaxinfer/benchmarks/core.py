@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import platform
@@ -188,8 +187,8 @@ class StepBench:
 
     `batch` requests are each given the pages for `context` tokens and positioned
     at their last token; `ModelRunner.decode` pads their inputs once (we capture
-    the arguments it passes to `jaxinfer.step.decode_step`), after which the
-    step is called directly with the cache fed back, as the engine does. The
+    the program it runs from its program table and the arguments it passes), after
+    which that program is called directly with the cache fed back, as the engine does. The
     pages are taken from the top of the cache without the allocator; their
     contents are overwritten, so use this on an engine with nothing running.
     """
@@ -211,43 +210,40 @@ class StepBench:
             r.last_token = int(prompt[-1])
             self.requests.append(r)
         captured = {}
-        real = step_mod.decode_step
+        table = runner.programs
+        real_get = table.get
 
-        def spy(*a, **kw):
-            captured["bound"] = inspect.signature(real).bind(*a, **kw)
-            return real(*a, **kw)
+        def spy_get(key):
+            prog = real_get(key)
 
-        step_mod.decode_step = spy
+            def call(*args):
+                captured["prog"], captured["args"] = prog, args
+                return prog(*args)
+
+            return call
+
+        table.get = spy_get
         try:
             runner.decode(self.requests).tokens.block_until_ready()
         finally:
-            step_mod.decode_step = real
-        args = dict(captured["bound"].arguments)
-        self.uses_state = args.pop("sampler_state") is not None
-        args.pop("kv_cache"), args.pop("params")
-        static = {k: args.pop(k) for k in ("cfg",) if k in args}
-        self.inputs = jax.device_put(args)  # tokens, attention and sampling metadata
-        self.static = static
+            del table.get  # back to the class's method
+        self.program = captured["prog"]
+        # (params, kv_cache, sampler_state) are fed back each call; the rest is built once
+        self.inputs = jax.device_put(captured["args"][3:])  # tokens, from_state, attention and sampling metadata
         self.direct(3)
         self.through_runner(3)
 
     def direct(self, k: int) -> list:
-        """Seconds per call of the jitted step alone (inputs already on device), blocking each call."""
+        """Seconds per call of the compiled step alone (inputs already on device), blocking each call."""
         runner = self.llm.runner
         out = []
         for _ in range(k):
             t0 = time.perf_counter()
-            res, runner.kv_cache, state = step_mod.decode_step(
-                params=runner.params,
-                kv_cache=runner.kv_cache,
-                sampler_state=runner.sampler_state if self.uses_state else None,
-                **self.inputs,
-                **self.static,
+            res, runner.kv_cache, runner.sampler_state = self.program(
+                runner.params, runner.kv_cache, runner.sampler_state, *self.inputs
             )
             res.tokens.block_until_ready()
             out.append(time.perf_counter() - t0)
-            if self.uses_state:
-                runner.sampler_state = state
         return out
 
     def through_runner(self, k: int) -> list:

@@ -925,8 +925,7 @@ def bench_command(args, out=None) -> int:
             workload = synthetic_workload(n, in_range, out_range, vocab, args.seed)
         check_workload_fits(workload, llm.max_model_len)
         if args.warmup:
-            llm.engine.warmup(variants=("greedy",) if args.temperature == 0 else ("sample",),
-                              progress=not args.no_progress)
+            llm.engine.warmup()
         cfg = _bench_config(args)
         warm = warmup_workload(workload, args.warmup_requests, vocab, args.seed)
         result = run_benchmark(LibraryBackend(llm), workload, cfg, warm)

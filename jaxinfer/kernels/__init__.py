@@ -54,11 +54,8 @@ def cache_dir() -> str:
     return os.path.join(base, "jaxinfer", "kernels")
 
 
-def build(source: str) -> str:
-    """Compile ``source`` (a file in this package) to a shared library; returns its path.
-
-    Raises RuntimeError with the compiler's message when it cannot be built.
-    """
+def _output_path(source: str) -> tuple[str, str, str]:
+    """(compiler, source path, the cached library's path) for ``source``."""
     import jax
     import jaxlib
 
@@ -68,13 +65,41 @@ def build(source: str) -> str:
     src_path = os.path.join(_HERE, source)
     with open(src_path, "rb") as f:
         text = f.read()
-    include = jax.ffi.include_dir()
     key = hashlib.sha256(
         b"\0".join([text, " ".join(_FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
-    out_dir = cache_dir()
+    return cxx, src_path, os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}-{key}.so")
+
+
+def is_built(source: str) -> bool:
+    """Whether ``source`` is already built for this machine (loading it takes milliseconds)."""
+    try:
+        return os.path.exists(_output_path(source)[2])
+    except (OSError, RuntimeError):
+        return False
+
+
+def ready(source: str) -> bool:
+    """Whether ``source`` is loaded and registered (never builds: safe inside a trace)."""
+    return _loaded.get(source) is not None
+
+
+def tried(source: str) -> bool:
+    """Whether loading ``source`` was attempted in this process (successfully or not)."""
+    return source in _loaded
+
+
+def build(source: str) -> str:
+    """Compile ``source`` (a file in this package) to a shared library; returns its path.
+
+    Raises RuntimeError with the compiler's message when it cannot be built.
+    """
+    import jax
+
+    cxx, src_path, out = _output_path(source)
+    include = jax.ffi.include_dir()
+    out_dir = os.path.dirname(out)
     os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(out_dir, f"{os.path.splitext(source)[0]}-{key}.so")
     if os.path.exists(out):
         return out
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)

@@ -1,0 +1,314 @@
+"""The program table: every XLA program the engine runs, listed in advance and compiled ahead of time.
+
+A program is one of the two step functions (`jaxinfer.step`) at one padded
+shape, named by a `ProgramKey` (kind, batch rows, tokens per row, page-table
+width). Sampler settings, logprobs counts and context lengths are data, so
+the list depends only on the engine config: `ProgramTable.keys()` is the
+whole set (22 programs for the ``cpu`` preset), printed by ``jaxinfer
+programs`` and compiled by `ProgramTable.warmup`.
+
+The runner dispatches every step through this table (`ProgramTable.get`), so
+nothing is traced at serving time. Each program is lowered and compiled with
+JAX's ahead-of-time API; the compiled executable is also serialized to
+``$XDG_CACHE_HOME/jaxinfer/programs/<key>/`` so a later start loads it
+without tracing or compiling (about 0.1 s a program instead of 1-3 s). The
+cache key covers everything the executables depend on: JAX and jaxlib
+versions, the device, the CPU's flags, the model and engine configs, the
+parameter tree's shapes and dtypes, and the source of jaxinfer's device code.
+`JAXINFER_COMPILATION_CACHE=0` turns it off, with JAX's own persistent cache.
+A key reached that is not in the table (only possible with a config the list
+does not cover) is compiled on the spot and logged as a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import progress, step
+from jaxinfer.attention import AttentionMetadata
+from jaxinfer.buckets import bucket_for, pages_needed
+from jaxinfer.compile_cache import cache_root, caching_enabled
+from jaxinfer.sampler import build_metadata
+
+log = logging.getLogger("jaxinfer")
+
+FORMAT = 2  # bump when the serialized program layout changes
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class ProgramKey:
+    kind: str  # "prefill" | "decode"
+    batch: int  # padded rows
+    tokens: int  # padded tokens per row (1 for decode)
+    pages: int  # page-table width
+
+    def __str__(self) -> str:
+        return f"{self.kind} batch={self.batch} tokens={self.tokens} pages={self.pages}"
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.kind}-b{self.batch}-t{self.tokens}-p{self.pages}.bin"
+
+
+def _sds(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+class ProgramTable:
+    """The compiled step programs of one runner, by `ProgramKey`."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.ecfg = runner.ecfg
+        self._compiled: dict[ProgramKey, Any] = {}
+        self.warmed_up = False
+        self.compiled_late: list[ProgramKey] = []  # keys first reached after warm-up
+        self.loaded_from_disk = 0
+        self._dir: Optional[str] = None
+
+    # -- the list --------------------------------------------------------------------
+
+    @property
+    def full_width(self) -> bool:
+        """Whether the page table goes at full width (the attention reads each row's length)."""
+        return self.runner.reads_row_lengths
+
+    def page_width(self, need: int) -> int:
+        """The page-table width for a step whose longest row needs ``need`` pages."""
+        buckets = self.ecfg.page_buckets
+        if self.full_width:
+            if need > buckets[-1]:
+                raise ValueError(f"pages attended {need} exceeds the largest bucket ({buckets[-1]})")
+            return buckets[-1]
+        return bucket_for(need, buckets, "pages attended")
+
+    def batch_buckets(self) -> list[int]:
+        e = self.ecfg
+        top = bucket_for(min(e.max_num_seqs, e.batch_buckets[-1]), e.batch_buckets)
+        return [b for b in e.batch_buckets if b <= top]
+
+    def keys(self, prefill_area: int) -> list[ProgramKey]:
+        """Every program a workload can reach: prefill (batch x chunk [x pages]) and decode (batch [x pages]).
+
+        ``prefill_area`` bounds a prefill's padded rows x chunk (the scheduler's `prefill_area`).
+        """
+        e = self.ecfg
+        area = prefill_area
+        batches = self.batch_buckets()
+        out = []
+        prev_t = 0
+        for t in e.chunk_buckets:
+            # a chunk of this bucket is longer than the previous bucket, so it attends at least that many pages
+            min_pages = self.page_width(pages_needed(prev_t + 1, e.page_size))
+            widths = [min_pages] if self.full_width else [p for p in e.page_buckets if p >= min_pages]
+            out += [ProgramKey("prefill", b, t, p) for b in batches if b * t <= area for p in widths]
+            prev_t = t
+        widths = [e.page_buckets[-1]] if self.full_width else list(e.page_buckets)
+        out += [ProgramKey("decode", b, 1, p) for b in batches for p in widths]
+        return out
+
+    # -- dispatch --------------------------------------------------------------------
+
+    def get(self, key: ProgramKey):
+        """The program for ``key``, compiled (or loaded from the program cache) on first use.
+
+        Without warm-up (``jaxinfer generate``, the library by default) a program is made
+        the first time a step needs it, with a progress line; after a complete warm-up a
+        new key means the list missed a shape, which is logged as a warning.
+        """
+        prog = self._compiled.get(key)
+        if prog is None:
+            if self.warmed_up:
+                self.compiled_late.append(key)
+                log.warning("compiling %s outside warm-up: it is not in the program list", key)
+            with progress.stage(f"compiling {key}") as s:
+                before = self.loaded_from_disk
+                prog = self._load_or_compile(key)
+                if self.loaded_from_disk > before:
+                    s.title = f"loading {key}"
+        return prog
+
+    def status(self, keys: list) -> list:
+        """[(key, "ready" | "cached" | "to compile")] for ``keys``: in memory, on disk, or neither."""
+        d = self.cache_dir()
+        out = []
+        for k in keys:
+            if k in self._compiled:
+                out.append((k, "ready"))
+            elif d is not None and os.path.exists(os.path.join(d, k.file_name)):
+                out.append((k, "cached"))
+            else:
+                out.append((k, "to compile"))
+        return out
+
+    def warmup(self, keys: list, complete: bool = True) -> int:
+        """Compile (or load from disk) ``keys``; returns how many were compiled or loaded now.
+
+        ``complete``: ``keys`` is the whole list, so any later compile is reported as late.
+        """
+        todo = [k for k in keys if k not in self._compiled]
+        before = self.loaded_from_disk
+        if todo:
+            with progress.stage("compiling programs", total=len(todo), unit="program") as s:
+                for k in todo:
+                    self._load_or_compile(k)
+                    s.update()
+                s.note(f"{self.loaded_from_disk - before} from the program cache")
+        self.warmed_up = self.warmed_up or complete
+        return len(todo)
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._compiled)
+
+    # -- compiling and caching ---------------------------------------------------------
+
+    def _abstract_args(self, key: ProgramKey):
+        r = self.runner
+        b, t, p = key.batch, key.tokens, key.pages
+        i32 = jnp.int32
+        md = _sds(build_metadata([None] * b, b, num_slots=self.ecfg.max_num_seqs,
+                                 max_logprobs=self.ecfg.max_logprobs))
+        attn = AttentionMetadata(
+            jax.ShapeDtypeStruct((b, t), i32), jax.ShapeDtypeStruct((b, t), i32),
+            jax.ShapeDtypeStruct((b, p), i32), jax.ShapeDtypeStruct((b,), i32),
+        )
+        if key.kind == "prefill":
+            fn = step.prefill
+            args = (r.params, r.kv_cache, r.sampler_state, jax.ShapeDtypeStruct((b, t), i32), attn,
+                    jax.ShapeDtypeStruct((b,), i32), md)
+        else:
+            fn = step.decode_step
+            args = (r.params, r.kv_cache, r.sampler_state, jax.ShapeDtypeStruct((b,), i32),
+                    jax.ShapeDtypeStruct((b,), jnp.bool_), attn, md)
+        return fn, args
+
+    def _load_or_compile(self, key: ProgramKey):
+        prog = self._load(key)
+        if prog is not None:
+            self.loaded_from_disk += 1
+        else:
+            fn, args = self._abstract_args(key)
+            lowered = fn.lower(*args, cfg=self.runner.cfg)
+            bypass = _without_jax_cache()
+            if bypass is None:
+                prog = lowered.compile()
+            else:
+                with bypass:
+                    prog = lowered.compile()
+                self._save(key, prog)
+        self._compiled[key] = prog
+        return prog
+
+    def cache_dir(self) -> Optional[str]:
+        """This table's directory in the program cache (None when caching is off)."""
+        if not caching_enabled():
+            return None
+        if self._dir is None:
+            self._dir = os.path.join(cache_root(), "programs", self._fingerprint())
+        return self._dir
+
+    def _fingerprint(self) -> str:
+        from jaxinfer.config import cpu_flags
+
+        import jaxlib
+
+        r = self.runner
+        dev = jax.devices()[0]
+        h = hashlib.sha256()
+        for part in (
+            FORMAT, jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
+            getattr(dev.client, "platform_version", ""), sorted(cpu_flags()) if dev.platform == "cpu" else "",
+            repr(r.cfg), repr(self.ecfg), r.reads_row_lengths,
+            [(s.shape, str(s.dtype)) for s in jax.tree.leaves(_sds(r.params))],
+            str(jax.tree.structure(r.params)),
+        ):
+            h.update(repr(part).encode())
+            h.update(b"\0")
+        h.update(_device_code_digest())
+        return h.hexdigest()[:20]
+
+    def _load(self, key: ProgramKey):
+        d = self.cache_dir()
+        if d is None:
+            return None
+        path = os.path.join(d, key.file_name)
+        if not os.path.exists(path):
+            return None
+        try:
+            from jax.experimental.serialize_executable import deserialize_and_load
+
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            return deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # a stale or damaged entry: compile again and overwrite it
+            log.warning("program cache entry %s unusable (%s: %s); compiling it again", path, type(e).__name__, e)
+            return None
+
+    def _save(self, key: ProgramKey, prog) -> None:
+        d = self.cache_dir()
+        if d is None:
+            return
+        try:
+            from jax.experimental.serialize_executable import serialize
+
+            blob = pickle.dumps(serialize(prog))
+            os.makedirs(d, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, os.path.join(d, key.file_name))  # atomic: readers see a whole file or none
+        except Exception as e:  # caching is an optimisation; a full disk or an odd backend is no failure
+            log.info("program %s not cached (%s: %s)", key, type(e).__name__, e)
+
+
+def _without_jax_cache():
+    """A context that compiles without JAX's persistent cache, or None where this JAX has none.
+
+    An executable that JAX loaded from its persistent cache serializes without its
+    object code on the CPU (measured with jax 0.10.2: "Function ... not found" when
+    the reloaded copy runs), so a program is only saved to the program cache when
+    it was compiled here, with JAX's cache bypassed for that one compile.
+    """
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.enable_compilation_cache(False)
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+_DIGEST: Optional[bytes] = None
+
+
+def _device_code_digest() -> bytes:
+    """A hash of the source the programs are built from: any change invalidates cached programs."""
+    global _DIGEST
+    if _DIGEST is None:
+        import jaxinfer
+        from jaxinfer import models
+
+        root = os.path.dirname(os.path.abspath(jaxinfer.__file__))
+        files = [os.path.join(root, n) for n in _DEVICE_SOURCES]
+        for d in (os.path.join(root, "kernels"), os.path.dirname(os.path.abspath(models.__file__))):
+            files += [os.path.join(d, n) for n in sorted(os.listdir(d)) if n.endswith((".py", ".cc"))]
+        h = hashlib.sha256()
+        for path in files:
+            with open(path, "rb") as f:
+                h.update(os.path.basename(path).encode() + b"\0" + f.read())
+        _DIGEST = h.digest()
+    return _DIGEST
+
+
+# The modules whose code ends up in a step program (with kernels/ and models/).
+_DEVICE_SOURCES = ("step.py", "sampler.py", "attention.py", "kv_cache.py", "config.py", "spec.py", "programs.py")
