@@ -20,8 +20,11 @@ setup: $(BIN)/python
 demo: setup
 	$(BIN)/jaxinfer generate "$(PROMPT)"
 
+# The whole suite, then the model-level tests again with the CPU attention kernel off:
+# GPU and TPU run that pure-JAX path, and CI has neither.
 test: setup
 	$(BIN)/python -m pytest -q
+	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_paged_model.py tests/test_engine.py tests/test_llm.py
 
 # Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers)
 bench: setup

@@ -1,14 +1,19 @@
-"""Compilation caches and counting.
+"""Compilation caching and counting.
 
-* JAX's persistent compilation cache, on by default: a second start loads
-  XLA executables from disk (``$XDG_CACHE_HOME/jaxinfer/xla``).
-* The root of jaxinfer's own caches (`cache_root`), where the program table
-  (`jaxinfer.programs`) keeps its serialized step programs.
-* `compile_count`: how many programs this process has lowered for XLA, from JAX's
-  monitoring events, so tests and benchmarks can assert that nothing compiles
-  after warm-up — step programs and stray eager ops alike.
+* `enable_compilation_cache`: jaxinfer's program cache (`jaxinfer.programs`)
+  keeps every compiled step program on disk under `cache_root`, so a second
+  start loads executables instead of tracing and compiling them. It replaces
+  JAX's persistent compilation cache for the step programs, and jaxinfer no
+  longer turns that one on: an executable JAX loaded from its own cache
+  serializes without its object code on the CPU (jax 0.10.2: "Function ... not
+  found" when the reloaded copy runs), so with JAX's cache configured by the
+  user (``JAX_COMPILATION_CACHE_DIR``) programs are compiled through it and not
+  saved again.
+* `compile_count`: how many programs this process has lowered for XLA, from
+  JAX's monitoring events, so tests and benchmarks can assert that nothing
+  compiles after warm-up: step programs and stray eager ops alike.
 
-``JAXINFER_COMPILATION_CACHE=0`` turns both caches off.
+``JAXINFER_COMPILATION_CACHE=0`` turns the program cache off.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import threading
 from typing import Optional
 
-# Every new program is lowered to MLIR once, whether XLA then compiles it or finds it in the
+# Every new program is lowered to MLIR once, whether XLA then compiles it or finds it in a
 # persistent cache; a step program loaded from the program cache is not lowered at all.
 _COMPILE_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _count = 0
@@ -35,30 +40,17 @@ def cache_root() -> str:
     return os.path.join(base, "jaxinfer")
 
 
-def enable_compilation_cache() -> Optional[str]:
-    """Turn on JAX's persistent compilation cache so later runs skip XLA compiles.
-
-    The cache lives in ``$XDG_CACHE_HOME/jaxinfer/xla`` (``~/.cache/jaxinfer/xla``);
-    ``JAXINFER_COMPILATION_CACHE=0`` disables it, and a directory already set
-    through JAX (``JAX_COMPILATION_CACHE_DIR``) is kept. Returns the directory.
-    """
-    start_counting()
-    if not caching_enabled():
-        return None
+def jax_cache_active() -> bool:
+    """Whether JAX's own persistent compilation cache is configured in this process."""
     import jax
 
-    current = jax.config.jax_compilation_cache_dir
-    if current:
-        return current
-    path = os.path.join(cache_root(), "xla")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return None  # a read-only home is no reason to fail; compile as usual
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
+    return bool(jax.config.jax_compilation_cache_dir) and bool(jax.config.jax_enable_compilation_cache)
+
+
+def enable_compilation_cache() -> Optional[str]:
+    """Start counting compiles; returns the program cache's directory (None when it is off)."""
+    start_counting()
+    return os.path.join(cache_root(), "programs") if caching_enabled() else None
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
