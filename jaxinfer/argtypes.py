@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Callable, Optional
 
 
@@ -35,3 +36,21 @@ def non_negative_number(s: str) -> float:
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"must be non-negative, got {s}")
     return v
+
+
+# The engine's --dtype choices (generate, bench, serve).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = ("weights' dtype (default: the preset's, auto: bfloat16 where the hardware multiplies it natively, "
+              "else float32; float32 is bit-faithful to transformers)")
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+_ESCAPE = re.compile(r"\\([ntr\\])")
+
+
+def unescape(s: str) -> str:
+    r"""``\n``, ``\t``, ``\r`` and ``\\`` as the characters they name, as a shell user types them.
+
+    Any other backslash stays as it is (``\x`` is two characters), so text
+    without these escapes passes through unchanged.
+    """
+    return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], s)

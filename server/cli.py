@@ -18,7 +18,7 @@ import logging
 import sys
 from typing import Optional
 
-from jaxinfer.argtypes import int_in, non_negative_number
+from jaxinfer.argtypes import DTYPE_CHOICES, DTYPE_HELP, int_in, non_negative_number
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_TOKENS = 256  # as local generate
@@ -44,8 +44,9 @@ def _err(message: str, code: int) -> int:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a model name, a .gguf file or a Hugging Face model directory (default: {DEFAULT_MODEL})")
+    from jaxinfer.cli import _add_model_args
+
+    _add_model_args(p)  # --model, --no-model-cache: as for generate
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: 127.0.0.1, loopback only; 0.0.0.0 for every interface)")
@@ -70,14 +71,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--engine-config", metavar="NAME",
                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
     e.add_argument("--max-model-len", type=_positive_int, metavar="N", help="cap the context length, in tokens")
-    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weight and activation dtype")
+    e.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     e.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="most requests decoded together")
     e.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV cache pages (page 0 is reserved)")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", help="token budget of one step")
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs, or priority (a request's priority field; lower runs first)")
-    e.add_argument("--warmup", action="store_true", help="compile every program before accepting requests")
+    e.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every program before accepting requests (default: on; --no-warmup accepts "
+                   "requests at once and compiles each program when a request first needs it)")
     e.add_argument("--log-stats-interval", type=_seconds, default=10.0, metavar="SECONDS",
                    help="log the engine's throughput / running / waiting / KV line this often while busy "
                    "(default: 10; 0 disables)")
@@ -94,9 +97,40 @@ def server_config_from_args(args: argparse.Namespace):
     )
 
 
+class _NotProgress(logging.Filter):
+    """Drops the start-up stage records of `jaxinfer.progress` (warnings pass)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "jaxinfer" and record.module == "progress" and record.levelno <= logging.INFO)
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """INFO for jaxinfer's loggers, WARNING for JAX's, and each start-up stage reported once.
+
+    The stages of the start are INFO records of `jaxinfer.progress`: with
+    progress shown on stderr (a terminal, or --verbose) they would appear a
+    second time as log lines, and --quiet wants none, so in both cases they
+    are dropped from the log; otherwise (stderr is a log file) the log lines
+    are how they are reported.
+    """
+    import os
+
+    from jaxinfer import progress
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not os.environ.get("JAX_LOGGING_LEVEL"):  # JAX's own setting wins when given
+        # e.g. "Unable to initialize backend 'tpu'" from jax._src.xla_bridge on a CPU machine
+        for name in ("jax", "jaxlib", "jax._src.xla_bridge"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if progress.showing() or getattr(args, "quiet", False):
+        logger = logging.getLogger("jaxinfer")
+        if not any(isinstance(f, _NotProgress) for f in logger.filters):
+            logger.addFilter(_NotProgress())
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, start the server, serve until SIGTERM/SIGINT; returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args)
     log = logging.getLogger("jaxinfer.server")
     try:
         config = server_config_from_args(args)  # checked before the (slow) model load
@@ -121,7 +155,8 @@ def run_serve(args: argparse.Namespace) -> int:
             args.model, engine_config=args.engine_config, dtype=args.dtype, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
             log_stats_interval=args.log_stats_interval or None,
-            max_num_batched_tokens=args.max_num_batched_tokens, warmup=args.warmup, **overrides,
+            max_num_batched_tokens=args.max_num_batched_tokens, warmup=args.warmup,
+            model_cache=not args.no_model_cache, **overrides,
         )
     except ValueError as e:
         return _err(str(e), 2)
@@ -233,6 +268,11 @@ def generate_via_server(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
         info = client.model_info(timeout=args.timeout or 30.0)
+        # the same sampling defaults as local generate: the model's (the server applies them), else the CLI's
+        from jaxinfer.cli import cli_sampling_defaults
+
+        model_defaults = info.get("generation_defaults") or {}  # None from a server that does not report them
+        kw = {**cli_sampling_defaults(model_defaults.get("temperature")), **kw}
         chat = info["has_chat_template"] if chat_flag is None else chat_flag
         if chat and not info["has_chat_template"]:
             return _err(f"the server's model {info['name']!r} has no chat template; use --no-chat.", 2)

@@ -136,6 +136,17 @@ def sampling_params_from_proto(opts: pb.SamplingOptions, defaults: SamplingParam
     return defaults.clone(**kw)
 
 
+def generation_defaults_to_proto(g) -> pb.SamplingOptions:
+    """The sampling defaults a model ships (`GenerationDefaults`), with the fields it leaves unset unset."""
+    opts = pb.SamplingOptions()
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                       ("repetition_penalty", float)):
+        v = getattr(g, name, None)
+        if v is not None:
+            setattr(opts, name, kind(v))
+    return opts
+
+
 def chat_messages_from_proto(chat: pb.ChatInput) -> list:
     if not chat.messages:
         raise ValueError("chat.messages must not be empty: send at least one message.")
@@ -429,6 +440,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             has_chat_template=tok is not None and tok.chat_template is not None,
             max_waiting=-1 if self.config.max_waiting is None else self.config.max_waiting,
             version=__version__, stats=stats,
+            generation_defaults=generation_defaults_to_proto(llm.generation_defaults),
         )
 
     async def GetModelInfo(self, request, context):

@@ -10,6 +10,7 @@ step down (a sleep around the real one) so the timing is not left to chance.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -505,6 +506,104 @@ def test_serve_arguments_parse_with_safe_defaults():
     assert (cfg.port, cfg.max_waiting, cfg.host) == (0, 3, "0.0.0.0")
 
 
+def test_serve_warms_up_by_default_and_takes_the_dtypes_of_generate():
+    from jaxinfer.argtypes import DTYPE_CHOICES
+    from jaxinfer.cli import build_parser
+
+    def serve_args(*argv):
+        return build_parser().parse_args(["serve", *argv])
+
+    assert serve_args().warmup is True
+    assert serve_args("--warmup").warmup is True
+    assert serve_args("--no-warmup").warmup is False
+    assert "auto" in DTYPE_CHOICES
+    for dtype in DTYPE_CHOICES:
+        assert serve_args("--dtype", dtype).dtype == dtype
+        assert build_parser().parse_args(["generate", "hi", "--dtype", dtype]).dtype == dtype
+
+
+def test_serve_logging_keeps_jaxinfer_info_and_lifts_jax_to_warning():
+    """`serve` logs at INFO, but JAX's INFO lines ("Unable to initialize backend 'tpu'") stay out of its log."""
+    script = (
+        "import argparse, logging; from jaxinfer.server.cli import _configure_logging\n"
+        "_configure_logging(argparse.Namespace(quiet=False))\n"
+        "logging.getLogger('jax._src.xla_bridge').info('Unable to initialize backend tpu')\n"
+        "logging.getLogger('jaxinfer.server').info('server line')\n"
+        "logging.getLogger('jaxinfer').info('engine line')\n"
+        "from jaxinfer import progress\n"
+        "with progress.stage('a stage'): pass\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_LOGGING_LEVEL"}
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60).stderr
+    assert "server line" in err and "engine line" in err and "a stage" in err, err
+    assert "Unable to initialize backend" not in err, err
+    # --quiet (or progress shown on stderr as lines) keeps the stage records out of the log, and only them
+    script = script.replace("quiet=False", "quiet=True")
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60).stderr
+    assert "engine line" in err and "a stage" not in err, err
+
+
+def _char_tokenizer(path):
+    """A character-level tokenizer (printable ASCII) that fits the tiny model's vocabulary."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from jaxinfer.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path / "tokenizer.json"))
+    return Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("model_defaults, flags, want", [
+    (None, {}, "cli"),                                   # no model defaults: the CLI's 0.2 / 0.9, as local generate
+    (None, {"--temperature": 0.5}, (0.5, "cli")),        # a flag overrides one of them only
+    ((0.6, 0.8), {}, (0.6, 0.8)),                        # the model's own defaults win over the CLI's
+    ((0.6, 0.8), {"--top-p": 0.5}, (0.6, 0.5)),
+], ids=["cli-defaults", "cli-defaults+flag", "model-defaults", "model-defaults+flag"])
+def test_generate_via_server_samples_with_the_defaults_of_local_generate(tmp_path, monkeypatch, capsys,
+                                                                          model_defaults, flags, want):
+    from jaxinfer.cli import CLI_TEMPERATURE, CLI_TOP_P, cli_sampling_defaults
+    from jaxinfer.config import GenerationDefaults
+    from jaxinfer.server import service
+    from jaxinfer.server.cli import generate_via_server
+
+    generation = GenerationDefaults(*model_defaults) if model_defaults else None
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=_char_tokenizer(tmp_path), engine_config=ENGINE,
+                                   generation=generation)
+    resolved = []
+    real = service.sampling_params_from_proto
+
+    def spy(opts, defaults):
+        resolved.append(real(opts, defaults))
+        return resolved[-1]
+
+    monkeypatch.setattr(service, "sampling_params_from_proto", spy)
+    try:
+        with ServerThread(llm, ServerConfig(port=0)) as srv:
+            with Client(srv.address, timeout=60) as c:
+                reported = c.model_info()["generation_defaults"]
+            assert (reported["temperature"], reported["top_p"]) == (model_defaults or (None, None))
+            args = _generate_args(srv.address, "hello", **{"--max-tokens": 3, "--json": None, **flags})
+            assert generate_via_server(args) == 0, capsys.readouterr().err
+            assert_all_free(llm, srv)
+    finally:
+        llm.close()
+    assert json.loads(capsys.readouterr().out)["usage"]["completion_tokens"] >= 1
+    [params] = resolved
+    if want == "cli":
+        want = (CLI_TEMPERATURE, CLI_TOP_P)
+    want = tuple(CLI_TOP_P if w == "cli" else w for w in want)
+    assert (params.temperature, params.top_p) == want
+    # exactly what local generate makes from the same model and flags
+    local = llm.get_default_sampling_params().clone(**cli_sampling_defaults(llm.generation_defaults.temperature))
+    local = local.clone(**{k.lstrip("-").replace("-", "_"): v for k, v in flags.items()})
+    assert (local.temperature, local.top_p) == want
+
+
 # --------------------------------------------------------------------------- #
 # The real model: text, chat and tokenize over the server
 # --------------------------------------------------------------------------- #
@@ -533,11 +632,16 @@ def test_real_model_text_and_chat_over_the_server_equal_the_library(smollm2_llm,
 
         import json
 
+        from jaxinfer.cli import cli_sampling_defaults
         from jaxinfer.server.cli import generate_via_server
 
         args = _generate_args(srv.address, "Name a primary colour.",
                               **{"--json": None, "--temperature": 0.7, "--seed": 42, "--max-tokens": 24})
         assert generate_via_server(args) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["chat"] is True and out["text"] == want_chat.text and out["usage"]["completion_tokens"] == 24
+        # what local `generate --temperature 0.7 --seed 42 --max-tokens 24` samples with: the flags over the
+        # CLI's defaults (top-p 0.9 for a model that ships none) over the model's
+        local = llm.get_default_sampling_params().clone(**cli_sampling_defaults(llm.generation_defaults.temperature))
+        want_cli = llm.chat(messages, local.clone(max_tokens=24, temperature=0.7, seed=42))[0].outputs[0]
+        assert out["chat"] is True and out["text"] == want_cli.text and out["usage"]["completion_tokens"] == 24
     assert_all_free(llm)
