@@ -8,11 +8,13 @@ Library use:
 
 Pure pieces for research code: `forward` / `logits` of a model family
 (`jaxinfer.models.llama`), the KV cache pytree (`init_cache`), the jitted
-`prefill` and `decode_step`, and the sampler (`sample`).
+`prefill` and `decode_step`, and the sampler (`sample`). `save_model` writes a
+parameter tree (with its config and tokenizer) as a directory `LLM` serves.
 """
 
 from jaxinfer._version import __version__
 from jaxinfer.attention import AttentionMetadata, paged_attention
+from jaxinfer.checkpoint import save_model
 from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import cache_specs, init_cache
 from jaxinfer.llm import LLM
@@ -24,6 +26,7 @@ from jaxinfer.step import decode_step, prefill
 __all__ = [
     "__version__",
     "LLM",
+    "save_model",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",

