@@ -3,6 +3,7 @@
     jaxinfer generate "Why is the sky blue?" --max-tokens 64 --temperature 0
     echo "Explain paged attention" | jaxinfer generate - --json
     jaxinfer tokenize --chat "Hello"
+    jaxinfer convert model.gguf ./converted && jaxinfer generate "Hi" --model ./converted
     jaxinfer bench --num-prompts 64 --input-len 128 --output-len 32 --request-rate 8
 
 Bad input (a flag out of range, an empty prompt, an unknown model, a prompt
@@ -18,11 +19,15 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any, Optional, Sequence
 
+from jaxinfer import progress
 from jaxinfer._version import __version__
-from jaxinfer.argtypes import int_in, number
+from jaxinfer.argtypes import DTYPE_CHOICES, DTYPE_HELP, int_in, number, unescape
 from jaxinfer.compile_cache import enable_compilation_cache
+
+_T_START = time.perf_counter()  # ~ the process start, for the "ready in" line
 
 PROG = "jaxinfer"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -44,6 +49,16 @@ _SAMPLING_FLAGS = (
     "repetition_penalty",
     "logprobs",
 )
+
+
+def cli_sampling_defaults(model_temperature: Optional[float]) -> dict:
+    """What ``generate`` (local and ``--server``) puts over the model's generation defaults.
+
+    A model that ships no temperature gets temperature 0.2 and top-p 0.9
+    instead of the library's 1.0 / 1.0; flags given on the command line
+    override these in turn.
+    """
+    return {} if model_temperature is not None else {"temperature": CLI_TEMPERATURE, "top_p": CLI_TOP_P}
 
 
 class UsageError(Exception):
@@ -98,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="An LLM inference engine on JAX: generate text, inspect tokenization and benchmark serving "
         "from a terminal.",
         epilog="Run 'jaxinfer <command> --help' for a command's options. "
-        "Set JAXINFER_COMPILATION_CACHE=0 to disable the persistent XLA compilation cache.",
+        "Caches live in ~/.cache/jaxinfer ($XDG_CACHE_HOME): converted models (JAXINFER_MODEL_CACHE=0 or "
+        "--no-model-cache to disable), compiled programs (JAXINFER_COMPILATION_CACHE=0) and the CPU kernel.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -122,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=_int, metavar="K", help="keep the K most likely tokens; 0 disables")
     s.add_argument("--min-p", type=_float, metavar="P", help="drop tokens below P times the top probability")
     s.add_argument("--seed", type=_int, metavar="N", help="seed for reproducible sampling")
-    s.add_argument("--stop", action="append", metavar="TEXT",
-                   help="stop when TEXT is generated (not printed); repeatable")
+    s.add_argument("--stop", action="append", metavar="TEXT", type=unescape,
+                   help=r"stop when TEXT is generated (not printed); repeatable; \n, \t, \r and \\ in TEXT "
+                   r"stand for a newline, a tab, a carriage return and a backslash")
     s.add_argument("--presence-penalty", type=_float, metavar="X", help="in [-2, 2]")
     s.add_argument("--frequency-penalty", type=_float, metavar="X", help="in [-2, 2]")
     s.add_argument("--repetition-penalty", type=_float, metavar="X", help="in (0, 100]; 1 disables")
@@ -145,12 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
     e.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="cap the context length (prompt + output), in tokens")
-    e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weights' dtype (default: the preset's, auto: bfloat16 where the hardware "
-                        "multiplies it natively, else float32; float32 is bit-faithful to transformers)")
+    e.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     from jaxinfer.server.cli import add_serve_arguments, add_server_client_arguments
 
     add_server_client_arguments(g)  # --server HOST:PORT, --auth-token-file, --tls-ca, --timeout
+    _add_progress_args(g)
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser(
@@ -207,9 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
     e.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="cap the context length (prompt + output), in tokens")
-    e.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weights' dtype (default: the preset's, auto: bfloat16 where the hardware "
-                        "multiplies it natively, else float32; float32 is bit-faithful to transformers)")
+    e.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     e.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
                    help="most requests in the running batch (default: the preset's)")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
@@ -230,7 +244,48 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--auth-token-file", metavar="FILE",
                     help="with --server: send the bearer token in FILE (default: $JAXINFER_AUTH_TOKEN if set)")
     sv.add_argument("--tls-ca", metavar="FILE", help="with --server: connect with TLS, trusting this CA (PEM)")
+    _add_progress_args(b)
     b.set_defaults(func=cmd_bench)
+
+    cv = sub.add_parser(
+        "convert",
+        help="convert a GGUF file or a Hugging Face directory into the engine's own checkpoint",
+        description="Convert SRC (a model name, a .gguf file or a Hugging Face model directory) once into DST: the "
+        "parameter tree in the engine's dtype (an orbax checkpoint), the model config, the generation defaults "
+        "and the tokenizer (tokenizer.json or tokenizer.model). '--model DST' and jaxinfer.LLM(DST) then load it "
+        "without parsing or dequantizing anything. This is what the model cache does on a first load.",
+    )
+    cv.add_argument("src", metavar="SRC", help="the model to convert")
+    cv.add_argument("dst", metavar="DST", help="the directory to write (must not exist, unless --force)")
+    cv.add_argument("--dtype", choices=DTYPE_CHOICES,
+                    help="the parameters' dtype (default: the engine preset's for JAX's backend; auto: bfloat16 "
+                    "where the hardware multiplies it natively, else float32)")
+    cv.add_argument("--force", action="store_true", help="replace DST if it exists")
+    _add_progress_args(cv)
+    cv.set_defaults(func=cmd_convert)
+
+    wu = sub.add_parser(
+        "warmup",
+        help="compile every program the engine can run into the program cache, or list them",
+        description="Load the model and compile (or load from the program cache) every XLA program the engine can "
+        "run with this engine configuration: one per padded shape (batch rows x prefill chunk, batch rows for "
+        "decode); sampling settings, logprobs and context lengths are data and add none. Later starts (generate, "
+        "serve, bench) then load them from ~/.cache/jaxinfer/programs in a fraction of a second each. With --list, "
+        "print the list and each program's state instead.",
+    )
+    _add_model_args(wu)
+    wu.add_argument("--list", action="store_true",
+                    help="print the program list (ready / cached on disk / to compile) and compile nothing")
+    we = wu.add_argument_group("engine (as for serve)")
+    we.add_argument("--engine-config", metavar="NAME",
+                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
+    we.add_argument("--max-model-len", type=_positive_int, metavar="N", help="cap the context length, in tokens")
+    we.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    we.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="most requests decoded together")
+    we.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV cache pages (page 0 is reserved)")
+    we.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", help="token budget of one step")
+    _add_progress_args(wu)
+    wu.set_defaults(func=cmd_warmup)
 
     sv = sub.add_parser(
         "serve",
@@ -239,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Binds 127.0.0.1 unless --host says otherwise.",
     )
     add_serve_arguments(sv)
+    _add_progress_args(sv)
     sv.set_defaults(func=cmd_serve)
     return parser
 
@@ -249,9 +305,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _add_progress_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("progress").add_mutually_exclusive_group()
+    g.add_argument("--quiet", action="store_true", help="no start-up progress lines on stderr")
+    g.add_argument("--verbose", action="store_true",
+                   help="start-up progress lines (resolving, converting, restoring, compiling, ready) on stderr even "
+                   "when it is not a terminal (default: only on a terminal)")
+
+
+def configure_progress(args: argparse.Namespace) -> None:
+    """Start-up progress on stderr: on a terminal by default, always with --verbose, never with --quiet."""
+    from jaxinfer import progress
+
+    if getattr(args, "quiet", False):
+        show = False
+    elif getattr(args, "verbose", False):
+        show = True
+    else:
+        try:
+            show = sys.stderr is not None and sys.stderr.isatty()
+        except (OSError, ValueError):  # a closed stderr
+            show = False
+    progress.configure(show=show)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a model name, a .gguf file or a Hugging Face model directory (default: {DEFAULT_MODEL})")
+                   help=f"a model name, a .gguf file, a Hugging Face model directory or a directory written by "
+                   f"'jaxinfer convert' (default: {DEFAULT_MODEL})")
+    p.add_argument("--no-model-cache", action="store_true",
+                   help="convert the model in memory instead of restoring it from (or saving it to) the model cache "
+                   "($JAXINFER_MODEL_CACHE, else ~/.cache/jaxinfer/models; JAXINFER_MODEL_CACHE=0 also turns it off)")
 
 
 # --------------------------------------------------------------------------- #
@@ -351,10 +435,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     enable_compilation_cache()
     from jaxinfer.llm import LLM
 
-    llm = LLM(args.model, engine_config=engine, dtype=args.dtype, max_model_len=args.max_model_len)
-    params = llm.get_default_sampling_params()
-    if llm.generation_defaults.temperature is None:  # the model ships no sampling defaults
-        params = params.clone(temperature=CLI_TEMPERATURE, top_p=CLI_TOP_P)
+    llm = LLM(args.model, engine_config=engine, dtype=args.dtype, max_model_len=args.max_model_len,
+              model_cache=not args.no_model_cache)
+    params = llm.get_default_sampling_params().clone(**cli_sampling_defaults(llm.generation_defaults.temperature))
     params = params.clone(**overrides)
     tok = llm.tokenizer
     has_template = tok is not None and tok.chat_template is not None
@@ -365,11 +448,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--system needs chat mode, but model {llm.model_name!r} has no chat template.")
 
     messages = _messages(prompt, args.system) if chat else None
+    n = len(tok.apply_chat_template(messages, tokenize=True) if chat else tok.encode(prompt)) if tok else 0
     if args.max_tokens is None:
         # the default shrinks to fit a short context; an explicit --max-tokens is checked as given
-        n = len(tok.apply_chat_template(messages, tokenize=True) if chat else tok.encode(prompt)) if tok else 0
         if 0 < llm.max_model_len - n < params.max_tokens:
             params = params.clone(max_tokens=llm.max_model_len - n)
+    if 0 < n < llm.max_model_len:  # compile (or load) just this request's programs, with progress
+        llm.engine.runner.programs.warmup(llm.engine.request_program_keys(n, params.max_tokens), complete=False)
+    progress.ready(_T_START)
     deltas = llm.stream_chat(messages, params) if chat else llm.stream(prompt, params)
 
     out = sys.stdout
@@ -437,13 +523,14 @@ def _logprob_entry(tokenizer, lp) -> dict:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer import model_cache
     from jaxinfer.weights import resolve_model
 
     text = read_prompt(args.text, "text")
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat.")
-    tok = load_tokenizer(resolve_model(args.model).path)
+    # the model cache's tokenizer when the model was loaded before, else the source's (no weights either way)
+    tok = model_cache.load_tokenizer(resolve_model(args.model), use_cache=not args.no_model_cache)
     if args.chat:
         if tok.chat_template is None:
             raise UsageError(f"the tokenizer of {args.model!r} has no chat template; drop --chat.")
@@ -462,7 +549,47 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    enable_compilation_cache()
+    from jaxinfer.llm import LLM
+
+    overrides = {k: getattr(args, k) for k in ("max_num_seqs", "num_pages") if getattr(args, k) is not None}
+    llm = LLM(args.model, engine_config=args.engine_config, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, model_cache=not args.no_model_cache, **overrides)
+    try:
+        table = llm.engine.runner.programs
+        keys = llm.engine.program_keys()
+        attention = "CPU kernel, full-width page table" if table.full_width else "pure-JAX gather, page buckets"
+        if args.list:
+            lines = [f"{len(keys)} programs for {llm.model_name} ({llm.engine_config.name} preset, "
+                     f"{llm.engine_config.dtype}, attention: {attention}); cache: {table.cache_dir() or 'off'}"]
+            lines += [f"  {str(k):44s} {state}" for k, state in table.status(keys)]
+            _write(sys.stdout, "\n".join(lines) + "\n")
+            return 0
+        table.warmup(keys)
+        progress.ready(_T_START)
+        _write(sys.stdout, f"{len(keys)} programs ready ({table.loaded_from_disk} loaded from the program cache); "
+                           f"cache: {table.cache_dir() or 'off'}\n")
+        return 0
+    finally:
+        llm.close()
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jaxinfer import model_cache
+    from jaxinfer.config import EngineConfig, resolve_dtype
+    from jaxinfer.weights import resolve_model
+
+    dtype = resolve_dtype(args.dtype or EngineConfig.for_backend().dtype)
+    source = resolve_model(args.src)
+    dst = model_cache.convert(source, args.dst, dtype, overwrite=args.force)
+    _write(sys.stdout, f"{dst}\n")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.no_model_cache:
+        os.environ["JAXINFER_MODEL_CACHE"] = "0"  # the benchmark builds its LLM itself
     enable_compilation_cache()
     from jaxinfer.benchmarks.serving import bench_command
 
@@ -505,6 +632,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             return EXIT_USAGE
+        if hasattr(args, "quiet"):  # generate, serve, bench
+            configure_progress(args)
         return args.func(args)
     except UsageError as e:
         return _fail(str(e))

@@ -320,6 +320,24 @@ class Engine:
         """Every step program the engine can run (`jaxinfer.programs.ProgramKey`), in one list."""
         return self.runner.programs.keys(self.scheduler.prefill_area)
 
+    def request_program_keys(self, prompt_len: int, max_tokens: int) -> list:
+        """The programs one request run alone needs: its prefill chunks and its decode steps."""
+        from jaxinfer.buckets import bucket_for, pages_needed
+        from jaxinfer.programs import ProgramKey
+
+        e, table = self.ecfg, self.runner.programs
+        b = bucket_for(1, e.batch_buckets)
+        keys = set()
+        start = 0
+        while start < prompt_len:
+            n = min(prompt_len - start, self.scheduler.budget, self.scheduler.max_chunk)
+            width = table.page_width(pages_needed(start + n, e.page_size))
+            keys.add(ProgramKey("prefill", b, bucket_for(n, e.chunk_buckets), width))
+            start += n
+        for context in range(prompt_len + 1, prompt_len + max(max_tokens, 1)):
+            keys.add(ProgramKey("decode", b, 1, table.page_width(pages_needed(context, e.page_size))))
+        return sorted(keys)
+
     def warmup(self) -> int:
         """Compile (or load from the program cache) every program up front; returns how many now.
 

@@ -97,6 +97,44 @@ def test_multi_line_messages_collapse_to_one_line():
     assert one_line(msg) == "model 'x' not found. Tried: path x: missing; hub x: offline. Install it: pip install y"
 
 
+def test_stop_unescapes_newline_tab_return_and_backslash():
+    from jaxinfer.cli import build_parser
+
+    def stops(*values):
+        argv = ["generate", "hi"]
+        for v in values:
+            argv += ["--stop", v]
+        return build_parser().parse_args(argv).stop
+
+    # what a shell passes for --stop "\n\n" (README's example) is backslash, n, backslash, n
+    assert stops("\\n\\n") == ["\n\n"]
+    assert stops("a\\tb", "\\r\\n", "END") == ["a\tb", "\r\n", "END"]
+    assert stops("\\\\n") == ["\\n"]  # an escaped backslash, then a plain n
+    assert stops("\\x", "C:\\", "\\") == ["\\x", "C:\\", "\\"]  # any other backslash stays as it is
+    # the same parser feeds generate --server
+    assert build_parser().parse_args(["generate", "hi", "--server", "h:1", "--stop", "\\n"]).stop == ["\n"]
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])
+def test_quiet_and_verbose_set_the_progress_display_before_the_command_runs(monkeypatch, capsys, command):
+    from jaxinfer import cli, progress
+
+    seen = []
+    func = {"generate": "cmd_generate", "serve": "cmd_serve", "bench": "cmd_bench"}[command[0]]
+    monkeypatch.setattr(cli, func, lambda args: seen.append(progress.showing()) or 0)
+    monkeypatch.setattr(progress, "_show", progress.showing())  # restored after the test
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli.main(command) == 0  # a terminal: shown
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert cli.main(command) == 0  # not a terminal: not shown
+    assert cli.main(command + ["--verbose"]) == 0
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli.main(command + ["--quiet"]) == 0
+    assert seen == [True, False, True, False]
+    assert cli.main(command + ["--quiet", "--verbose"]) == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- #
 # End to end with the bundled model
 # --------------------------------------------------------------------------- #
