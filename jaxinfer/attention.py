@@ -146,6 +146,13 @@ def prepare_cpu_kernel() -> bool:
     return kernels.ready(CPU_SOURCE)
 
 
+def start_cpu_kernel_build() -> None:
+    """Begin building the CPU kernel in the background (a model load calls this first, so the
+    once-per-machine compile overlaps reading the weights); `prepare_cpu_kernel` waits for it."""
+    if jax.default_backend() == "cpu":
+        kernels.build_in_background(CPU_SOURCE)
+
+
 def _cpu_kernel():
     """The loaded kernel library, built if needed (None when unavailable)."""
     prepare_cpu_kernel()

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="cap the context length (prompt + output), in tokens")
     e.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    from jaxinfer.server.cli import add_serve_arguments, add_server_client_arguments
+    from jaxinfer.server.cli import add_engine_arguments, add_serve_arguments, add_server_client_arguments
 
     add_server_client_arguments(g)  # --server HOST:PORT, --auth-token-file, --tls-ca, --timeout
     _add_progress_args(g)
@@ -229,8 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
                    help="token budget of one engine step (default: the preset's)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    e.add_argument("--warmup", action="store_true",
-                   help="compile every program the engine can use before the run")
+    e.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile (or load from the program cache) every program the engine can use before the run, "
+                   "so no measured request waits for a compile (default: on; --no-warmup measures the first "
+                   "requests' compiles too)")
     o = b.add_argument_group("output")
     o.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write every figure (and each request's) as JSON to FILE; with no FILE, print the "
@@ -276,14 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(wu)
     wu.add_argument("--list", action="store_true",
                     help="print the program list (ready / cached on disk / to compile) and compile nothing")
-    we = wu.add_argument_group("engine (as for serve)")
-    we.add_argument("--engine-config", metavar="NAME",
-                    help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
-    we.add_argument("--max-model-len", type=_positive_int, metavar="N", help="cap the context length, in tokens")
-    we.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    we.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="most requests decoded together")
-    we.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV cache pages (page 0 is reserved)")
-    we.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", help="token budget of one step")
+    add_engine_arguments(wu.add_argument_group("engine (as for serve)"))
     _add_progress_args(wu)
     wu.set_defaults(func=cmd_warmup)
 

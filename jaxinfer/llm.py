@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import jax
 
+from jaxinfer.attention import start_cpu_kernel_build
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.detokenizer import IncrementalDetokenizer, NullDetokenizer
@@ -62,6 +63,7 @@ class LLM:
 
         t0 = time.perf_counter()
         engine = _engine_config(engine_config, dtype, max_model_len, engine_overrides)
+        start_cpu_kernel_build()  # overlaps the model load; the runner waits for it
         with progress.stage(f"resolving model {model}") as s:
             source = resolve_model(model)
             s.note(f"{source.format}: {source.path}")

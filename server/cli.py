@@ -68,13 +68,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics (text exposition) at http://HOST:PORT/metrics, on the same host "
                    "as the server (default: off)")
     e = p.add_argument_group("engine")
-    e.add_argument("--engine-config", metavar="NAME",
-                   help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
-    e.add_argument("--max-model-len", type=_positive_int, metavar="N", help="cap the context length, in tokens")
-    e.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    e.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="most requests decoded together")
-    e.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV cache pages (page 0 is reserved)")
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", help="token budget of one step")
+    add_engine_arguments(e)
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs, or priority (a request's priority field; lower runs first)")
@@ -84,6 +78,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--log-stats-interval", type=_seconds, default=10.0, metavar="SECONDS",
                    help="log the engine's throughput / running / waiting / KV line this often while busy "
                    "(default: 10; 0 disables)")
+
+
+def add_engine_arguments(e) -> None:
+    """The engine's sizes (a preset and overrides): what decides the program list (serve, warmup)."""
+    e.add_argument("--engine-config", metavar="NAME",
+                   help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
+    e.add_argument("--max-model-len", type=_positive_int, metavar="N", help="cap the context length, in tokens")
+    e.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    e.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="most requests decoded together")
+    e.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV cache pages (page 0 is reserved)")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", help="token budget of one step")
 
 
 def server_config_from_args(args: argparse.Namespace):

@@ -50,7 +50,9 @@ def _env(home: str) -> dict:
 def _first_output(cmd: list, env: dict, until: Optional[bytes], timeout: float) -> tuple[float, float, bytes]:
     """Run ``cmd``; seconds to the first stdout byte (or to a line containing ``until``), to the end."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    # run from HOME, so `-m jaxinfer.cli` imports the interpreter's installed jaxinfer, not a checkout in the cwd
+    proc = subprocess.Popen(cmd, env=env, cwd=env["HOME"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL)
     first = None
     out = b""
     try:

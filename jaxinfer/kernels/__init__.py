@@ -27,6 +27,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 _lock = threading.Lock()
 _loaded: dict = {}  # source name -> ctypes library, or None when unavailable
+_building: dict = {}  # source name -> the thread building it in the background
 
 
 def enabled() -> bool:
@@ -115,11 +116,33 @@ def build(source: str) -> str:
     return out
 
 
+def build_in_background(source: str) -> None:
+    """Start building ``source`` on a thread (the compiler runs as a subprocess), so the
+    build overlaps other start-up work; `load` waits for it. Does nothing when the library
+    is already built, loaded, or native kernels are off."""
+    with _lock:
+        if not enabled() or source in _loaded or source in _building or is_built(source):
+            return
+
+        def run():
+            try:
+                build(source)
+            except (OSError, RuntimeError):
+                pass  # `load` builds again in the foreground and reports the failure once
+
+        t = threading.Thread(target=run, name=f"jaxinfer-build-{source}", daemon=True)
+        _building[source] = t
+        t.start()
+
+
 def load(source: str, targets: dict) -> Optional[ctypes.CDLL]:
     """Build (once) and load ``source``, registering ``targets`` ({ffi target name: symbol}).
 
     Returns the library, or None when native kernels are disabled or cannot be built.
     """
+    pending = _building.pop(source, None)
+    if pending is not None:
+        pending.join()
     with _lock:
         if source in _loaded:
             return _loaded[source]
