@@ -6,10 +6,10 @@
 What it does, all on loopback:
 
 1. starts ``jaxinfer serve --warmup`` as a subprocess (port picked by the OS; it
-   compiles, or loads from the persistent compilation cache, every program first) and loads
+   compiles, or loads from the program cache, every program first) and loads
    the same model with the same engine preset in this process (the library
    path); a short warm-up run through each compiles (or loads from the
-   persistent compilation cache) the programs the measurements use;
+   program cache) the programs the measurements use;
 2. **rate sweep**: ``--num-prompts`` requests of ``--input-len`` random
    prompt tokens and exactly ``--output-len`` output tokens, Poisson arrivals
    at each of ``--rates``, through `GrpcBackend` (latencies timed on the
@@ -51,12 +51,12 @@ def _say(text: str) -> None:
 def start_server(model: str, engine_config: str, timeout: float = 1200.0, warmup: bool = True):
     """``jaxinfer serve`` on 127.0.0.1, a free port; returns (process, "127.0.0.1:PORT") once it is ready.
 
-    With ``warmup`` the server compiles (or loads from the persistent cache) every program
+    With ``warmup`` the server compiles (or loads from the program cache) every program
     before it is ready: requests that trickle in over gRPC reach prefill batch sizes that
     depend on timing, and a compile inside a measured round would be counted as server cost.
     """
     cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, "--engine-config", engine_config,
-           "--port", "0", "--log-stats-interval", "0"] + (["--warmup"] if warmup else [])
+           "--port", "0", "--log-stats-interval", "0", "--warmup" if warmup else "--no-warmup"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.time() + timeout
     for line in proc.stdout:

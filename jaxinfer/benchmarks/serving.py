@@ -850,9 +850,11 @@ def _write_summary(summary: dict, args, out) -> int:
 
 
 # Engine flags a remote server ignores: refused with --server rather than silently dropped.
+# (--warmup is on by default and says nothing about a server, which warms itself up unless
+# started with --no-warmup.)
 _ENGINE_FLAGS = (("engine_config", "--engine-config"), ("max_model_len", "--max-model-len"), ("dtype", "--dtype"),
                  ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
-                 ("no_prefix_caching", "--no-prefix-caching"), ("warmup", "--warmup"))
+                 ("no_prefix_caching", "--no-prefix-caching"))
 
 
 def bench_server_command(args, entries, in_range, out_range, out) -> int:
