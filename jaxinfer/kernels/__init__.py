@@ -57,7 +57,6 @@ def cache_dir() -> str:
 
 def _output_path(source: str) -> tuple[str, str, str]:
     """(compiler, source path, the cached library's path) for ``source``."""
-    import jax
     import jaxlib
 
     cxx = _compiler()
