@@ -153,11 +153,6 @@ def start_cpu_kernel_build() -> None:
         kernels.build_in_background(CPU_SOURCE)
 
 
-def _cpu_kernel():
-    """The loaded kernel library, built if needed (None when unavailable)."""
-    prepare_cpu_kernel()
-    return kernels.load(CPU_SOURCE, {CPU_TARGET: "JaxinferPagedAttention"}) if kernels.ready(CPU_SOURCE) else None
-
 
 def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype) -> bool:
     """Whether steps traced now attend with the CPU kernel, which stops at each row's

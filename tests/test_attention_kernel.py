@@ -19,7 +19,7 @@ from jaxinfer.attention import AttentionMetadata
 from jaxinfer.kv_cache import slots_for
 
 pytestmark = pytest.mark.skipif(
-    attention._cpu_kernel() is None or jax.default_backend() != "cpu", reason="native CPU kernel unavailable"
+    not attention.prepare_cpu_kernel(), reason="native CPU kernel unavailable"
 )
 
 
