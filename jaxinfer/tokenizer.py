@@ -17,6 +17,7 @@ as the model asks, the special and stop token ids, and the chat template.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -51,7 +52,20 @@ class _HFBackend:
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch releases the GIL while it works (encode holds it: a 5 MB text would stall
+        # every other Python thread, the server's event loop included, for seconds)
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def token_texts(self) -> list[str]:
+        """Every token's text (special tokens as written)."""
+        n = self.tok.get_vocab_size(with_added_tokens=True)
+        return self.tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+
+    def normalizes(self) -> bool:
+        return self.tok.normalizer is not None
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -96,6 +110,16 @@ class _SPBackend:
             elif part:
                 ids.extend(self.sp.encode(part))
         return ids
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]  # sentencepiece releases the GIL in encode
+
+    def token_texts(self) -> list[str]:
+        """Every piece as text (the whitespace marker as a space; byte pieces as their 6-character name)."""
+        return [self.sp.id_to_piece(i).replace("\u2581", " ") for i in range(self.sp.get_piece_size())]
+
+    def normalizes(self) -> bool:
+        return True  # SentencePiece models carry a normalizer spec (NFKC and whitespace rules by default)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         n = self.sp.get_piece_size()
@@ -188,13 +212,29 @@ class Tokenizer:
         """Token ids of ``text``; BOS/EOS are added only if the model says so."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = self._backend.encode(text)
+        return self._with_special(self._backend.encode(text), add_special_tokens)
+
+    def _with_special(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids = [self.bos_token_id] + ids
             if self.add_eos_token and self.eos_token_id is not None:
                 ids = ids + [self.eos_token_id]
         return ids
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in one call."""
+        return [self._with_special(ids, add_special_tokens) for ids in self._backend.encode_many(list(texts))]
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers (so a text of n bytes has >= n / this tokens).
+
+        The longest token text plus one byte (a leading space that decoding a lone token
+        may drop), doubled where a normalizer may shorten text before it is split.
+        """
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in self._backend.token_texts()), default=1)
+        return (longest + 1) * (2 if self._backend.normalizes() else 1)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""

