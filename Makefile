@@ -26,10 +26,12 @@ test: setup
 	$(BIN)/python -m pytest -q
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_paged_model.py tests/test_engine.py tests/test_llm.py
 
-# Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers)
+# Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers,
+# accelerate). The peer benchmarks live in benchmarks/ (not installed) and run from the repository root;
+# benchmarks/README.md lists them.
 bench: setup
 	$(BIN)/python -m pip install -q torch==2.13.0 'transformers>=4.46' accelerate
-	$(BIN)/python -m jaxinfer.benchmarks.core
+	$(BIN)/python -m benchmarks.core
 
 # Re-record the transformers reference fixtures used by tests/test_parity.py
 fixtures: setup

@@ -1,4 +1,5 @@
-"""The serving benchmark (``jaxinfer bench``): statistics, arrivals, workloads, and a real run."""
+"""The serving benchmark (``jaxinfer bench``): statistics, arrivals, workloads, and a real run;
+the peer benchmarks under ``benchmarks/`` import and parse their flags."""
 
 from __future__ import annotations
 
@@ -20,13 +21,12 @@ from jaxinfer.benchmarks.serving import (
     Progress,
     RequestResult,
     arrival_offsets,
-    describe,
     parse_range,
-    percentile,
     run_benchmark,
     summarize,
     synthetic_workload,
 )
+from jaxinfer.stats import describe, median, percentile
 
 from conftest import TINY, TINY_ENGINE, tiny_params
 
@@ -34,7 +34,7 @@ CMD = [sys.executable, "-m", "jaxinfer"]
 
 
 # --------------------------------------------------------------------------- #
-# Statistics
+# Statistics (jaxinfer.stats, the one copy every benchmark reports with)
 # --------------------------------------------------------------------------- #
 
 
@@ -48,8 +48,19 @@ def test_percentile_interpolates_linearly_between_ranks():
     assert percentile([7.0], 99) == 7.0
     assert percentile([], 50) is None
     assert percentile([3, 1, 2], 50) == 2  # order of the input does not matter
+    assert percentile([None, 4.0, None, 2.0], 50) == pytest.approx(3.0)  # None (not measured) is left out
+    assert percentile([None], 50) is None
     with pytest.raises(ValueError):
         percentile(xs, 101)
+    with pytest.raises(ValueError):
+        percentile(xs, -1)
+
+
+def test_median_averages_the_middle_pair_and_ignores_none():
+    assert median([3, 1, 2]) == 2
+    assert median([4, 1, 3, 2]) == pytest.approx(2.5)
+    assert median(x for x in (5.0, None, 7.0)) == pytest.approx(6.0)  # any iterable
+    assert median([]) is None and median([None]) is None
 
 
 def test_describe_reports_mean_median_tail_and_scale():
@@ -63,6 +74,13 @@ def test_describe_reports_mean_median_tail_and_scale():
     assert d["std"] == pytest.approx(statistics.pstdev([1, 2, 3, 4]))
     empty = describe([None, None])
     assert empty["count"] == 0 and empty["mean"] is None and empty["p99"] is None
+
+
+def test_the_serving_report_uses_the_shared_statistics():
+    from jaxinfer import stats
+
+    assert serving.describe is stats.describe  # one copy, not a benchmark's own
+    assert not hasattr(serving, "percentile")
 
 
 def test_summarize_counts_throughput_and_pools_inter_token_gaps():
@@ -240,3 +258,34 @@ def test_bench_bad_arguments_exit_2_with_one_line(args, needle):
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("jaxinfer: error: "), p.stderr
     assert needle in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------- #
+# The peer benchmarks (top-level benchmarks/, not installed)
+# --------------------------------------------------------------------------- #
+
+
+def test_peer_benchmarks_import_without_transformers_and_parse_their_flags(capsys):
+    # importing them loads neither torch nor transformers: only hf_peer.py does, in its own process
+    before = {m for m in ("torch", "transformers") if m in sys.modules}
+    from benchmarks import bench_figures, core, engine
+
+    assert {m for m in ("torch", "transformers") if m in sys.modules} == before
+    assert core.parse_args(["--no-hf", "--repeats", "2"]).repeats == 2
+    a = engine.parse_args(["--quick", "--no-hf"])
+    assert a.rounds == 2 and a.no_hf
+    assert core.HF_PEER.is_file() and core.HF_PEER.parent.name == "benchmarks"
+    assert core.median is engine.median is median  # the shared statistics, not a copy
+    with pytest.raises(SystemExit) as e:
+        bench_figures.main(["--help"])
+    assert e.value.code == 0 and "python -m benchmarks.bench_figures" in capsys.readouterr().out
+
+
+def test_the_peer_benchmarks_are_not_installed():
+    tomllib = pytest.importorskip("tomllib")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    shipped = set(setuptools["packages"]) | set(setuptools.get("package-dir", {}))
+    assert "jaxinfer.benchmarks" in shipped  # jaxinfer bench and the start-up benchmark ship
+    assert not any(p == "benchmarks" or p.startswith("benchmarks.") for p in shipped)

@@ -12,7 +12,7 @@ import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
 from jaxinfer.benchmarks import serving
 from jaxinfer.benchmarks.serving import BenchConfig, GrpcBackend, run_benchmark, summarize, synthetic_workload
-from jaxinfer.server.service import ServerConfig, ServerThread
+from jaxinfer.server import ServerConfig, ServerThread
 
 ENGINE = TINY_ENGINE.replace(num_pages=256)
 

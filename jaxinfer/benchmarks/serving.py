@@ -18,7 +18,8 @@ The pieces are kept apart so the same driver can run over other transports:
 * the **driver** (`run_benchmark`): paces arrivals, caps concurrency, samples
   engine gauges, and returns a `BenchmarkResult`;
 * the **report** (`summarize`, `format_table`): throughputs and
-  mean / median / p90 / p99 of every latency, as a table or JSON.
+  mean / median / p90 / p99 of every latency (`jaxinfer.stats.describe`),
+  as a table or JSON.
 """
 
 from __future__ import annotations
@@ -27,59 +28,17 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.stats import describe
 
 # Random prompt ids stay this far from both ends of the vocabulary: special and
 # control tokens live there in most tokenizers.
 SPECIAL_TOKEN_MARGIN = 100
-
-
-# --------------------------------------------------------------------------- #
-# Statistics
-# --------------------------------------------------------------------------- #
-
-
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """The q-th percentile (0..100), interpolating linearly between ranks (numpy's default).
-
-    None for no values.
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}.")
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def describe(values: Sequence[float], scale: float = 1.0) -> dict:
-    """mean, median, p90, p99, std, min, max and count of `values`, each times `scale`.
-
-    Every figure is None (count 0) when there are no values.
-    """
-    xs = [float(v) * scale for v in values if v is not None]
-    if not xs:
-        return {"mean": None, "median": None, "p90": None, "p99": None, "std": None, "min": None, "max": None,
-                "count": 0}
-    return {
-        "mean": statistics.fmean(xs),
-        "median": percentile(xs, 50),
-        "p90": percentile(xs, 90),
-        "p99": percentile(xs, 99),
-        "std": statistics.pstdev(xs),
-        "min": min(xs),
-        "max": max(xs),
-        "count": len(xs),
-    }
 
 
 # --------------------------------------------------------------------------- #
@@ -860,7 +819,7 @@ _ENGINE_FLAGS = (("engine_config", "--engine-config"), ("max_model_len", "--max-
 def bench_server_command(args, entries, in_range, out_range, out) -> int:
     """``jaxinfer bench --server HOST:PORT``: the same workload and report, over gRPC."""
     from jaxinfer.server.client import Client, ServerError
-    from jaxinfer.server.service import read_auth_token
+    from jaxinfer.server import read_auth_token
 
     given = [flag for name, flag in _ENGINE_FLAGS if getattr(args, name, None)]
     if given:

@@ -29,12 +29,13 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional
+
+from jaxinfer.stats import median
 
 PROMPT = "Why is the sky blue?"
 
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
                     runs[name].append(measure(py, homes[name], what, args.model, args.timeout, serve_args))
             for name in systems:
                 keys = runs[name][0].keys()
-                med = {k: statistics.median(r[k] for r in runs[name]) for k in keys}
+                med = {k: median(r[k] for r in runs[name]) for k in keys}
                 results[name][f"warm {what}"] = {"median": med, "runs": runs[name]}
                 print(f"{name:9s} warm {what:9s} " + "  ".join(f"{k} {v:.2f}" for k, v in med.items())
                       + f"  (median of {args.rounds})", flush=True)

@@ -1,12 +1,13 @@
 """Core benchmark: jaxinfer vs Hugging Face transformers on the same weights, in one run.
 
-Run it (jaxinfer in one venv, torch + transformers in another):
+Run it from the repository root (this folder is not installed with jaxinfer),
+jaxinfer in one venv, torch + transformers in another:
 
     pip install -e .
-    JAXINFER_HF_PYTHON=/path/to/venv-with-torch/bin/python python -m jaxinfer.benchmarks.core
+    JAXINFER_HF_PYTHON=/path/to/venv-with-torch/bin/python python -m benchmarks.core
 
 or install both in one venv (``pip install -e '.[reference]'``) and run
-``python -m jaxinfer.benchmarks.core``. ``--no-hf`` skips the peer; ``--json
+``python -m benchmarks.core``. ``--no-hf`` skips the peer; ``--json
 FILE`` also writes every figure (and the per-round samples) as JSON.
 
 What it measures, all on this machine and in this process:
@@ -16,12 +17,12 @@ What it measures, all on this machine and in this process:
 * jaxinfer: compile time (first request of a shape minus a warm one), time to
   first token for a 128-token prompt, batch-1 decode tokens/s, batch-8
   aggregate tokens/s;
-* transformers (subprocess, ``hf_peer.py``) on the same GGUF dequantized to
+* transformers (subprocess, ``benchmarks/hf_peer.py``) on the same GGUF dequantized to
   float32, the same token ids, in rounds alternating with jaxinfer's;
 * the jitted decode step alone, with the KV cache allocated at 1x and 8x
   capacity, at the same context length.
 
-Every figure is the median over ``--repeats`` rounds.
+Every figure is the median over ``--repeats`` rounds (`jaxinfer.stats.median`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +47,7 @@ import jaxinfer
 from jaxinfer import step as step_mod
 from jaxinfer.buckets import pages_needed
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.stats import median
 from jaxinfer.weights import resolve_model
 
 HF_PEER = Path(__file__).with_name("hf_peer.py")
@@ -57,10 +58,6 @@ TEXT = (
     "To produce one token, a decoder reads every one of its weights once, so the speed of a single "
     "stream is set by how many bytes per second the memory system can deliver, not by arithmetic. "
 )
-
-
-def median(xs) -> float:
-    return float(statistics.median(xs))
 
 
 def timed(fn, repeats: int) -> list:
@@ -542,7 +539,7 @@ def targets(res: dict) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jaxinfer.benchmarks.core", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.core", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=64)

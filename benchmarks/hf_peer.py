@@ -1,6 +1,6 @@
 """Hugging Face transformers as the benchmark's peer, run in its own interpreter.
 
-`jaxinfer.benchmarks.core` starts this file as a subprocess (with a Python
+`benchmarks.core` starts this file as a subprocess (with a Python
 that has torch + transformers; jax is not needed) and talks to it in JSON
 lines, so both engines are measured in one invocation, in alternating rounds:
 
@@ -10,14 +10,17 @@ lines, so both engines are measured in one invocation, in alternating rounds:
     stdin  "round" -> stdout one JSON object of timings (seconds) for one round
     stdin  "quit"  -> exit
 
-``"mode": "batch"`` (used by `jaxinfer.benchmarks.engine`) times only the static
+``"mode": "batch"`` (used by `benchmarks.engine`) times only the static
 batch: ``model.generate`` over all of ``batch_prompts`` at once, for one token
 and for ``decode_tokens`` tokens (min_new_tokens = max_new_tokens, greedy);
 ``"prompt"`` may then be omitted. The default ``"full"`` mode also times the
-batch-1 paths (`jaxinfer.benchmarks.core`).
+batch-1 paths (`benchmarks.core`).
 
 Only this file imports torch and transformers, and it imports nothing from
-jaxinfer (whose package imports jax), so run it by path, not with ``-m``.
+jaxinfer (whose package imports jax) nor from the rest of ``benchmarks/``: it is
+run by path (``python benchmarks/hf_peer.py``), in an interpreter that may have
+neither jax nor jaxinfer. It keeps no statistics of its own; the driver takes
+the medians of its rounds.
 A GGUF file is loaded dequantized to float32 (or the ``dtype`` the setup line names),
 the same weights jaxinfer uses.
 """

@@ -1,7 +1,10 @@
 """The server's figures for issue 4: a request-rate sweep over gRPC, and the server path vs the library path.
 
-    python -m jaxinfer.server.bench_figures                       # SmolLM2-135M-Instruct, CPU preset
-    python -m jaxinfer.server.bench_figures --rates 0.25,0.5,1,inf --num-prompts 16 --rounds 3 --json figs.json
+    python -m benchmarks.bench_figures                       # SmolLM2-135M-Instruct, CPU preset
+    python -m benchmarks.bench_figures --rates 0.25,0.5,1,inf --num-prompts 16 --rounds 3 --json figs.json
+
+(from the repository root: ``benchmarks/`` is not installed with jaxinfer; this one needs
+no transformers, only jaxinfer and its server).
 
 What it does, all on loopback:
 
@@ -17,7 +20,7 @@ What it does, all on loopback:
 3. **overhead**: ``--streams`` requests sent all at once, through the library
    (`LibraryBackend`, in process) and through the server, alternately for
    ``--rounds`` rounds (the order flips each round); the medians of output
-   tokens/s and their ratio (server / library).
+   tokens/s (`jaxinfer.stats.median`) and their ratio (server / library).
 
 The load average is printed before and after each part: on a shared machine
 the figures move with it.
@@ -30,7 +33,6 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -77,8 +79,9 @@ def main(argv=None) -> int:
     from jaxinfer.benchmarks.serving import (
         BenchConfig, GrpcBackend, LibraryBackend, run_benchmark, summarize, synthetic_workload,
     )
+    from jaxinfer.stats import median
 
-    p = argparse.ArgumentParser(prog="python -m jaxinfer.server.bench_figures", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_figures", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine-config", default="cpu")
     p.add_argument("--rates", default="0.125,0.25,0.5,1,inf", help="request rates of the sweep (req/s)")
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
                     _say(f"round {r + 1} {name:<7}: {s['output_throughput']:7.1f} output tok/s, "
                          f"{s['completed']}/{args.streams} done in {s['duration_s']:.1f} s, "
                          f"ITL p50 {s['itl_ms']['median']:.0f} ms  ({_load()})")
-            med = {k: statistics.median(v) for k, v in tps.items()}
+            med = {k: median(v) for k, v in tps.items()}
             ratio = med["server"] / med["library"]
             per_round = [s / l for s, l in zip(tps["server"], tps["library"])]
             _say(f"median output tok/s: library {med['library']:.1f}, server {med['server']:.1f}; "

@@ -1,9 +1,11 @@
 """Continuous-batching benchmark: the engine under load, against transformers' static batch.
 
-    JAXINFER_HF_PYTHON=/path/to/venv-with-torch/bin/python python -m jaxinfer.benchmarks.engine
-    python -m jaxinfer.benchmarks.engine --quick --no-hf --json engine.json
+    JAXINFER_HF_PYTHON=/path/to/venv-with-torch/bin/python python -m benchmarks.engine
+    python -m benchmarks.engine --quick --no-hf --json engine.json
 
-What it measures, all in one process (transformers in a subprocess, ``hf_peer.py``
+(from the repository root: ``benchmarks/`` is not installed with jaxinfer).
+
+What it measures, all in one process (transformers in a subprocess, ``benchmarks/hf_peer.py``
 in ``"batch"`` mode), on the engine preset of this backend:
 
 1. **throughput**: 32 requests of 128 prompt tokens and 64 output tokens
@@ -23,7 +25,7 @@ in ``"batch"`` mode), on the engine preset of this backend:
 
 Every shape is run once before it is measured. Random token ids are fresh for
 every measured request unless a prefix hit is the point, so the prefix cache
-never helps a figure by accident. Figures are medians over rounds.
+never helps a figure by accident. Figures are medians over rounds (`jaxinfer.stats.median`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,9 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,15 +46,12 @@ import numpy as np
 import jaxinfer
 from jaxinfer import step as step_mod
 from jaxinfer.benchmarks import serving
-from jaxinfer.benchmarks.core import HF_PEER, HFPeer, StepBench, common_prefix, find_hf_python, timed
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.stats import median
 from jaxinfer.weights import resolve_model
 
-
-def median(xs) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return float(statistics.median(xs)) if xs else None
+from benchmarks.core import HF_PEER, HFPeer, StepBench, common_prefix, find_hf_python, timed
 
 
 def greedy(n: int) -> SamplingParams:
@@ -697,7 +694,7 @@ SECTIONS = ("throughput", "serving", "prefix", "host", "stall")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jaxinfer.benchmarks.engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine-config", default=None, help="engine preset (default: this backend's)")
     p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"), help="weights' dtype (default: the preset's)")
