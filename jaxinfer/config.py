@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional
@@ -168,6 +169,15 @@ class EngineConfig:
         """This config with dtype "auto" replaced by `resolve_dtype`'s choice."""
         return self.replace(dtype=resolve_dtype(self.dtype, backend)) if self.dtype == "auto" else self
 
+    def context_limit(self, model_max_len: int) -> int:
+        """The longest sequence (prompt + output, tokens) this engine serves for a model of `model_max_len`.
+
+        The least of the model's context, ``max_model_len``, the KV cache's capacity and
+        what the largest page bucket holds.
+        """
+        limit = model_max_len if self.max_model_len is None else min(model_max_len, self.max_model_len)
+        return min(limit, (self.num_pages - 1) * self.page_size, self.page_buckets[-1] * self.page_size)
+
     @property
     def cache_dtype(self) -> str:
         """The KV cache's dtype: `kv_cache_dtype`, or `dtype` when that is "auto"."""
@@ -187,7 +197,15 @@ class EngineConfig:
 
     @classmethod
     def preset(cls, name: str) -> "EngineConfig":
-        """Load ``configs/<name>.json`` (``cpu``, ``gpu``, ``tpu``)."""
+        """Load ``configs/<name>.json`` (``cpu``, ``gpu``, ``tpu``), or a JSON file of the same keys by its path."""
+        if name.endswith(".json") or os.sep in name:
+            try:
+                with open(name, encoding="utf-8") as f:
+                    d = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"cannot read the engine config file {name}: {e}") from None
+            d.setdefault("name", os.path.splitext(os.path.basename(name))[0])
+            return cls.from_dict(d)
         try:
             text = resources.files("jaxinfer.configs").joinpath(f"{name}.json").read_text()
         except FileNotFoundError:

@@ -116,14 +116,9 @@ class LLM:
         self.tokenizer = tokenizer
         self.generation_defaults: GenerationDefaults = generation
         self.model_name = name
-        limit = cfg.max_position_embeddings
-        if engine.max_model_len is not None:
-            limit = min(limit, engine.max_model_len)
-        capacity = (engine.num_pages - 1) * engine.page_size
-        max_seq_pages = engine.page_buckets[-1] * engine.page_size
-        self.max_model_len = min(limit, capacity, max_seq_pages)
         self.engine_config = engine
         self.runner = ModelRunner(cfg, engine, params)
+        self.max_model_len = self.runner.max_model_len
         self.engine = Engine(
             self.runner,
             enable_prefix_caching=enable_prefix_caching,

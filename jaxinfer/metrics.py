@@ -11,6 +11,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from jaxinfer.stats import percentile
+
 
 @dataclass
 class RequestMetrics:
@@ -76,6 +78,8 @@ class RequestMetrics:
             "decode_steps": self.decode_steps,
             "tpot_s": self.tpot_s,
             "itl_mean_s": statistics.fmean(itl) if itl else None,
+            "itl_p50_s": percentile(itl, 50),
+            "itl_p99_s": percentile(itl, 99),
             "itl_max_s": max(itl) if itl else None,
             "e2e_s": self.e2e_s,
         }
@@ -87,24 +91,31 @@ class RequestMetrics:
 
     def trace(self) -> str:
         """A readable account of the request's life (``jaxinfer generate --trace``)."""
+        return format_trace(self.summary())
 
-        def ms(x):
-            return "-" if x is None else f"{x * 1e3:.1f} ms"
 
-        s = self.summary()
-        lines = [
-            "── request trace ──",
-            f"prompt tokens     {self.prompt_tokens} ({self.user_tokens} user + {self.template_tokens} template"
-            + (f", {self.cached_tokens} cached" if self.cached_tokens else "")
-            + ")",
-            f"tokenize          {ms(self.tokenize_s)}",
-            f"queue wait        {ms(s['queue_s'])}",
-            f"prefill           {ms(s['prefill_s'])} in {s['prefill_chunks']} chunk(s)",
-            f"time to 1st token {ms(s['ttft_s'])}",
-            f"decode steps      {self.decode_steps}, mean step {ms(s['tpot_s'])} (TPOT)",
-            f"inter-token gap   mean {ms(s['itl_mean_s'])}, max {ms(s['itl_max_s'])}",
-            f"output tokens     {self.output_tokens}"
-            + (f" ({self.output_tokens / s['e2e_s']:.1f} tok/s end to end)" if s["e2e_s"] else ""),
-            f"total             {ms(s['e2e_s'])}",
-        ]
-        return "\n".join(lines)
+def format_trace(s: dict, where: str = "") -> str:
+    """The request timeline ``generate --trace`` prints, from `RequestMetrics.summary` keys.
+
+    One format for a request run here and one run by a server (whose timings arrive as the
+    same keys); `where` labels the total (e.g. "server side").
+    """
+
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+    out, cached, e2e = s.get("output_tokens", 0), s.get("cached_tokens", 0), s.get("e2e_s")
+    return "\n".join([
+        "── request trace ──",
+        f"prompt tokens     {s.get('prompt_tokens', 0)} ({s.get('user_tokens', 0)} user + "
+        f"{s.get('template_tokens', 0)} template" + (f", {cached} cached" if cached else "") + ")",
+        f"tokenize          {ms(s.get('tokenize_s'))}",
+        f"queue wait        {ms(s.get('queue_s'))}",
+        f"prefill           {ms(s.get('prefill_s'))} in {s.get('prefill_chunks', 0)} chunk(s)",
+        f"time to 1st token {ms(s.get('ttft_s'))}",
+        f"decode steps      {s.get('decode_steps', 0)}, mean step {ms(s.get('tpot_s'))} (TPOT)",
+        f"inter-token gap   mean {ms(s.get('itl_mean_s'))}, p50 {ms(s.get('itl_p50_s'))}, "
+        f"p99 {ms(s.get('itl_p99_s'))}, max {ms(s.get('itl_max_s'))}",
+        f"output tokens     {out}" + (f" ({out / e2e:.1f} tok/s end to end)" if e2e else ""),
+        f"total             {ms(e2e)}" + (f" ({where})" if where else ""),
+    ])

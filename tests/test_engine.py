@@ -10,6 +10,7 @@ import asyncio
 import threading
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -290,29 +291,38 @@ def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
     llm.close()
 
 
-def test_cpu_preset_program_list_is_short_and_covers_every_step_shape():
+@pytest.mark.parametrize("max_model_len", [None, 100])
+def test_cpu_preset_program_list_is_short_and_covers_every_step_shape(max_model_len):
     """The cpu preset's whole program list stays small, and every padded shape the runner can
-    produce (any batch up to max_num_seqs, any chunk within the prefill area) is in it."""
+    produce (any batch up to max_num_seqs, any chunk within the prefill area, any context up to
+    max_model_len) is in it; a shorter max_model_len drops the chunk and page sizes it cannot reach."""
     from jaxinfer.buckets import bucket_for
     from jaxinfer.config import EngineConfig
 
-    ecfg = EngineConfig.preset("cpu").replace(num_pages=64, dtype="float32")
+    ecfg = EngineConfig.preset("cpu").replace(num_pages=64, dtype="float32", max_model_len=max_model_len)
     eng = Engine(ModelRunner(TINY, ecfg, tiny_params()), autostart=False)
-    keys = set(eng.program_keys())
+    keys = {(k.kind, k.batch, k.tokens, k.pages) for k in eng.program_keys()}
     table = eng.runner.programs
+    limit = eng.runner.max_model_len
+    assert limit == min(TINY.max_position_embeddings, max_model_len or 10**9, 63 * ecfg.page_size)
     if table.full_width:  # the CPU kernel reads row lengths; the pure-JAX path keeps page buckets
         assert len(keys) <= 32, len(keys)
+    cb = ecfg.chunk_buckets
+    longest_chunk = min(limit - 1, cb[-1])
+    reachable = [t for i, t in enumerate(cb) if (cb[i - 1] if i else 0) < longest_chunk]
+    assert {k[2] for k in keys if k[0] == "prefill"} == set(reachable)
+    assert max(k[3] for k in keys) == bucket_for(-(-limit // ecfg.page_size), ecfg.page_buckets)
     for n in range(1, ecfg.max_num_seqs + 1):
         b = bucket_for(n, ecfg.batch_buckets)
-        for ctx in (1, 200, ecfg.page_size * ecfg.page_buckets[-1]):
+        for ctx in (1, min(200, limit), limit):
             p = table.page_width(-(-ctx // ecfg.page_size))
-            assert (("decode", b, 1, p)) in {(k.kind, k.batch, k.tokens, k.pages) for k in keys}
-        for t in ecfg.chunk_buckets:
+            assert ("decode", b, 1, p) in keys
+        for t in reachable:
             if b * t > eng.scheduler.prefill_area:
                 continue
-            for ctx in (t, t + 100, ecfg.page_size * ecfg.page_buckets[-1]):
+            for ctx in (min(t, limit), min(t + 100, limit), limit):
                 p = table.page_width(-(-ctx // ecfg.page_size))
-                assert ("prefill", b, t, p) in {(k.kind, k.batch, k.tokens, k.pages) for k in keys}
+                assert ("prefill", b, t, p) in keys
 
 
 def test_stats_line_reads_like_vllm(tiny_llm):
@@ -341,5 +351,26 @@ def test_a_closed_event_loop_on_one_stream_does_not_fail_the_others(tiny_llm):
     loop.close()
     out = other.result()
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 30
+    assert tiny_llm.wait_idle()
+    tiny_llm.engine.allocator.check_all_free()
+
+
+def test_a_request_id_is_refused_while_live_and_free_again_as_soon_as_it_is_aborted(tiny_llm):
+    """Ids are unique among unfinished requests; aborting frees the id at once, and the new
+    request with that id is never mistaken for the old one (outputs, aborts, pages)."""
+    long = SP(max_tokens=60, temperature=0, ignore_eos=True)
+    short = SP(max_tokens=3, temperature=0, ignore_eos=True)
+    for i in range(20):
+        old = tiny_llm.submit(tiny_llm.make_request([1, 2, 3 + i], long, request_id="same"))
+        with pytest.raises(ValueError, match="request_id 'same' is already in use"):
+            tiny_llm.submit(tiny_llm.make_request([1, 2, 3], long, request_id="same"))
+        if i % 2:
+            next(iter(old))  # sometimes after the first token, sometimes before the engine saw it
+        old.abort()
+        new = tiny_llm.submit(tiny_llm.make_request([4, 5, i], short, request_id="same"))
+        old.abort()  # a second abort of the old stream must not reach the new request
+        out = new.result()
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3
+        assert old.result().outputs[0].finish_reason == "abort"
     assert tiny_llm.wait_idle()
     tiny_llm.engine.allocator.check_all_free()
