@@ -3,6 +3,13 @@
     jaxinfer serve --model smollm2-135m-instruct --port 50051
     client = jaxinfer.Client("localhost:50051")
 
+    from jaxinfer.server import ServerConfig, ServerThread
+    with ServerThread(llm, ServerConfig(port=0)) as srv: ...
+
+One module per piece: ``config`` (ServerConfig, read_auth_token), ``convert``
+(messages <-> library types), ``servicer`` (the Generation service), ``auth``
+(bearer tokens), ``server`` (JaxinferServer, serve), ``thread`` (ServerThread),
+``client`` (Client, AsyncClient), ``metrics`` (Prometheus), ``cli``.
 Importing this package does not import grpc; its modules do.
 Regenerate the API code with ``python -m jaxinfer.server.codegen``.
 """
@@ -11,10 +18,11 @@ _LAZY = {
     "Client": "jaxinfer.server.client",
     "AsyncClient": "jaxinfer.server.client",
     "ServerError": "jaxinfer.server.client",
-    "JaxinferServer": "jaxinfer.server.service",
-    "ServerConfig": "jaxinfer.server.service",
-    "ServerThread": "jaxinfer.server.service",
-    "serve": "jaxinfer.server.service",
+    "JaxinferServer": "jaxinfer.server.server",
+    "serve": "jaxinfer.server.server",
+    "ServerConfig": "jaxinfer.server.config",
+    "read_auth_token": "jaxinfer.server.config",
+    "ServerThread": "jaxinfer.server.thread",
 }
 
 __all__ = list(_LAZY)

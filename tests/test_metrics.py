@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
 from jaxinfer.server.client import Client, InvalidArgument, ResourceExhausted
-from jaxinfer.server.service import ServerConfig, ServerThread
+from jaxinfer.server import ServerConfig, ServerThread
 
 ENGINE = TINY_ENGINE.replace(num_pages=256)
 

@@ -3,14 +3,19 @@
 Each property of issue 4 is one test: streamed tokens equal the library's,
 cancels / disconnects / deadlines abort the request and free its KV pages,
 admission control, every INVALID_ARGUMENT case, TLS and token auth, graceful
-shutdown. Tests that need requests to stay in flight slow the engine's decode
-step down (a sleep around the real one) so the timing is not left to chance.
+shutdown; and what a soak of the server found: a huge prompt is tokenized off
+the event loop, malformed request bytes are INVALID_ARGUMENT, a Tokenize answer
+over the message limit says so, a request id is free once its call is
+cancelled, the bearer scheme matches in any case. Tests that need requests to
+stay in flight slow the engine's decode step down (a sleep around the real one)
+so the timing is not left to chance.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -23,10 +28,10 @@ import pytest
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, requires_smollm2, tiny_params
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server import ServerConfig, ServerThread
 from jaxinfer.server.client import (
     AsyncClient, Client, InvalidArgument, ResourceExhausted, ServerError, Unauthenticated, Unavailable,
 )
-from jaxinfer.server.service import ServerConfig, ServerThread
 
 ENGINE = TINY_ENGINE.replace(num_pages=256)
 MAX_LEN = 128  # the tiny engine's context: 32 pages of 4 tokens
@@ -253,8 +258,8 @@ BAD = [
     (dict(prompt=list(range(1, 201))), "The prompt is 200 tokens long, but the model's context length "
                                        "(max_model_len) is 128 tokens"),
     (dict(max_tokens=125), "maximum context length (max_model_len) is 128 tokens. However, you requested 131"),
-    (dict(prompt=[1, 2, 512]), "token_ids.ids[2] = 512 is out of range: token ids must be in [0, 512)"),
-    (dict(prompt=[1, -1]), "token_ids.ids[1] = -1 is out of range"),
+    (dict(prompt=[1, 2, 512]), "prompt token id 512 at position 2 is out of range: token ids must be integers in [0, 512)"),
+    (dict(prompt=[1, -1]), "prompt token id -1 at position 1 is out of range"),
     (dict(stop_token_ids=[600]), "stop_token_ids must be smaller than the vocabulary size (512), got 600."),
     (dict(prompt="hello"), "this model has no tokenizer"),
     (dict(prompt=[{"role": "user", "content": "hi"}]), "this model has no chat template"),
@@ -297,6 +302,20 @@ def test_request_id_is_the_clients_and_must_be_unique_while_running(llm, client,
     assert_all_free(llm, server)
 
 
+def test_a_request_id_is_free_again_as_soon_as_its_call_is_cancelled(llm, client, server):
+    """Cancel a stream and reuse its id at once on the same channel, 50 times: never ALREADY_EXISTS, the old
+    request's abort never reaches the new one, and every page comes back."""
+    aborted = llm.engine.stats.finished.get("abort", 0)
+    kw = dict(max_tokens=100, temperature=0, ignore_eos=True, request_id="again")
+    for _ in range(50):
+        it = iter(client.generate(prompt(17), **kw))
+        pieces = [next(it), next(it)]
+        assert [p.request_id for p in pieces] == ["again"] * 2 and not any(p.finished for p in pieces)
+        it.close()  # cancels the call; the next one starts right after it on the same channel
+    assert_all_free(llm, server)
+    assert llm.engine.stats.finished.get("abort", 0) - aborted == 50
+
+
 def test_model_info_and_tokenize(llm, client):
     info = client.model_info()
     assert info["max_model_len"] == MAX_LEN and info["vocab_size"] == 512 and info["page_size"] == 4
@@ -307,6 +326,36 @@ def test_model_info_and_tokenize(llm, client):
     with pytest.raises(ServerError) as e:
         client.tokenize("hello")
     assert e.value.code.name == "FAILED_PRECONDITION"
+
+
+def test_malformed_request_bytes_are_invalid_argument_with_one_warning_line(server, caplog):
+    import grpc
+
+    from jaxinfer.server import jaxinfer_pb2 as pb
+
+    caplog.set_level(logging.WARNING)
+    garbage = b"\xff\xff\xff\xff\xff"
+    with grpc.insecure_channel(server.address) as ch:
+        generate = ch.unary_stream("/jaxinfer.v1.Generation/Generate", request_serializer=lambda b: b,
+                                   response_deserializer=pb.GenerateResponse.FromString)
+        tokenize = ch.unary_unary("/jaxinfer.v1.Generation/Tokenize", request_serializer=lambda b: b,
+                                  response_deserializer=pb.TokenizeResponse.FromString)
+        for name, call in (("Generate", lambda: list(generate(garbage, timeout=10))),
+                           ("Tokenize", lambda: tokenize(garbage, timeout=10))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.value.details())
+            assert "Wire format was corrupt" in e.value.details()
+        # unknown fields are not an error: they are skipped (see the API doc)
+        ok = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(18)),
+                                sampling=pb.SamplingOptions(max_tokens=2)).SerializeToString()
+        pieces = list(generate(ok + b"\xf8\x06\x01", timeout=30))  # field 111, varint 1
+        assert sum(len(p.token_ids) for p in pieces) == 2
+    warned = [r.getMessage() for r in caplog.records if r.name == "jaxinfer.server" and "malformed" in r.getMessage()]
+    assert len(warned) == 2, warned
+    for method, line in zip(("/jaxinfer.v1.Generation/Generate", "/jaxinfer.v1.Generation/Tokenize"), warned):
+        assert method in line and ("ipv4:127.0.0.1:" in line or "ipv6:[::1]:" in line) and "\n" not in line
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
 
 
 def test_reflection_lists_the_services(server):
@@ -358,8 +407,30 @@ def test_tls_and_bearer_token_auth(llm, tmp_path):
         assert_all_free(llm, srv)
 
 
+def test_bearer_scheme_is_case_insensitive_and_the_token_is_not(llm):
+    import grpc
+
+    from jaxinfer.server import jaxinfer_pb2 as pb
+    from jaxinfer.server import jaxinfer_pb2_grpc as pb_grpc
+
+    with ServerThread(llm, ServerConfig(port=0, auth_token="s3cret")) as srv:
+        with grpc.insecure_channel(srv.address) as ch:
+            info = pb_grpc.GenerationStub(ch).GetModelInfo
+
+            def ask(value):
+                return info(pb.GetModelInfoRequest(), metadata=[("authorization", value)], timeout=10)
+
+            for value in ("bearer s3cret", "BEARER s3cret", "Bearer s3cret", "  bEaReR   s3cret  "):
+                assert ask(value).max_model_len == MAX_LEN, value
+            for value in ("bearer S3CRET", "bearer s3cre", "Basic s3cret", "s3cret", "bearers3cret"):
+                with pytest.raises(grpc.RpcError) as e:
+                    ask(value)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
+                assert "invalid bearer token" in e.value.details()
+
+
 def test_auth_token_from_environment(monkeypatch, tmp_path):
-    from jaxinfer.server.service import read_auth_token
+    from jaxinfer.server import read_auth_token
 
     monkeypatch.setenv("JAXINFER_AUTH_TOKEN", " from-env\n")
     assert read_auth_token(None) == "from-env"
@@ -418,7 +489,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
-from jaxinfer.server.service import ServerConfig, serve
+from jaxinfer.server import ServerConfig, serve
 llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE)
 real = llm.runner.decode
 def slow(reqs):
@@ -450,6 +521,135 @@ def test_sigterm_drains_the_server_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# --------------------------------------------------------------------------- #
+# A model with a tokenizer: tokenizing off the event loop, Tokenize's size limit
+# --------------------------------------------------------------------------- #
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def sp_llm(tmp_path_factory):
+    """The tiny model with a 340-piece SentencePiece tokenizer (which releases the GIL while it encodes)."""
+    from test_tokenizer import train_tiny_sentencepiece
+
+    from jaxinfer.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("sp")
+    (path / "tokenizer.model").write_bytes(train_tiny_sentencepiece())
+    (path / "chat_template.jinja").write_text(_CHAT_TEMPLATE)
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=Tokenizer.from_dir(path), engine_config=ENGINE)
+    yield llm
+    llm.close()
+
+
+class _Watch:
+    """Streams tokens and checks health from two threads, recording when each token gap and check began and ended."""
+
+    def __init__(self, address: str):
+        self.gaps: list = []
+        self.checks: list = []
+        self.errors: list = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._guard, args=(f, address)) for f in (self._stream, self._health)]
+
+    def _guard(self, fn, address):
+        try:
+            with Client(address, timeout=30) as c:
+                fn(c)
+        except BaseException as e:  # noqa: BLE001 - raised again on leaving the with block
+            self.errors.append(e)
+
+    def _stream(self, c):
+        i = 0
+        while not self._stop.is_set():
+            last = None
+            for _ in c.generate(prompt(i, 4), max_tokens=100, temperature=0, ignore_eos=True):
+                now = time.perf_counter()
+                if last is not None:  # the first message also waits for the prefill
+                    self.gaps.append((last, now))
+                last = now
+                if self._stop.is_set():
+                    break
+            i += 1
+
+    def _health(self, c):
+        c.health()  # the channel connects
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            assert c.health() == "SERVING"
+            self.checks.append((t, time.perf_counter()))
+            time.sleep(0.005)
+
+    def __enter__(self) -> "_Watch":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+        if self.errors and exc[0] is None:
+            raise self.errors[0]
+
+    def worst(self, start: float, end: float) -> tuple:
+        """The longest token gap and the longest health check among those that overlap [start, end]."""
+        def longest(spans):
+            return max((b - a for a, b in spans if a < end and b > start), default=0.0)
+
+        return longest(list(self.gaps)), longest(list(self.checks))
+
+
+HUGE = 5 * 1024 * 1024
+STALL_MARGIN_S = 0.25  # measured: 0.05-0.1 s beyond normal with the pool, 2-4 s without it
+
+
+@pytest.mark.parametrize("kind", ["prompt", "chat"])
+def test_a_5_mb_prompt_does_not_stall_other_streams_or_the_health_check(sp_llm, kind):
+    text = ("hello " * (HUGE // 6 + 1))[:HUGE]
+    big = text if kind == "prompt" else [{"role": "user", "content": text}]
+    with ServerThread(sp_llm, ServerConfig(port=0)) as srv, _Watch(srv.address) as watch:
+        with Client(srv.address, timeout=60) as c:
+            c.health()
+            begin = time.perf_counter()
+            time.sleep(0.5)  # what a token gap and a health check take on this machine right now
+            t0 = time.perf_counter()
+            with pytest.raises(InvalidArgument) as e:
+                c.complete(big, max_tokens=4)
+            t1 = time.perf_counter()
+    assert "max_model_len" in e.value.details
+    normal_gap, normal_check = watch.worst(begin, t0)
+    gap, check = watch.worst(t0, t1)
+    assert normal_gap > 0 and normal_check > 0, "the watch saw nothing before the big request"
+    # Blocking the loop shows as a gap of seconds (the whole tokenization). With the pool they stayed within
+    # about 0.1 s of normal on a shared 2-core machine, where clients, server and tokenizer share one GIL.
+    assert gap < normal_gap + STALL_MARGIN_S, f"a token gap of {gap:.3f} s while {t1 - t0:.2f} s went on the prompt"
+    assert check < normal_check + STALL_MARGIN_S, f"a health check of {check:.3f} s while {t1 - t0:.2f} s went on it"
+    assert_all_free(sp_llm)
+
+
+def test_tokenize_refuses_a_response_larger_than_the_message_limit_with_a_clear_status(sp_llm, caplog):
+    caplog.set_level(logging.WARNING)
+    limit = 4096
+    with ServerThread(sp_llm, ServerConfig(port=0, max_message_bytes=limit)) as srv:
+        with Client(srv.address, timeout=30) as c:
+            small = c.tokenize("hello world")
+            assert small["token_ids"] == sp_llm.tokenizer.encode("hello world")
+            text = "hello world " * 250  # 3,000 bytes: the request fits, the ids, tokens and text do not
+            with pytest.raises(ResourceExhausted) as e:
+                c.tokenize(text)
+            assert c.tokenize("cache page")["count"] > 0  # the server goes on serving
+    details = e.value.details
+    assert "Tokenize response would be" in details and f"message size limit of {limit} bytes" in details
+    sizes = [int(w) for w in details.replace(",", " ").split() if w.isdigit()]
+    assert any(n > limit for n in sizes) and any(3000 <= n < limit for n in sizes), details  # both sizes
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
 
 
 # --------------------------------------------------------------------------- #
@@ -568,20 +768,20 @@ def test_generate_via_server_samples_with_the_defaults_of_local_generate(tmp_pat
                                                                           model_defaults, flags, want):
     from jaxinfer.cli import CLI_TEMPERATURE, CLI_TOP_P, cli_sampling_defaults
     from jaxinfer.config import GenerationDefaults
-    from jaxinfer.server import service
+    from jaxinfer.server import servicer
     from jaxinfer.server.cli import generate_via_server
 
     generation = GenerationDefaults(*model_defaults) if model_defaults else None
     llm = jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=_char_tokenizer(tmp_path), engine_config=ENGINE,
                                    generation=generation)
     resolved = []
-    real = service.sampling_params_from_proto
+    real = servicer.sampling_params_from_proto
 
     def spy(opts, defaults):
         resolved.append(real(opts, defaults))
         return resolved[-1]
 
-    monkeypatch.setattr(service, "sampling_params_from_proto", spy)
+    monkeypatch.setattr(servicer, "sampling_params_from_proto", spy)
     try:
         with ServerThread(llm, ServerConfig(port=0)) as srv:
             with Client(srv.address, timeout=60) as c:
