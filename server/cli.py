@@ -3,11 +3,13 @@
 Wired into ``jaxinfer/cli.py``:
 
     s = sub.add_parser("serve", ...); add_serve_arguments(s); s.set_defaults(func=run_serve)
-    add_server_client_arguments(generate_parser)   # --server, --auth-token-file, --tls-ca, --timeout
     # in cmd_generate: if args.server: return generate_via_server(args)
 
-Both functions return an exit status: 0, 1 (the server failed or is unreachable)
-or 2 (bad input, reported as one ``jaxinfer: error: ...`` line).
+The flags themselves (model, engine, sampling, prompt format, output, server)
+are the groups of `jaxinfer.cli_flags`, shared with local ``generate``,
+``warmup`` and ``bench``: the same names, help and defaults everywhere.
+Both functions return an exit status: 0, 1 (the server failed or is
+unreachable) or 2 (bad input, reported as one ``jaxinfer: error: ...`` line).
 """
 
 from __future__ import annotations
@@ -18,18 +20,25 @@ import logging
 import sys
 from typing import Optional
 
-from jaxinfer.argtypes import DTYPE_CHOICES, DTYPE_HELP, int_in, non_negative_number
+from jaxinfer.argtypes import int_in
+from jaxinfer.cli_flags import (
+    add_client_flags,
+    add_engine_flags,
+    add_model_flags,
+    chat_messages,
+    chat_mode,
+    check_engine_flags,
+    check_generate_args,
+    generate_result,
+    generate_sampling,
+    llm_kwargs,
+    positive_int,
+    refuse_local_flags,
+    seconds,
+)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_MAX_TOKENS = 256  # as local generate
-_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs")
-
-
-_positive_int = int_in(1)
 _nonnegative_int = int_in(0)
 _port = int_in(0, 65535)
-_seconds = non_negative_number
 
 
 def _err(message: str, code: int) -> int:
@@ -44,9 +53,8 @@ def _err(message: str, code: int) -> int:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxinfer.cli import _add_model_args
-
-    _add_model_args(p)  # --model, --no-model-cache: as for generate
+    """serve's flags: the model and engine groups of every command, then the network's and the scheduler's own."""
+    add_model_flags(p)
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: 127.0.0.1, loopback only; 0.0.0.0 for every interface)")
@@ -56,43 +64,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--auth-token-file", metavar="FILE",
                    help="require 'authorization: Bearer <token>' with the token in FILE "
                    "(default: $JAXINFER_AUTH_TOKEN if set; health checks stay open)")
-    n.add_argument("--max-message-size", type=_positive_int, default=16 * 1024 * 1024, metavar="BYTES",
+    n.add_argument("--max-message-size", type=positive_int, default=16 * 1024 * 1024, metavar="BYTES",
                    help="largest request or response message (default: 16 MiB)")
     n.add_argument("--max-waiting", type=_nonnegative_int, metavar="N",
                    help="admission control: refuse new requests (RESOURCE_EXHAUSTED) when N are already waiting "
                    "beyond the engine's batch (default: unbounded)")
-    n.add_argument("--grace-period", type=_seconds, default=30.0, metavar="SECONDS",
+    n.add_argument("--grace-period", type=seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, let running requests finish for this long, then abort them (default: 30)")
     n.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     n.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="serve Prometheus metrics (text exposition) at http://HOST:PORT/metrics, on the same host "
                    "as the server (default: off)")
-    e = p.add_argument_group("engine")
-    add_engine_arguments(e)
-    e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    e = add_engine_flags(p, warmup="before accepting requests (default: on; --no-warmup accepts requests at once "
+                         "and compiles each program when a request first needs it)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="fcfs, or priority (a request's priority field; lower runs first)")
-    e.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every program before accepting requests (default: on; --no-warmup accepts "
-                   "requests at once and compiles each program when a request first needs it)")
-    e.add_argument("--log-stats-interval", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="fcfs, or priority (a request's priority field; lower runs first) (default: fcfs)")
+    e.add_argument("--log-stats-interval", type=seconds, default=10.0, metavar="SECONDS",
                    help="log the engine's throughput / running / waiting / KV line this often while busy "
                    "(default: 10; 0 disables)")
 
 
-def add_engine_arguments(e) -> None:
-    """The engine's sizes (a preset and overrides): what decides the program list (serve, warmup)."""
-    e.add_argument("--engine-config", metavar="NAME",
-                   help="engine preset: cpu, gpu or tpu (default: the one for JAX's backend)")
-    e.add_argument("--max-model-len", type=_positive_int, metavar="N", help="cap the context length, in tokens")
-    e.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    e.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="most requests decoded together")
-    e.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV cache pages (page 0 is reserved)")
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", help="token budget of one step")
-
-
 def server_config_from_args(args: argparse.Namespace):
-    from jaxinfer.server.service import ServerConfig, read_auth_token
+    from jaxinfer.server import ServerConfig, read_auth_token
 
     return ServerConfig(
         host=args.host, port=args.port, max_waiting=args.max_waiting, grace_period=args.grace_period,
@@ -142,6 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for path in (args.tls_cert, args.tls_key):
             if path is not None:
                 open(path, "rb").close()
+        check_engine_flags(args)
     except (ValueError, OSError) as e:
         return _err(str(e), 2)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and config.auth_token):
@@ -151,18 +145,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from jaxinfer.compile_cache import enable_compilation_cache
     from jaxinfer.llm import LLM
-    from jaxinfer.server.service import serve
+    from jaxinfer.server import serve
 
     enable_compilation_cache()
-    overrides = {k: getattr(args, k) for k in ("max_num_seqs", "num_pages") if getattr(args, k) is not None}
     try:
-        llm = LLM(
-            args.model, engine_config=args.engine_config, dtype=args.dtype, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
-            log_stats_interval=args.log_stats_interval or None,
-            max_num_batched_tokens=args.max_num_batched_tokens, warmup=args.warmup,
-            model_cache=not args.no_model_cache, **overrides,
-        )
+        llm = LLM(**llm_kwargs(args), scheduling_policy=args.scheduling_policy,
+                  log_stats_interval=args.log_stats_interval or None, warmup=args.warmup)
     except ValueError as e:
         return _err(str(e), 2)
 
@@ -192,110 +180,54 @@ def run_serve(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- #
 
 
-def add_server_client_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--server", metavar="HOST:PORT",
-                   help="generate on a running 'jaxinfer serve' instead of loading the model here "
-                   "(model and engine flags are then the server's)")
-    g.add_argument("--auth-token-file", metavar="FILE",
-                   help="send the bearer token in FILE (default: $JAXINFER_AUTH_TOKEN if set)")
-    g.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA certificate (PEM)")
-    g.add_argument("--timeout", type=_seconds, metavar="SECONDS", help="deadline for the whole request")
+# `generate --server`'s flags are generate's own (`jaxinfer.cli_flags`); this is its server group alone.
+add_server_client_arguments = add_client_flags
 
 
-def _read_prompt(value: str) -> str:
-    if value == "-":
-        value = sys.stdin.read().rstrip("\r\n")
-    if value == "":
-        raise ValueError("the prompt is empty: pass some text (or '-' to read it from stdin).")
-    return value
-
-
-def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    kw = {}
-    for name in _SAMPLING_FLAGS:
-        v = getattr(args, name, None)
-        if v is not None:
-            kw[name] = v
-    if getattr(args, "stop", None):
-        kw["stop"] = list(args.stop)
-    if getattr(args, "ignore_eos", False):
-        kw["ignore_eos"] = True
-    return kw
-
-
-def trace_text(timings: dict, usage: dict) -> str:
-    """The request's timeline, in the format of local ``generate --trace``."""
-
-    def ms(x):
-        return "-" if x is None else f"{x * 1e3:.1f} ms"
-
-    t, u = timings, usage
-    out_tokens = u.get("completion_tokens", 0)
-    cached = u.get("cached_tokens", 0)
-    e2e = t.get("e2e_s")
-    return "\n".join([
-        "── request trace ──",
-        f"prompt tokens     {u.get('prompt_tokens', 0)} ({t.get('user_tokens', 0)} user + "
-        f"{t.get('template_tokens', 0)} template" + (f", {cached} cached" if cached else "") + ")",
-        f"tokenize          {ms(t.get('tokenize_s'))}",
-        f"queue wait        {ms(t.get('queue_s'))}",
-        f"prefill           {ms(t.get('prefill_s'))} in {t.get('prefill_chunks', 0)} chunk(s)",
-        f"time to 1st token {ms(t.get('ttft_s'))}",
-        f"decode steps      {t.get('decode_steps', 0)}, mean step {ms(t.get('tpot_s'))} (TPOT)",
-        f"inter-token gap   mean {ms(t.get('itl_mean_s'))}, p50 {ms(t.get('itl_p50_s'))}, "
-        f"p99 {ms(t.get('itl_p99_s'))}, max {ms(t.get('itl_max_s'))}",
-        f"output tokens     {out_tokens}" + (f" ({out_tokens / e2e:.1f} tok/s end to end)" if e2e else ""),
-        f"total             {ms(e2e)} (server side)",
-    ])
+def server_summary(final) -> dict:
+    """A finished request's server timings and usage as the keys of `RequestMetrics.summary`."""
+    usage = final.usage or {}
+    return dict(final.timings or {}, prompt_tokens=usage.get("prompt_tokens", 0),
+                cached_tokens=usage.get("cached_tokens", 0), output_tokens=usage.get("completion_tokens", 0))
 
 
 def generate_via_server(args: argparse.Namespace) -> int:
-    """``jaxinfer generate --server HOST:PORT PROMPT``: the output of local generate, made by a server."""
-    from jaxinfer.sampling_params import SamplingParams
-    from jaxinfer.server.client import Client, InvalidArgument, ServerError
-    from jaxinfer.server.service import read_auth_token
+    """``jaxinfer generate --server HOST:PORT PROMPT``: the output of local generate, made by a server.
+
+    The same checks, sampling defaults, chat decision, max_tokens fitting and
+    output as local generate (`jaxinfer.cli_flags`), with the server's model.
+    """
+    from jaxinfer.cli_flags import UsageError
+    from jaxinfer.metrics import format_trace
+    from jaxinfer.server import read_auth_token
+    from jaxinfer.server.client import Client, Completion, InvalidArgument, ServerError
 
     try:
-        prompt = _read_prompt(args.prompt)
-        kw = _sampling_kwargs(args)
-        max_tokens = getattr(args, "max_tokens", None)
-        SamplingParams(**kw, max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS)
-        system = getattr(args, "system", None)
-        chat_flag = getattr(args, "chat", None)
-        if system is not None and chat_flag is False:
-            raise ValueError("--system needs chat mode; drop --no-chat.")
+        refuse_local_flags(args)
+        prompt, overrides = check_generate_args(args)
         token = read_auth_token(getattr(args, "auth_token_file", None))
     except (ValueError, OSError) as e:
         return _err(str(e), 2)
 
+    timeout = getattr(args, "timeout", None)
     client = Client(args.server, token=token, tls_ca=getattr(args, "tls_ca", None))
     out = sys.stdout
     try:
-        info = client.model_info(timeout=args.timeout or 30.0)
-        # the same sampling defaults as local generate: the model's (the server applies them), else the CLI's
-        from jaxinfer.cli import cli_sampling_defaults
-
+        info = client.model_info(timeout=timeout or 30.0)
+        # the model's defaults (the server applies them) under the CLI's under the flags, as locally
         model_defaults = info.get("generation_defaults") or {}  # None from a server that does not report them
-        kw = {**cli_sampling_defaults(model_defaults.get("temperature")), **kw}
-        chat = info["has_chat_template"] if chat_flag is None else chat_flag
-        if chat and not info["has_chat_template"]:
-            return _err(f"the server's model {info['name']!r} has no chat template; use --no-chat.", 2)
-        messages = None
-        if chat:
-            messages = ([{"role": "system", "content": system}] if system is not None else [])
-            messages.append({"role": "user", "content": prompt})
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
-            if info["has_tokenizer"]:  # the default shrinks to fit a short context, as locally
-                n = client.tokenize(messages if chat else prompt)["count"]
-                if 0 < info["max_model_len"] - n < max_tokens:
-                    max_tokens = info["max_model_len"] - n
-        from jaxinfer.server.client import Completion
-
+        kw = generate_sampling(overrides, model_defaults.get("temperature"))
+        chat = chat_mode(args, info["has_chat_template"], f"the server's model {info['name']!r}")
+        messages = chat_messages(prompt, getattr(args, "system", None)) if chat else None
+        max_tokens = kw.pop("max_tokens")
+        if getattr(args, "max_tokens", None) is None and info["has_tokenizer"]:
+            # the default shrinks to fit the context, as the processor's fit_max_tokens does locally
+            room = info["max_model_len"] - client.tokenize(messages if chat else prompt)["count"]
+            if room > 0:
+                max_tokens = min(max_tokens, room)
         final = None
         printed = False
-        pieces = client.generate(messages if chat else prompt, max_tokens=max_tokens, timeout=args.timeout, **kw)
+        pieces = client.generate(messages if chat else prompt, max_tokens=max_tokens, timeout=timeout, **kw)
         try:
             for piece in pieces:
                 final = final or Completion(piece.request_id)
@@ -309,36 +241,27 @@ def generate_via_server(args: argparse.Namespace) -> int:
             if printed:
                 out.write("\n")
             raise
-    except InvalidArgument as e:
-        return _err(e.details, 2)
+    except (UsageError, InvalidArgument) as e:
+        return _err(e.details if isinstance(e, InvalidArgument) else str(e), 2)
     except ServerError as e:
         return _err(f"the server at {args.server} answered {e.code.name}: {e.details}", 1)
     finally:
         client.close()
 
     if args.json:
-        result = {
-            "model": info["name"], "chat": bool(chat), "prompt": prompt, "server": args.server,
-            "prompt_token_count": final.usage["prompt_tokens"], "token_ids": final.token_ids, "text": final.text,
-            "finish_reason": final.finish_reason, "stop_reason": final.stop_reason, "usage": final.usage,
-            "timings": dict(final.timings, prompt_tokens=final.usage["prompt_tokens"],
-                            cached_tokens=final.usage["cached_tokens"],
-                            output_tokens=final.usage["completion_tokens"]),
-        }
-        if kw.get("logprobs") is not None:
-            tt = final.token_text
-            result["logprobs"] = [
-                {"token_id": lp.token_id, "token": tt.get(lp.token_id) or None, "logprob": lp.logprob,
-                 "top": [{"token_id": i, "token": tt.get(i) or None, "logprob": v}
-                         for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])]}
-                for lp in final.logprobs or ()
-            ]
+        tt = final.token_text
+        result = generate_result(
+            info["name"], chat, prompt, server=args.server, token_ids=final.token_ids, text=final.text,
+            finish_reason=final.finish_reason, stop_reason=final.stop_reason, usage=final.usage,
+            timings=server_summary(final), logprobs=(final.logprobs or []) if kw.get("logprobs") is not None else None,
+            token_text=lambda i: tt.get(i) or None,
+        )
         out.write(json.dumps(result, ensure_ascii=False) + "\n")
     else:
         out.write("\n")
     out.flush()
     if getattr(args, "trace", False) and final is not None and final.timings:
-        sys.stderr.write(trace_text(final.timings, final.usage) + "\n")
+        sys.stderr.write(format_trace(server_summary(final), where="server side") + "\n")
     return 0
 
 

@@ -135,6 +135,107 @@ def test_quiet_and_verbose_set_the_progress_display_before_the_command_runs(monk
     assert "not allowed with" in capsys.readouterr().err
 
 
+def test_every_command_that_loads_a_model_takes_the_same_engine_flags():
+    from jaxinfer.cli import build_parser
+    from jaxinfer.cli_flags import llm_kwargs
+
+    engine = ["--engine-config", "cpu", "--max-model-len", "64", "--dtype", "auto", "--max-num-seqs", "2",
+              "--num-pages", "16", "--max-num-batched-tokens", "128", "--no-prefix-caching", "--no-model-cache"]
+    want = {"model": "m", "engine_config": "cpu", "max_model_len": 64, "dtype": "auto", "max_num_seqs": 2,
+            "num_pages": 16, "max_num_batched_tokens": 128, "enable_prefix_caching": False, "model_cache": False}
+    for command in (["generate", "hi"], ["serve"], ["warmup"], ["bench"]):
+        args = build_parser().parse_args([*command, "--model", "m", *engine])
+        assert llm_kwargs(args) == want, command
+    # nothing given: the default model and the preset's sizes, for every command alike
+    commands = (["generate", "hi"], ["serve"], ["warmup"], ["bench"])
+    defaults = [llm_kwargs(build_parser().parse_args(c)) for c in commands]
+    assert all(d == defaults[0] for d in defaults)
+    assert defaults[0] == {"model": "SmolLM2-135M-Instruct", "engine_config": None, "enable_prefix_caching": True,
+                           "model_cache": True}
+
+
+def test_generate_with_server_refuses_model_and_engine_flags(capsys):
+    from jaxinfer import cli
+
+    assert cli.main(["generate", "hi", "--server", "localhost:1", "--max-model-len", "64", "--model", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer: error: --model, --max-model-len configure a model loaded here") and \
+        err.count("\n") == 1, err
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }} | {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight model with a character-level tokenizer and a chat template, saved as a directory."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    import jax
+    import numpy as np
+
+    import jaxinfer
+    from conftest import TINY
+    from jaxinfer.models import llama
+    from jaxinfer.spec import is_spec
+    from jaxinfer.tokenizer import Tokenizer
+
+    src = tmp_path_factory.mktemp("tokenizer")
+    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}  # printable ASCII
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    rng = np.random.default_rng(0)  # numpy: a second, where drawing them with jax.random compiles for each shape
+
+    def init(s):
+        if s.init in ("ones", "zeros"):
+            return (np.ones if s.init == "ones" else np.zeros)(s.shape, s.dtype)
+        return (0.3 * rng.standard_normal(s.shape)).astype(s.dtype)
+
+    params = jax.tree.map(init, llama.param_specs(TINY), is_leaf=is_spec)
+    return jaxinfer.save_model(tmp_path_factory.mktemp("models") / "tiny", TINY, params,
+                               tokenizer=Tokenizer.from_dir(src))
+
+
+def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixed_seed(tiny_model_dir, capsys):
+    """One front door: no sampling flags, --seed 7, the same model here and behind a server: the same output.
+
+    The model ships no generation defaults, so both sample at the CLI's 0.2 / 0.9; it has a chat template, so
+    both wrap the prompt; and --max-tokens is not given, so both shrink the default 256 to the small context.
+    """
+    import jaxinfer
+    from jaxinfer import cli
+    from jaxinfer.cli_flags import llm_kwargs
+    from jaxinfer.server import ServerConfig, ServerThread
+
+    model = ["--model", str(tiny_model_dir), "--engine-config", "cpu", "--max-model-len", "48", "--num-pages", "8"]
+    same = ["hello world", "--seed", "7", "--json", "--trace"]
+    assert cli.main(["generate", *same, *model]) == 0
+    local_out, local_err = capsys.readouterr()
+    # the server loads the model from serve's flags, through the helper every command uses
+    llm = jaxinfer.LLM(**llm_kwargs(cli.build_parser().parse_args(["serve", *model])))
+    try:
+        with ServerThread(llm, ServerConfig(port=0)) as srv:
+            assert cli.main(["generate", *same, "--server", srv.address, "--timeout", "60"]) == 0
+            server_out, server_err = capsys.readouterr()
+    finally:
+        llm.close()
+
+    local, remote = json.loads(local_out), json.loads(server_out)
+    assert local["chat"] is True and remote["chat"] is True
+    assert local["prompt_token_count"] == remote["prompt_token_count"] > len("hello world")  # the template's too
+    assert local["finish_reason"] == remote["finish_reason"] == "length"
+    assert len(local["token_ids"]) == 48 - local["prompt_token_count"]  # the default max_tokens, fitted
+    assert remote["token_ids"] == local["token_ids"]
+    assert remote["text"] == local["text"]
+    assert set(remote["timings"]) >= set(local["timings"])  # the same summary keys, from the server's timings
+    assert "request trace" in local_err and "request trace" in server_err and "(server side)" in server_err
+
+
 # --------------------------------------------------------------------------- #
 # End to end with the bundled model
 # --------------------------------------------------------------------------- #

@@ -740,6 +740,8 @@ DEFAULT_OUTPUT_LEN = 64
 
 def _check_args(args) -> tuple:
     """Everything that can be checked without loading the model; returns (input, output) length ranges."""
+    from jaxinfer.cli_flags import check_engine_flags, refuse_local_flags
+
     if args.dataset is not None and (args.input_len is not None or args.input_len_range is not None):
         raise ValueError("--dataset gives the prompts; drop --input-len / --input-len-range.")
     if args.input_len is not None and args.input_len_range is not None:
@@ -765,22 +767,11 @@ def _check_args(args) -> tuple:
     if args.warmup_requests < 0:
         raise ValueError(f"--warmup-requests must be at least 0, got {args.warmup_requests}.")
     SamplingParams(temperature=args.temperature)  # vLLM's wording for a bad temperature
+    if getattr(args, "server", None):
+        refuse_local_flags(args)  # the model and the engine are the server's
+    else:
+        check_engine_flags(args)  # as generate, serve and warmup check them
     return in_range, out_range
-
-
-def _engine_config(args):
-    from jaxinfer.config import EngineConfig
-
-    engine = EngineConfig.preset(args.engine_config) if args.engine_config else EngineConfig.for_backend()
-    changes = {k: getattr(args, k) for k in ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
-               if getattr(args, k) is not None}
-    engine = engine.replace(**changes)
-    if engine.max_num_seqs > engine.batch_buckets[-1]:
-        raise ValueError(
-            f"--max-num-seqs {engine.max_num_seqs} exceeds the largest batch bucket ({engine.batch_buckets[-1]}) "
-            f"of the {engine.name} engine config."
-        )
-    return engine
 
 
 def _bench_config(args) -> BenchConfig:
@@ -808,22 +799,11 @@ def _write_summary(summary: dict, args, out) -> int:
     return 0 if summary["completed"] else 1
 
 
-# Engine flags a remote server ignores: refused with --server rather than silently dropped.
-# (--warmup is on by default and says nothing about a server, which warms itself up unless
-# started with --no-warmup.)
-_ENGINE_FLAGS = (("engine_config", "--engine-config"), ("max_model_len", "--max-model-len"), ("dtype", "--dtype"),
-                 ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
-                 ("no_prefix_caching", "--no-prefix-caching"))
-
-
 def bench_server_command(args, entries, in_range, out_range, out) -> int:
     """``jaxinfer bench --server HOST:PORT``: the same workload and report, over gRPC."""
-    from jaxinfer.server.client import Client, ServerError
     from jaxinfer.server import read_auth_token
+    from jaxinfer.server.client import Client, ServerError
 
-    given = [flag for name, flag in _ENGINE_FLAGS if getattr(args, name, None)]
-    if given:
-        raise ValueError(f"{', '.join(given)} configure a local engine; with --server the engine is the server's.")
     token = read_auth_token(getattr(args, "auth_token_file", None))
     tls_ca = getattr(args, "tls_ca", None)
     try:
@@ -869,11 +849,11 @@ def bench_command(args, out=None) -> int:
         raise ValueError(f"--num-prompts {args.num_prompts} is more than the {len(entries)} prompts in {args.dataset}.")
     if getattr(args, "server", None):
         return bench_server_command(args, entries, in_range, out_range, out)
-    engine = _engine_config(args)
 
+    from jaxinfer.cli_flags import llm_kwargs
     from jaxinfer.llm import LLM
 
-    llm = LLM(args.model, engine_config=engine, enable_prefix_caching=not args.no_prefix_caching)
+    llm = LLM(**llm_kwargs(args))  # the model and engine flags as every command loads them
     try:
         vocab = llm.model_config.vocab_size
         if entries is not None:
@@ -895,6 +875,7 @@ def bench_command(args, out=None) -> int:
 
     import jax
 
+    engine = llm.engine_config
     info = {
         "backend": LibraryBackend.name,
         "model": llm.model_name,
@@ -902,7 +883,7 @@ def bench_command(args, out=None) -> int:
         "engine_config": engine.name,
         "dtype": engine.dtype,
         "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_num_batched_tokens": llm.engine.scheduler.budget,  # as a server reports it
         "prefix_caching": not args.no_prefix_caching,
         "dataset": args.dataset or "random",
     }
