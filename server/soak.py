@@ -1,0 +1,670 @@
+"""A soak test of the gRPC server, run as a hostile client would run it.
+
+    python -m jaxinfer.server.soak --model DIR [--engine-config cpu --max-num-seqs 8 --num-pages 256
+        --max-model-len 512 --max-waiting 8 --serve-arg=--no-prefix-caching ...]
+    python -m jaxinfer.server.soak --server HOST:PORT [--server-pid PID]
+        [--requests 10000] [--concurrency 64] [--duration 1800] [--seed 0] [--json FILE]
+
+It starts ``jaxinfer serve`` on loopback (``--port 0``; the port is read from its
+"... - ready" line; its log goes to a temp file) or uses a running server, then:
+
+1. runs a fixed set of greedy requests (temperature 0) and keeps their outputs;
+2. runs ``--requests`` plan items at up to ``--concurrency`` at once, for at most
+   ``--duration`` seconds, mixing these kinds (the plan is a function of ``--seed``):
+     stream      a well-formed Generate: prompt, chat or token ids of random length, and every
+                 sampling option (temperature, top_k/p, min_p, penalties, seeds, min_tokens,
+                 ignore_eos, stop strings, stop_token_ids, logprobs None/0/1/max); the output is
+                 checked (usage, logprobs, stop strings, min_tokens) and TTFT / gaps measured
+     cancel      a stream cancelled after a few tokens, or by a timer before or after the first
+     deadline    a stream with a 5-50 ms deadline
+     invalid     out-of-range sampling options, empty / too long prompts, bad token ids, an empty
+                 chat role, too many stop strings, ...: must get INVALID_ARGUMENT (a full server
+                 refuses a call before reading it: such a call is sent again, as is a kill's)
+     malformed   bytes that do not parse as a GenerateRequest, sent on a raw channel: INVALID_ARGUMENT
+     garbage     raw bytes on the TCP port (random, HTTP/1.1, an HTTP/2 preface then junk, a reset)
+     kill        a child process opens a stream and is SIGKILLed after its first token
+     burst       2 x (max_num_seqs + max_waiting) + 4 streams at once (with --max-waiting):
+                 some must get RESOURCE_EXHAUSTED
+     tokenize, model_info, health
+3. runs the greedy set again (outputs must be byte-identical), waits for the engine to settle
+   (0 running, 0 waiting, 0 KV pages in use, 0 calls in flight) and reads the server's RSS.
+
+It prints one table: calls by kind and status, client-side TTFT and inter-token gaps of
+well-formed streams, RSS (at ready, after, peak sampled every second), the checks with
+PASS/FAIL and the wall time. Exit status 0 when every check passes, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+
+import grpc
+
+from jaxinfer.server import jaxinfer_pb2 as pb
+from jaxinfer.server.client import AsyncClient, ServerError, generate_request
+from jaxinfer.stats import percentile
+
+GENERATE = "/jaxinfer.v1.Generation/Generate"
+WEIGHTS = {"stream": 50, "cancel": 10, "deadline": 6, "invalid": 12, "malformed": 3, "garbage": 2, "kill": 0.4,
+           "burst": 0.3, "tokenize": 6, "model_info": 3, "health": 3}
+INVALID = ["temperature<0", "temperature=nan", "top_p=0", "top_p>1", "top_k<-1", "top_k>vocab", "min_p>1",
+           "presence_penalty>2", "frequency_penalty<-2", "repetition_penalty=0", "repetition_penalty>100",
+           "seed<0", "seed>=2^32", "max_tokens=0", "min_tokens>max_tokens", "min_tokens<0", "logprobs>max",
+           "logprobs<0", "empty_token_ids", "prompt_too_long", "prompt+max_tokens>max_model_len",
+           "token_id=vocab", "token_id<0", "stop_token_id>=vocab", "empty_stop_string", "too_many_stop_strings",
+           "stop_string_too_long", "too_many_stop_token_ids", "no_input", "empty_prompt", "empty_chat",
+           "empty_chat_role", "reserved_template_kwarg"]
+MALFORMED = ["random_bytes", "truncated", "bad_utf8_prompt", "bad_utf8_chat_role", "bad_varint",
+             "length_past_end", "stray_end_group"]
+GARBAGE = ["random_bytes", "http1_get", "h2_preface_junk", "h2_huge_frame", "reset"]
+ALLOWED = {  # statuses each kind may get; anything else fails the run
+    "stream": {"OK", "RESOURCE_EXHAUSTED"}, "burst": {"OK", "RESOURCE_EXHAUSTED"},
+    "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"}, "deadline": {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
+    "kill": {"KILLED", "RESOURCE_EXHAUSTED"}, "tokenize": {"OK"}, "model_info": {"OK"}, "health": {"OK"},
+    "invalid": {"INVALID_ARGUMENT"}, "malformed": {"INVALID_ARGUMENT"},
+    "garbage": {"REPLIED", "CLOSED", "SILENT", "RESET"},
+}
+WORDS = ["hello", "world", "token", "jax", "page", "cache", "the", "KV", "naïve", "café", "日本", "語", "🙂",
+         "stream", "\n", "  ", "<|im_end|>", "engine"]
+KILL_CHILD = """
+import sys, grpc
+call = grpc.insecure_channel(sys.argv[1]).unary_stream(sys.argv[2])(bytes.fromhex(sys.argv[3]), timeout=600)
+try:
+    for _ in call:
+        print("FIRST", flush=True)
+        sys.stdin.read()  # hold the stream open until SIGKILLed
+    print("END", flush=True)
+except grpc.RpcError as e:
+    print("ERR", e.code().name, flush=True)
+"""
+
+
+def _text(rng: random.Random, max_bytes: int) -> str:
+    out = ""
+    for _ in range(rng.randint(1, 60)):
+        w = rng.choice(WORDS) + rng.choice(" ,.")
+        if len((out + w).encode()) > max_bytes:
+            break
+        out += w
+    return out or "hi"
+
+
+class Soak:
+    def __init__(self, args, address: str, pid):
+        self.args, self.address, self.pid = args, address, pid
+        self.counts: dict = defaultdict(Counter)  # "kind" or "kind/variant" -> status -> n
+        self.notes: list = []  # first few details of unexpected outcomes
+        self.ttft: list = []
+        self.gaps: list = []
+        self.rss = {"ready": None, "before": None, "after": None, "peak": None}  # MiB; before: the load
+        self.retries = 0  # invalid and kill calls refused by a full server before it read them, sent again
+        self.stats: dict = {}  # the engine's live numbers after the run
+
+    # -- setup ----------------------------------------------------------------
+
+    async def connect(self) -> None:
+        self.clients = [AsyncClient(self.address) for _ in range(4)]
+        self.raw = grpc.aio.insecure_channel(self.address).unary_stream(GENERATE)
+        self.info = await self.clients[0].model_info(timeout=60)
+        i = self.info
+        self.vocab, self.room, self.max_lp = i["vocab_size"], i["max_model_len"], i["max_logprobs"]
+        self.forms = ["token_ids"] + ["prompt"] * i["has_tokenizer"] + ["chat"] * i["has_chat_template"]
+        self.prompt_base, self.chat_base = 0, {}
+        if i["has_tokenizer"]:  # template overheads in tokens, so text prompts never overflow the context
+            self.prompt_base = (await self.clients[0].tokenize("x"))["count"] + 2
+        if i["has_chat_template"]:
+            for n in (1, 2, 3):
+                msgs = [{"role": "assistant", "content": ""}] * n
+                self.chat_base[n] = (await self.clients[0].tokenize(msgs))["count"] + 2 * n + 2
+
+    def plan(self) -> list:
+        """(kind, variant, seed) per item: a function of --seed, --requests and the server's sizes."""
+        rng = random.Random(self.args.seed)
+        kinds = [k for k in WEIGHTS if k != "burst" or self.info["max_waiting"] >= 0]
+        items = rng.choices(kinds, [WEIGHTS[k] for k in kinds], k=self.args.requests)
+        for k in kinds:  # every kind at least once
+            if k not in items and items.count("stream") > 1:
+                items[rng.choice([j for j, x in enumerate(items) if x == "stream"])] = k
+        seen: Counter = Counter()
+        lists = {"invalid": INVALID, "malformed": MALFORMED, "garbage": GARBAGE, "cancel": ["after_tokens", "timer"],
+                 "health": ["overall", "generation", "unknown_service"], "tokenize": self.forms[1:] or ["prompt"]}
+        offset = {k: rng.randrange(len(v)) for k, v in lists.items()}
+        out = []
+        for k in items:
+            variant = lists[k][(offset[k] + seen[k]) % len(lists[k])] if k in lists else ""
+            seen[k] += 1
+            out.append((k, variant, rng.getrandbits(48)))
+        return out
+
+    # -- requests -------------------------------------------------------------
+
+    def wellformed(self, rng: random.Random, long: bool = False):
+        """(prompt, sampling kwargs) of a valid request of random form and length."""
+        cap = self.args.max_tokens
+        max_tokens = min(cap, self.room // 2) if long else rng.randint(1, max(1, min(cap, self.room // 2)))
+        budget = min(self.room - max_tokens, self.args.max_prompt_len)
+        form = rng.choice(self.forms)
+        n = rng.randint(1, 3)
+        if form == "chat" and budget - self.chat_base[n] >= 4 * n:
+            roles = (["system"] if rng.random() < 0.3 else []) + ["user", "assistant"] * 2
+            each = (budget - self.chat_base[n]) // n
+            prompt = [{"role": r, "content": _text(rng, each)} for r in roles[:n - 1] + ["user"]]
+        elif form != "token_ids" and budget - self.prompt_base >= 4:
+            prompt = _text(rng, budget - self.prompt_base)
+        else:
+            prompt = [rng.randrange(self.vocab) for _ in range(rng.randint(1, budget))]
+        kw = {"max_tokens": max_tokens, "ignore_eos": rng.random() < 0.5 or long}
+        maybe = {
+            "temperature": lambda: rng.choice([0.0, 0.3, 0.8, 1.0, 1.7]), "top_k": lambda: rng.choice(
+                [0, -1, 1, 5, 50, self.vocab]), "top_p": lambda: rng.choice([0.05, 0.5, 0.9, 1.0]),
+            "min_p": lambda: rng.choice([0.0, 0.05, 0.5, 1.0]), "presence_penalty": lambda: rng.uniform(-2, 2),
+            "frequency_penalty": lambda: rng.uniform(-2, 2), "repetition_penalty": lambda: rng.choice(
+                [0.5, 1.0, 1.2, 2.0, 100.0]), "seed": lambda: rng.choice([0, 2**32 - 1, rng.getrandbits(32)]),
+            "min_tokens": lambda: rng.randint(0, max_tokens), "logprobs": lambda: rng.choice([0, 1, self.max_lp]),
+            "stop_token_ids": lambda: [rng.randrange(self.vocab) for _ in range(rng.randint(1, 3))],
+            "skip_special_tokens": lambda: rng.random() < 0.5, "include_stop_str_in_output": lambda: rng.random() < 0.5,
+        }
+        if self.info["has_tokenizer"]:
+            maybe["stop"] = lambda: [rng.choice(WORDS + ["e", "o", "a "]) for _ in range(rng.randint(1, 4))]
+        for name, value in maybe.items():
+            if rng.random() < 0.4:
+                kw[name] = value()
+        return prompt, kw
+
+    async def stream(self, client, prompt, kw, timeout, stop_after=None, measure=False) -> str:
+        t0 = last = time.perf_counter()
+        n, text, lps, tops, final = 0, "", 0, set(), None
+        agen = client.generate(prompt, timeout=timeout, **kw)
+        try:
+            async for p in agen:
+                if p.token_ids:
+                    now = time.perf_counter()
+                    if measure:
+                        (self.gaps if n else self.ttft).append(now - (last if n else t0))
+                    last, n = now, n + len(p.token_ids)
+                text += p.text
+                lps += len(p.logprobs or ())
+                tops.update(len(lp.top) for lp in p.logprobs or ())
+                final = p if p.finished else final
+                if stop_after is not None and n >= stop_after and not p.finished:
+                    return "CANCELLED"
+        except ServerError as e:
+            return e.code.name
+        finally:
+            await agen.aclose()
+        bad = self.bad_output(kw, n, text, lps, tops, final)
+        if bad:
+            self.notes.append(f"stream output: {bad} (request {kw})")
+            return "BAD_OUTPUT"
+        return "OK"
+
+    @staticmethod
+    def bad_output(kw, n, text, lps, tops, final):
+        if final is None or final.finish_reason not in ("stop", "length"):
+            return f"finish_reason {final and final.finish_reason}"
+        why, stops = final.stop_reason, kw.get("stop", [])
+        if final.usage["completion_tokens"] != n or n > kw["max_tokens"]:
+            return f"{n} tokens streamed, usage {final.usage}, max_tokens {kw['max_tokens']}"
+        if final.finish_reason == "length" and n != kw["max_tokens"]:
+            return f"finished by length after {n} of {kw['max_tokens']} tokens"
+        if kw.get("logprobs") is not None and (lps != n or tops - {kw["logprobs"]}):
+            return f"logprobs={kw['logprobs']}: {lps} entries for {n} tokens, top sizes {sorted(tops)}"
+        include = bool(kw.get("include_stop_str_in_output"))
+        if isinstance(why, str) and (why not in stops or include != text.endswith(why)):
+            return f"stop string {why!r}, text {text!r}"
+        if not include and any(s in text for s in stops):
+            return f"a stop string of {stops} is in the text {text!r}"
+        if final.finish_reason == "stop" and not isinstance(why, str) and n < kw.get("min_tokens", 0):
+            return f"stopped by a token after {n} < min_tokens={kw['min_tokens']} tokens"
+        return None
+
+    def invalid(self, variant: str, rng: random.Random):
+        prompt, kw = [rng.randrange(self.vocab) for _ in range(rng.randint(1, 8))], {"max_tokens": 4}
+        big, too_long = self.room + rng.randint(1, 64), "x" * 257
+        change = {
+            "temperature<0": {"temperature": -rng.uniform(0.01, 5)}, "temperature=nan": {"temperature": float("nan")},
+            "top_p=0": {"top_p": 0.0}, "top_p>1": {"top_p": 1.5}, "top_k<-1": {"top_k": -2},
+            "top_k>vocab": {"top_k": self.vocab + 1}, "min_p>1": {"min_p": 1.5},
+            "presence_penalty>2": {"presence_penalty": 2.5}, "frequency_penalty<-2": {"frequency_penalty": -2.5},
+            "repetition_penalty=0": {"repetition_penalty": 0.0},
+            "repetition_penalty>100": {"repetition_penalty": 101.0},
+            "seed<0": {"seed": -1}, "seed>=2^32": {"seed": 2**32}, "max_tokens=0": {"max_tokens": 0},
+            "min_tokens>max_tokens": {"min_tokens": 5}, "min_tokens<0": {"min_tokens": -1},
+            "logprobs>max": {"logprobs": self.max_lp + 1}, "logprobs<0": {"logprobs": -1},
+            "prompt+max_tokens>max_model_len": {"max_tokens": self.room},
+            "stop_token_id>=vocab": {"stop_token_ids": [self.vocab]}, "empty_stop_string": {"stop": [""]},
+            "too_many_stop_strings": {"stop": [f"s{i}" for i in range(rng.randint(64, 4096))]},
+            "stop_string_too_long": {"stop": [too_long]},
+            "too_many_stop_token_ids": {"stop_token_ids": [rng.randrange(self.vocab) for _ in range(256)]},
+        }.get(variant, {})
+        kw.update(change)
+        prompt = {"empty_token_ids": [], "prompt_too_long": [1] * big, "token_id=vocab": prompt + [self.vocab],
+                  "token_id<0": [-1] + prompt, "empty_prompt": "", "empty_chat": pb.ChatInput(),
+                  "empty_chat_role": [{"role": "", "content": "hi"}], "reserved_template_kwarg": [
+                      {"role": "user", "content": "hi"}]}.get(variant, prompt)
+        if variant == "reserved_template_kwarg":
+            kw["chat_template_kwargs"] = {"add_generation_prompt": False}
+        if variant == "no_input":
+            return None, pb.GenerateRequest(sampling=pb.SamplingOptions(max_tokens=4)).SerializeToString()
+        return (prompt, kw), None
+
+    def malformed(self, variant: str, rng: random.Random) -> bytes:
+        good = generate_request(list(range(1, 40)), max_tokens=4, stop=["abc"]).SerializeToString()
+        for _ in range(1000):
+            data = {
+                "random_bytes": lambda: rng.randbytes(rng.randint(1, 64)),
+                "truncated": lambda: good[:rng.randint(1, len(good) - 1)],
+                "bad_utf8_prompt": lambda: b"\x0a\x03\xff" + rng.randbytes(2),
+                "bad_utf8_chat_role": lambda: b"\x12\x05\x0a\x03\x0a\x01\xfe",
+                "bad_varint": lambda: b"\x20" + b"\xff" * rng.randint(11, 20),
+                "length_past_end": lambda: b"\x12\xff\xff\xff\xff\x0f" + rng.randbytes(4),
+                "stray_end_group": lambda: good[:2] + b"\x0c",
+            }[variant]()
+            try:
+                pb.GenerateRequest.FromString(data)
+            except Exception:  # noqa: BLE001 - what we want: bytes that do not parse
+                return data
+        return b"\xff" * 11
+
+    async def one(self, kind: str, variant: str, seed: int, i: int) -> None:
+        rng = random.Random(seed)
+        client = self.clients[i % len(self.clients)]
+        try:
+            status = await self.run_kind(kind, variant, rng, client)
+        except ServerError as e:
+            status = e.code.name
+        except Exception as e:  # noqa: BLE001 - a failure of the soak itself is a result too
+            status = "CLIENT_ERROR"
+            self.notes.append(f"{kind}/{variant}: {type(e).__name__}: {e}")
+        if status is not None:
+            self.record(kind, variant, status)
+
+    def record(self, kind: str, variant: str, status: str) -> None:
+        key = f"{kind}/{variant}" if kind in ("invalid", "malformed", "garbage") else kind
+        self.counts[key][status] += 1
+        if status not in ALLOWED[kind] and len(self.notes) < 50:
+            self.notes.append(f"{key}: got {status}")
+
+    async def run_kind(self, kind, variant, rng, client) -> str:
+        timeout = self.args.request_timeout
+        if kind == "stream":
+            prompt, kw = self.wellformed(rng)
+            return await self.stream(client, prompt, kw, timeout, measure=True)
+        if kind == "cancel":
+            prompt, kw = self.wellformed(rng, long=True)
+            if variant == "after_tokens":
+                return await self.stream(client, prompt, kw, timeout, stop_after=rng.randint(1, 4))
+            task = asyncio.ensure_future(self.stream(client, prompt, kw, timeout))
+            done, _ = await asyncio.wait({task}, timeout=rng.uniform(0, 0.05))
+            if done:
+                return task.result()
+            task.cancel()
+            try:
+                return await task
+            except asyncio.CancelledError:
+                return "CANCELLED"
+        if kind == "deadline":
+            prompt, kw = self.wellformed(rng)
+            return await self.stream(client, prompt, kw, rng.uniform(0.005, 0.05))
+        if kind == "invalid":
+            call, raw = self.invalid(variant, rng)
+            return await self.until_admitted(
+                lambda: self.raw_call(raw) if raw is not None else self.stream(client, *call, timeout), 0.02)
+        if kind == "malformed":
+            return await self.raw_call(self.malformed(variant, rng))
+        if kind == "garbage":
+            return await self.garbage(variant, rng)
+        if kind == "kill":
+            prompt = [rng.randrange(self.vocab) for _ in range(rng.randint(1, min(16, self.room - 1)))]
+            kw = dict(self.wellformed(rng)[1], max_tokens=self.room - len(prompt), ignore_eos=True, min_tokens=0)
+            return await self.until_admitted(lambda: self.kill(generate_request(prompt, **kw)), 0.1)
+        if kind == "burst":
+            n = 2 * (self.info["max_num_seqs"] + self.info["max_waiting"]) + 4
+            calls = [self.stream(self.clients[j % 4], *self.wellformed(rng, long=True), timeout) for j in range(n)]
+            for status in await asyncio.gather(*calls):
+                self.record("burst", "", status)
+            return None  # each call of the burst is recorded above
+        if kind == "tokenize":
+            if not self.info["has_tokenizer"]:
+                try:
+                    await client.tokenize("hello", timeout=timeout)
+                except ServerError as e:
+                    return "OK" if e.code.name == "FAILED_PRECONDITION" else e.code.name
+            arg = _text(rng, 64) if variant == "prompt" else [{"role": "user", "content": _text(rng, 64)}]
+            r = await client.tokenize(arg, timeout=timeout)
+            return "OK" if r["count"] == len(r["token_ids"]) else "BAD_OUTPUT"
+        if kind == "model_info":
+            return "OK" if (await client.model_info(timeout=timeout))["max_model_len"] == self.room else "BAD_OUTPUT"
+        service = {"overall": "", "generation": "jaxinfer.v1.Generation", "unknown_service": "no.such.Service"}
+        try:
+            serving = await client.health(service[variant], timeout=timeout)
+        except ServerError as e:
+            return "OK" if variant == "unknown_service" and e.code.name == "NOT_FOUND" else e.code.name
+        return "OK" if serving == "SERVING" and variant != "unknown_service" else serving
+
+    async def raw_call(self, data: bytes) -> str:
+        try:
+            async for _ in self.raw(data, timeout=self.args.request_timeout):
+                pass
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    async def garbage(self, variant: str, rng: random.Random) -> str:
+        host, port = self.address.rsplit(":", 1)
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        data = {"random_bytes": rng.randbytes(rng.randint(1, 4096)), "http1_get": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                "h2_preface_junk": preface + rng.randbytes(rng.randint(1, 512)),
+                "h2_huge_frame": preface + b"\xff\xff\xff\x00\x00\x00\x00\x00\x01" + rng.randbytes(64),
+                "reset": preface}[variant]
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), 10)
+        except OSError as e:
+            return f"CONNECT_{type(e).__name__}"
+        try:
+            writer.write(data)
+            await writer.drain()
+            if variant == "reset":  # an abortive close: RST instead of FIN
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return "RESET"
+            reply = await asyncio.wait_for(reader.read(65536), 2.0)
+            return "REPLIED" if reply else "CLOSED"
+        except asyncio.TimeoutError:
+            return "SILENT"
+        except ConnectionResetError:
+            return "RESET"
+        except ConnectionError:
+            return "CLOSED"
+        finally:
+            writer.close()
+
+    async def until_admitted(self, attempt, pause: float) -> str:
+        """A full server refuses a call before reading it: send it again until the server reads it."""
+        for _ in range(100):
+            status = await attempt()
+            if status != "RESOURCE_EXHAUSTED":
+                break
+            self.retries += 1
+            await asyncio.sleep(pause)
+        return status
+
+    async def kill(self, req: pb.GenerateRequest) -> str:
+        """A child process opens the stream and is SIGKILLed after its first message."""
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", KILL_CHILD, self.address, GENERATE, req.SerializeToString().hex(),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            line = (await asyncio.wait_for(child.stdout.readline(), self.args.request_timeout)).decode().split()
+        except asyncio.TimeoutError:
+            line = ["TIMEOUT"]
+        try:
+            child.send_signal(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await child.wait()
+        return "KILLED" if line[:1] == ["FIRST"] else line[-1] if line else "CHILD_DIED"
+
+    # -- phases ---------------------------------------------------------------
+
+    async def greedy(self) -> list:
+        rng, out = random.Random(self.args.seed + 1), []
+        for j in range(6):
+            prompt, kw = self.wellformed(rng, long=True)
+            kw = {"temperature": 0.0, "ignore_eos": True, "max_tokens": min(16, kw["max_tokens"]),
+                  "logprobs": self.max_lp if j % 2 else None}
+            c = await self.clients[0].complete(prompt, timeout=self.args.request_timeout, **kw)
+            lps = [(lp.token_id, lp.logprob, sorted(lp.top.items())) for lp in c.logprobs or ()]
+            out.append(json.dumps([c.token_ids, c.text, lps, c.finish_reason], ensure_ascii=False).encode())
+        return out
+
+    async def load(self, plan: list) -> float:
+        t0, slots, tasks = time.monotonic(), asyncio.Semaphore(self.args.concurrency), set()
+        next_report = t0 + self.args.progress if self.args.progress else float("inf")
+        for i, (kind, variant, seed) in enumerate(plan):
+            await slots.acquire()
+            if time.monotonic() - t0 > self.args.duration:
+                slots.release()
+                print(f"soak: --duration reached after {i} of {len(plan)} items", file=sys.stderr)
+                break
+            task = asyncio.ensure_future(self.one(kind, variant, seed, i))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+            if time.monotonic() > next_report:
+                next_report += self.args.progress
+                print(f"soak: {i + 1 - len(tasks)}/{len(plan)} done, {len(tasks)} in flight, "
+                      f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
+        await asyncio.gather(*tasks)
+        return time.monotonic() - t0
+
+    async def settle(self) -> tuple:
+        """Wait up to --settle s for 0 running, 0 waiting, 0 KV pages, 0 calls; (settled, last stats)."""
+        deadline, s = time.monotonic() + self.args.settle, {}
+        while True:
+            s = (await self.clients[0].model_info(timeout=30))["stats"]
+            busy = (s["running"], s["waiting"], s["kv_usage"], s["server_active"])
+            if busy == (0, 0, 0.0, 0) or time.monotonic() > deadline:
+                return busy == (0, 0, 0.0, 0), s
+            await asyncio.sleep(0.1)
+
+    async def sample_rss(self) -> None:
+        while True:
+            rss = rss_mib(self.pid)
+            if rss is not None:
+                self.rss["peak"] = max(self.rss["peak"] or 0.0, rss)
+            await asyncio.sleep(1.0)
+
+
+def rss_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmRSS:"))
+    except (OSError, StopIteration, TypeError):
+        return None
+
+
+async def start_server(args, log):
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--host", "127.0.0.1", "--port", "0"]
+    for flag in ("model", "engine_config", "max_num_seqs", "num_pages", "max_model_len", "max_waiting"):
+        if getattr(args, flag) is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    proc = await asyncio.create_subprocess_exec(*cmd, *args.serve_arg, stdout=asyncio.subprocess.PIPE, stderr=log)
+    deadline = time.monotonic() + args.startup_timeout
+    try:
+        while True:
+            line = await asyncio.wait_for(proc.stdout.readline(), max(1.0, deadline - time.monotonic()))
+            if not line:
+                raise RuntimeError(f"jaxinfer serve exited with status {await proc.wait()} before it was ready")
+            m = re.search(r" on (\S+) \(.*- ready", line.decode(errors="replace"))
+            if m:
+                break
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+        raise
+
+    async def drain():
+        while await proc.stdout.readline():
+            pass
+
+    return proc, m.group(1), asyncio.ensure_future(drain())
+
+
+def status_line(c: Counter) -> str:
+    return " ".join(f"{s}={n}" for s, n in sorted(c.items(), key=lambda x: (x[0] != "OK", x[0])))
+
+
+async def post_checks(soak: Soak, greedy_before: list) -> list:
+    """(name, passed, detail) of every check made after the load."""
+    checks, totals, seen = [], {k: sum(c.values()) for k, c in soak.counts.items()}, Counter()
+    for c in soak.counts.values():
+        seen.update(c)
+    try:
+        greedy_after = await soak.greedy()
+        diff = [j for j, (a, b) in enumerate(zip(greedy_before, greedy_after)) if a != b]
+        checks.append(("greedy outputs byte-identical before and after", not diff,
+                       f"requests {diff} differ" if diff else f"{len(greedy_after)} requests"))
+        settled, s = await soak.settle()
+        soak.stats = s
+        checks.append(("engine settled: 0 running, 0 waiting, 0 KV pages, 0 calls", settled,
+                       f"running {s['running']}, waiting {s['waiting']}, kv_usage {s['kv_usage']:.3f}, "
+                       f"calls {s['server_active']}"))
+        health = await soak.clients[0].health()
+        checks.append(("health SERVING after the run", health == "SERVING", health))
+    except ServerError as e:
+        checks.append(("the server answers after the run", False, str(e)))
+    for name, kinds in (
+            ("well-formed calls: OK/CANCELLED/DEADLINE_EXCEEDED/RESOURCE_EXHAUSTED only, outputs consistent",
+             ("stream", "cancel", "deadline", "burst", "kill", "tokenize", "model_info", "health")),
+            ("invalid inputs: INVALID_ARGUMENT", ("invalid",)),
+            ("malformed request bytes: INVALID_ARGUMENT", ("malformed",)),
+            ("garbage bytes on the port: answered, closed or ignored", ("garbage",))):
+        mine = {k: c for k, c in sorted(soak.counts.items()) if k.split("/")[0] in kinds}
+        bad = [f"{k}: {s}={n}" for k, c in mine.items() for s, n in c.items() if s not in ALLOWED[k.split("/")[0]]]
+        checks.append((name, not bad, "; ".join(bad[:12]) or f"{sum(totals[k] for k in mine)} calls"))
+    checks.append(("no UNKNOWN or INTERNAL status", not (seen["UNKNOWN"] or seen["INTERNAL"]),
+                   f"UNKNOWN={seen['UNKNOWN']} INTERNAL={seen['INTERNAL']}"))
+    if soak.info["max_waiting"] >= 0:
+        checks.append(("bursts past max_waiting got RESOURCE_EXHAUSTED", soak.counts["burst"]["RESOURCE_EXHAUSTED"] > 0,
+                       status_line(soak.counts["burst"])))
+    r = soak.rss
+    r["after"] = rss_mib(soak.pid)
+    if r["before"] is not None and r["after"] is not None:  # from before the load: ready still holds compiling's
+        r["growth"] = r["after"] - r["before"]
+        checks.append((f"server RSS growth over the load at most {soak.args.max_rss_growth_mb:g} MiB",
+                       r["growth"] <= soak.args.max_rss_growth_mb, f"{r['growth']:+.1f} MiB"))
+    return checks
+
+
+def table(soak: Soak, checks: list, plan: list, load_s: float, wall: float) -> str:
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+    def mib(x, sign=""):
+        return "-" if x is None else f"{x:{sign}.1f} MiB"
+
+    totals = {k: sum(c.values()) for k, c in soak.counts.items()}
+    order = {k: j for j, k in enumerate(WEIGHTS)}
+    lines = [f"jaxinfer soak: {soak.address}, seed {soak.args.seed}, {len(plan)} items, {sum(totals.values())} calls, "
+             f"concurrency {soak.args.concurrency}, load {load_s:.1f} s", "", f"{'kind':<40} {'calls':>6}  statuses"]
+    for k in sorted(soak.counts, key=lambda k: (order[k.split("/")[0]], k)):
+        flag = "" if set(soak.counts[k]) <= ALLOWED[k.split("/")[0]] else "   <- unexpected"
+        lines.append(f"{k:<40} {totals[k]:>6}  {status_line(soak.counts[k])}{flag}")
+    lines += ["", f"{'client-side, well-formed streams':<40} {'p50':>10} {'p99':>10} {'n':>7}"]
+    for name, xs in (("time to first token", soak.ttft), ("inter-token gap", soak.gaps)):
+        lines.append(f"{name:<40} {ms(percentile(xs, 50)):>10} {ms(percentile(xs, 99)):>10} {len(xs):>7}")
+    r, s = soak.rss, soak.stats
+    lines += ["", f"server RSS (pid {soak.pid}): ready {mib(r['ready'])}, before the load {mib(r['before'])}, "
+              f"after {mib(r['after'])}, peak {mib(r['peak'])}, growth over the load {mib(r.get('growth'), '+')}"]
+    if s:
+        rejected = s["server_rejected"] - soak.info["stats"]["server_rejected"]
+        lines.append(f"engine: finished {dict(s['finished'])}, preemptions {s['preemptions']}, prefix hit rate "
+                     f"{s['prefix_hit_rate']:.2f}, RESOURCE_EXHAUSTED sent {rejected} "
+                     f"(seen {sum(c['RESOURCE_EXHAUSTED'] for c in soak.counts.values()) + soak.retries})")
+    lines += [""] + [f"{'PASS' if ok else 'FAIL'}  {name}: {detail}" for name, ok, detail in checks]
+    return "\n".join(lines + ["", f"wall time {wall:.1f} s"])
+
+
+async def run(args) -> int:
+    t0, proc, log, drain = time.monotonic(), None, None, None
+    try:
+        try:
+            if args.server:
+                address, pid = args.server, args.server_pid
+            else:
+                log = tempfile.NamedTemporaryFile(prefix="jaxinfer-soak-server-", suffix=".log", delete=False)
+                print(f"soak: starting jaxinfer serve (log: {log.name})", file=sys.stderr)
+                proc, address, drain = await start_server(args, log)
+                pid = proc.pid
+            soak = Soak(args, address, pid)
+            soak.rss["ready"] = rss_mib(pid)
+            await soak.connect()
+            plan = soak.plan()
+            greedy_before = await soak.greedy()
+            soak.rss["before"] = rss_mib(pid)
+        except (RuntimeError, OSError, asyncio.TimeoutError, ServerError) as e:
+            print(f"soak: error: {type(e).__name__}: {e}", file=sys.stderr)
+            if log is not None:
+                print(open(log.name, errors="replace").read()[-4000:], file=sys.stderr)
+            return 1
+        sampler = asyncio.ensure_future(soak.sample_rss())
+        print(f"soak: {address}, {len(plan)} items at concurrency {args.concurrency}", file=sys.stderr)
+        load_s = await soak.load(plan)
+        checks = await post_checks(soak, greedy_before)
+        sampler.cancel()
+        for c in soak.clients:
+            await c.close()
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = await asyncio.wait_for(proc.wait(), 60)
+            except asyncio.TimeoutError:
+                proc.kill()
+                code = await proc.wait()
+            await drain
+            checks.append(("server stopped cleanly on SIGTERM (exit 0)", code == 0, f"exit {code}"))
+        wall = time.monotonic() - t0
+        print(table(soak, checks, plan, load_s, wall))
+        if soak.notes:
+            print("first unexpected outcomes:\n  " + "\n  ".join(soak.notes[:20]), file=sys.stderr)
+        passed = all(ok for _, ok, _ in checks)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"address": address, "seed": args.seed, "items": len(plan), "passed": passed, "wall_s": wall,
+                           "load_s": load_s, "counts": {k: dict(c) for k, c in soak.counts.items()},
+                           "ttft_s": {"p50": percentile(soak.ttft, 50), "p99": percentile(soak.ttft, 99)},
+                           "itl_s": {"p50": percentile(soak.gaps, 50), "p99": percentile(soak.gaps, 99)},
+                           "rss_mib": soak.rss, "engine": soak.stats, "notes": soak.notes,
+                           "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in checks]}, f, indent=1)
+        if log is not None and passed:
+            os.unlink(log.name)  # kept when a check failed
+        return 0 if passed else 1
+    finally:  # however the soak ends (an error, Ctrl-C), the server it started goes with it
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.server.soak", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("the server (started here unless --server)")
+    s.add_argument("--server", metavar="HOST:PORT", help="soak a running server instead of starting one")
+    s.add_argument("--server-pid", type=int, metavar="PID", help="its process id, for RSS")
+    s.add_argument("--model", help="--model of jaxinfer serve (default: serve's)")
+    s.add_argument("--engine-config", metavar="NAME")
+    for flag in ("--max-num-seqs", "--num-pages", "--max-model-len", "--max-waiting"):
+        s.add_argument(flag, type=int, metavar="N")
+    s.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for jaxinfer serve (repeat; --serve-arg=--no-warmup)")
+    s.add_argument("--startup-timeout", type=float, default=900.0, metavar="SECONDS")
+    r = p.add_argument_group("the load")
+    r.add_argument("--requests", type=int, default=10_000, help="plan items (default: 10000)")
+    r.add_argument("--concurrency", type=int, default=64, help="items in flight at once (default: 64)")
+    r.add_argument("--duration", type=float, default=1800.0, metavar="SECONDS", help="stop launching after this")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-tokens", type=int, default=128, help="largest max_tokens of a well-formed request")
+    r.add_argument("--max-prompt-len", type=int, default=1024, help="longest well-formed prompt, in tokens")
+    r.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS")
+    r.add_argument("--settle", type=float, default=10.0, metavar="SECONDS", help="wait this long for the engine")
+    r.add_argument("--max-rss-growth-mb", type=float, default=256.0)
+    r.add_argument("--progress", type=float, default=10.0, metavar="SECONDS", help="progress on stderr (0: none)")
+    r.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1:
+        p.error("--requests and --concurrency must be at least 1")
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The soak (``python -m jaxinfer.server.soak``), short: a few hundred hostile requests against a real
+``jaxinfer serve`` process serving a tiny random-weight model with a tokenizer and a chat template."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+import jaxinfer
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import llama
+from jaxinfer.spec import init_random
+from jaxinfer.tokenizer import load_tokenizer
+from test_tokenizer import train_tiny_sentencepiece
+
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# An engine small enough to compile its 10 programs in seconds on two cores, big enough that 16
+# streams at once fill it: 8 rows, 63 pages of 16 tokens, a 128-token context; 8 more may wait,
+# then RESOURCE_EXHAUSTED. (--engine-config takes a JSON file of EngineConfig's keys.)
+TINY_SERVE_ENGINE = {
+    "page_size": 16, "num_pages": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64, "dtype": "float32",
+    "batch_buckets": [1, 2, 4, 8], "chunk_buckets": [8, 32], "page_buckets": [2, 4, 8], "max_logprobs": 5,
+}
+SERVE = ["--max-model-len", "128", "--max-waiting", "8"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    src = tmp_path_factory.mktemp("spm")
+    (src / "tokenizer.model").write_bytes(train_tiny_sentencepiece())
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    tok = load_tokenizer(src)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, name="tiny")
+    params = init_random(llama.param_specs(cfg), jax.random.key(0), scale=0.3)
+    return str(jaxinfer.save_model(tmp_path_factory.mktemp("soak") / "tiny", cfg, params, tokenizer=tok))
+
+
+@pytest.mark.slow
+def test_short_soak_passes_every_check(model_dir, tmp_path):
+    out = tmp_path / "soak.json"
+    engine = tmp_path / "tiny-engine.json"
+    engine.write_text(json.dumps(TINY_SERVE_ENGINE))
+    cmd = [sys.executable, "-m", "jaxinfer.server.soak", "--model", model_dir, "--engine-config", str(engine), *SERVE, "--requests", "300",
+           "--concurrency", "16", "--max-tokens", "24", "--seed", "0", "--duration", "120", "--json", str(out)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    wall = time.monotonic() - t0
+    report = proc.stdout + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
+    assert not failed, report
+    assert proc.returncode == 0 and result["passed"], report
+    assert "FAIL" not in proc.stdout and proc.stdout.count("PASS") == len(result["checks"]) >= 10, report
+    kinds = {k.split("/")[0] for k in result["counts"]}
+    assert kinds == {"stream", "cancel", "deadline", "invalid", "malformed", "garbage", "kill", "burst",
+                     "tokenize", "model_info", "health"}, report
+    assert result["counts"]["kill"] == {"KILLED": result["counts"]["kill"].get("KILLED", 0)} != {}, report
+    assert result["ttft_s"]["p50"] is not None and result["itl_s"]["p99"] is not None, report
+    print(f"soak wall time {wall:.1f} s (load {result['load_s']:.1f} s)\n{proc.stdout}")
+
+
+def test_the_plan_is_a_function_of_the_seed():
+    from types import SimpleNamespace
+
+    from jaxinfer.server.soak import Soak
+
+    def plan(seed):
+        s = Soak(SimpleNamespace(seed=seed, requests=500), "localhost:1", None)
+        s.info = {"max_waiting": 4}
+        s.forms = ["token_ids", "prompt", "chat"]
+        return s.plan()
+
+    assert plan(7) == plan(7) and plan(7) != plan(8)
+    kinds = {k for k, _, _ in plan(7)}
+    assert {"stream", "invalid", "malformed", "garbage", "kill", "burst"} <= kinds
