@@ -149,6 +149,9 @@ def render_chat_template(
         )
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from e
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+        # the template met a value it cannot handle (e.g. a template variable of the wrong type)
+        raise ChatTemplateError(f"chat template failed on the messages or variables given: {e}") from e
     if continue_final_message:
         final = chat[-1]["content"]
         if not isinstance(final, str) or final.strip() == "":

@@ -60,10 +60,11 @@ class RequestStream:
                 return
             try:
                 self._aloop.call_soon_threadsafe(self._aq.put_nowait, item)
+                return
             except RuntimeError:  # the consumer's event loop is closed: nobody will read this
                 self._aq = None
-                if item is not _END:
-                    self.abort()
+        if item is not _END:
+            self.abort()
 
     def __iter__(self):
         try:
@@ -109,11 +110,17 @@ class RequestStream:
         return self._aiter()
 
     def abort(self) -> None:
-        """Abort the request unless it has finished; only the first call acts, and the id is free at once."""
-        if self.output is None and not self._abort_sent:
+        """Abort the request unless it has finished; only the first call acts, and the id is free at once.
+
+        The abort names this stream, so it can never reach a later request given the same id.
+        """
+        with self._lock:
+            if self.output is not None or self._abort_sent:
+                return
             self._abort_sent = True
-            self._engine._release_id(self)
-            self._engine.abort(self.request_id)
+        self._engine._inbox.put(("abort", self.request_id, self))  # queued before the id is free again
+        self._engine._release_id(self)
+        self._engine._wake.set()
 
 
 class Engine:
@@ -153,6 +160,13 @@ class Engine:
         An aborted request's id is free again as soon as `RequestStream.abort` returns: the
         inbox is ordered, so the engine drops the old request before it adds the new one.
         """
+        limit = self.runner.max_model_len
+        if len(request.prompt_ids) + request.max_tokens > limit:  # a Request built by hand, not by the processor
+            raise ValueError(
+                f"request {request.request_id!r} needs {len(request.prompt_ids) + request.max_tokens} tokens "
+                f"({len(request.prompt_ids)} prompt + {request.max_tokens} max_tokens), more than max_model_len "
+                f"({limit})."
+            )
         stream = RequestStream(request.request_id, self)
         with self._lock:
             if request.request_id in self._live:
@@ -230,8 +244,10 @@ class Engine:
                 self._requests[a.request_id] = a
                 self._streams[a.request_id] = b
                 self.scheduler.add(a)
-            elif kind == "abort":
+            elif kind == "abort":  # b: the stream that asked, or None to abort whatever holds the id
                 r = self._requests.get(a)
+                if b is not None and self._streams.get(a) is not b:
+                    continue
                 if r is not None and not r.finished:
                     r.abort("abort")
                     self._finish(r, "")
@@ -312,15 +328,15 @@ class Engine:
         output = r.to_output()
         stream = self._streams.pop(r.request_id, None)
         self._requests.pop(r.request_id, None)
-        if stream is not None:
-            self._release_id(stream)
         self.stats.finished[r.finish_reason] = self.stats.finished.get(r.finish_reason, 0) + 1
         self.stats.on_finished(r)
         if stream is not None:
             if delta is None:
                 delta = StreamDelta(r.request_id, text, [], None, r.finish_reason)
             delta.output = output
-            stream.output = output
+            with stream._lock:
+                stream.output = output
+            self._release_id(stream)  # after the output is set: an abort from now on does nothing
             stream._put(delta)
             stream._put(_END)
 

@@ -10,10 +10,12 @@ request arrives (vLLM calls this piece the ``Processor``). Errors are
 `ValueError`s whose message names the field and the limit.
 
 A prompt whose text alone cannot fit in the context is refused before it is
-tokenized: no token covers more than `Tokenizer.max_bytes_per_token` bytes of
-text, so a prompt of ``n`` bytes is at least ``n / max_bytes_per_token``
-tokens long. Tokenizing is then bounded by the context, not by what a client
-sends (a 5 MB prompt is refused in microseconds instead of seconds).
+tokenized: where no token stands for more than `Tokenizer.max_bytes_per_token`
+bytes of text, a prompt of ``n`` bytes is at least ``n / max_bytes_per_token``
+tokens long (`Tokenizer.min_tokens`, which also leaves out bytes the model drops). Tokenizing is then bounded by the context, not by what a client
+sends (a 5 MB prompt is refused in microseconds instead of seconds). Tokenizers
+that can drop or collapse text (normalizers, whitespace removal) have no such
+bound; their prompts are tokenized and then counted.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from jaxinfer.sampling_params import SamplingParams
 Prompt = Union[str, Sequence[int]]
 
 # Template variables a caller may not set through chat_template_kwargs: the processor sets them.
-RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "chat_template", "tokenize")
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "chat_template", "tokenize", "special_tokens")
 
 
 @dataclass
@@ -70,6 +72,8 @@ class InputProcessor:
         stops = set(self.generation.eos_token_ids)
         if tokenizer is not None:
             stops |= set(tokenizer.stop_token_ids)
+            if max_model_len is not None:
+                tokenizer.min_tokens("")  # the bound is computed now (~40 ms), not on the first request
         self.eos_token_ids = frozenset(stops)
 
     @property
@@ -95,17 +99,18 @@ class InputProcessor:
             raise ValueError(f"this model has no tokenizer: {what}")
         return self.tokenizer
 
-    def _check_text_fits(self, n_bytes: int, what: str) -> None:
+    def _check_text_fits(self, text: str, what: str) -> None:
         """Refuse text that is longer than the context in tokens whatever it says (before tokenizing it)."""
         if self.max_model_len is None or self.tokenizer is None:
             return
-        per_token = self.tokenizer.max_bytes_per_token
-        at_least = math.ceil(n_bytes / per_token)
+        at_least = self.tokenizer.min_tokens(text)
         if at_least >= self.max_model_len:
+            n_bytes = len(text.encode("utf-8", "surrogatepass"))
             raise ValueError(
-                f"The {what} is {n_bytes:,} bytes long. No token of this model covers more than {per_token} bytes, "
-                f"so it is at least {at_least:,} tokens, but the model's context length (max_model_len) is "
-                f"{self.max_model_len} tokens, which must also leave room for at least one output token."
+                f"The {what} is {n_bytes:,} bytes long. No token of this model stands for more than "
+                f"{self.tokenizer.max_bytes_per_token} bytes, so it is at least {at_least:,} tokens, but the model's "
+                f"context length (max_model_len) is {self.max_model_len} tokens, which must also leave room for at "
+                f"least one output token."
             )
 
     def check_messages(self, messages: Any) -> list:
@@ -143,7 +148,7 @@ class InputProcessor:
                 raise ValueError("The prompt is empty: it must contain at least one character.")
             tok = self._need_tokenizer("pass the prompt as token ids.")
             if fit_context:
-                self._check_text_fits(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
+                self._check_text_fits(prompt, "prompt")
             ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
             return TokenizedPrompt(ids, prompt, user_tokens=len(ids))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
@@ -167,12 +172,10 @@ class InputProcessor:
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}.")
         contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-        if fit_context:
-            self._check_text_fits(sum(len(c.encode("utf-8", "surrogatepass")) for c in contents), "conversation")
         tok = self.tokenizer
         text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         if fit_context:
-            self._check_text_fits(len(text.encode("utf-8", "surrogatepass")), "rendered conversation")
+            self._check_text_fits(text, "conversation (rendered with the chat template)")
         ids = tok.encode(text, add_special_tokens=False)
         user = sum(len(x) for x in tok.encode_many(contents, add_special_tokens=False))
         return TokenizedPrompt(ids, text, user_tokens=user, template_tokens=max(0, len(ids) - user))
@@ -267,6 +270,8 @@ class InputProcessor:
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}.")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}.")
         seed = params.seed if params.seed is not None else random.getrandbits(32)

@@ -66,6 +66,21 @@ def _sds(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
+def return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    XLA's compiler allocates and frees a lot while it builds programs, and glibc keeps
+    what was freed in its arenas: after the cpu preset's warm-up this returns about
+    250 MB of resident memory to the system.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class ProgramTable:
     """The compiled step programs of one runner, by `ProgramKey`."""
 
@@ -183,6 +198,7 @@ class ProgramTable:
                     for _ in pool.map(self._load_or_compile, todo):
                         s.update()
                 s.note(f"{self.loaded_from_disk - before} from the program cache")
+            return_freed_memory()  # compiling leaves hundreds of MB free in the C heap
         self.warmed_up = self.warmed_up or complete
         return len(todo)
 

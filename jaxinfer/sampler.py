@@ -140,24 +140,53 @@ def _apply_penalties(logits, md: SamplingMetadata, state: SamplerState):
     return logits - md.frequency_penalty[:, None] * cf - md.presence_penalty[:, None] * (cf > 0)
 
 
-def _apply_filters(logits, md: SamplingMetadata):
-    """min-p, then top-k, then top-p, masking with -inf; logits are temperature-scaled."""
+# top-k and top-p look for their cut among a row's best logits, found with `lax.top_k`: the best 256
+# first, then the best 4096, and only when some row's cut lies beyond those (top_k above them, or a flat
+# distribution whose top_p mass needs more tokens) the whole vocabulary sorted. The result is the same
+# on every tier. For 32 rows of a 49k vocabulary on a 2-core CPU: 8 ms, 56 ms, 315 ms.
+FILTER_CANDIDATES = (256, 4096)
+
+
+def _cut(srt, lse, md: SamplingMetadata, v: int):
+    """The top-k / top-p threshold logit of each row from its best logits ``srt`` [B, n] (descending).
+
+    ``lse`` [B]: the log-sum-exp of the whole row. Returns the threshold [B, 1] and
+    whether it is exact [B] (the cut lies within the n candidates).
+    """
+    n = srt.shape[1]
+    neg = jnp.finfo(jnp.float32).min
+    has_k = (md.top_k > 0) & (md.top_k < v)
+    kth = jnp.take_along_axis(srt, (jnp.clip(md.top_k, 1, n) - 1)[:, None], axis=-1)
+    kth = jnp.where(has_k[:, None], kth, neg)
+    kept = jnp.where(srt < kth, -jnp.inf, srt)
+    # top-p sees the distribution left by top-k, renormalised
+    norm = jnp.where(has_k & (md.top_k <= n), jax.nn.logsumexp(kept, axis=-1), lse)
+    sp = jnp.exp(kept - norm[:, None])
+    before = jnp.cumsum(sp, axis=-1) - sp  # mass strictly above each sorted token
+    keep = (before < md.top_p[:, None]).at[:, 0].set(True)
+    pth = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    pth = jnp.where((md.top_p < 1.0)[:, None], pth, neg)
+    exact = (~has_k | (md.top_k <= n)) & ((md.top_p >= 1.0) | (jnp.sum(sp, axis=-1) >= md.top_p))
+    return jnp.maximum(pth, kth), exact
+
+
+def _apply_filters(logits, md: SamplingMetadata, candidates: tuple = FILTER_CANDIDATES):
+    """min-p, then top-k, then top-p, masking with the lowest float; logits are temperature-scaled."""
     b, v = logits.shape
     neg = jnp.finfo(jnp.float32).min
     probs = jax.nn.softmax(logits, axis=-1)
     max_p = jnp.max(probs, axis=-1, keepdims=True)
     logits = jnp.where(probs < md.min_p[:, None] * max_p, neg, logits)
-    srt = -jnp.sort(-logits, axis=-1)  # descending
-    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, v), v)
-    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
-    srt = jnp.where(srt < kth, neg, srt)
-    sp = jax.nn.softmax(srt, axis=-1)
-    before = jnp.cumsum(sp, axis=-1) - sp  # mass strictly above each sorted token
-    keep = before < md.top_p[:, None]
-    keep = keep.at[:, 0].set(True)
-    thresh = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
-    thresh = jnp.maximum(thresh, kth)
-    return jnp.where(logits < thresh, neg, logits)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tiers = [n for n in candidates if n < v]
+
+    def threshold(tier: int):
+        if tier == len(tiers):
+            return _cut(-jnp.sort(-logits, axis=-1), lse, md, v)[0]
+        thresh, exact = _cut(jax.lax.top_k(logits, tiers[tier])[0], lse, md, v)
+        return jax.lax.cond(jnp.all(exact), lambda: thresh, lambda: threshold(tier + 1))
+
+    return jnp.where(logits < threshold(0), neg, logits)
 
 
 def _row_keys(seeds, positions):

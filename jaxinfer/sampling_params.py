@@ -120,8 +120,12 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
 
-    def check_against(self, *, vocab_size: int, max_logprobs: int) -> None:
-        """Checks that need the model and engine: vocabulary size and logprobs limit."""
+    def check_against(self, *, vocab_size: Optional[int], max_logprobs: Optional[int]) -> None:
+        """Checks that need the model and engine: vocabulary size and logprobs limit (None: not checked)."""
+        if vocab_size is None:
+            vocab_size = float("inf")
+        if max_logprobs is None:
+            max_logprobs = float("inf")
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), got {self.top_k}.")
         if self.logprobs is not None and self.logprobs > max_logprobs:

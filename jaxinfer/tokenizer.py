@@ -66,8 +66,24 @@ class _HFBackend:
         n = self.tok.get_vocab_size(with_added_tokens=True)
         return self.tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
 
-    def normalizes(self) -> bool:
-        return self.tok.normalizer is not None
+    def dropped_bytes(self) -> Optional[bytes]:
+        """The bytes the model drops from any text (no token, no unknown token); None if it can shrink text more.
+
+        A byte-level BPE drops the bytes whose byte character is missing from its vocabulary
+        (SmolLM2's GGUF vocabulary lacks 21 of 256, control bytes and UTF-8 lead bytes of
+        rare planes). Normalizers rewrite text, WordPiece / Unigram and fused unknowns swallow
+        runs of it, added tokens that strip eat their neighbours: no bound then.
+        """
+        t = self.tok
+        model = t.model
+        if t.normalizer is not None or type(model).__name__ != "BPE" or getattr(model, "fuse_unk", False):
+            return None
+        if any(a.lstrip or a.rstrip for a in t.get_added_tokens_decoder().values()):
+            return None
+        if "ByteLevel" in repr(t.pre_tokenizer):
+            vocab = t.get_vocab()
+            return bytes(b for b, ch in _bytes_to_unicode().items() if ch not in vocab)
+        return b"" if model.unk_token or getattr(model, "byte_fallback", False) else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -120,8 +136,12 @@ class _SPBackend:
         """Every piece as text (the whitespace marker as a space; byte pieces as their 6-character name)."""
         return [self.sp.id_to_piece(i).replace("\u2581", " ") for i in range(self.sp.get_piece_size())]
 
-    def normalizes(self) -> bool:
-        return True  # SentencePiece models carry a normalizer spec (NFKC and whitespace rules by default)
+    def dropped_bytes(self) -> Optional[bytes]:
+        """None where normalization can drop or collapse text (NFKC, extra-whitespace removal), else none dropped."""
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        spec = pb.ModelProto.FromString(self.sp.serialized_model_proto()).normalizer_spec
+        return None if spec.name not in ("identity", "") or spec.remove_extra_whitespaces else b""
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         n = self.sp.get_piece_size()
@@ -229,14 +249,37 @@ class Tokenizer:
         return [self._with_special(ids, add_special_tokens) for ids in self._backend.encode_many(list(texts))]
 
     @functools.cached_property
-    def max_bytes_per_token(self) -> int:
-        """An upper bound on the UTF-8 bytes of text one token covers (so a text of n bytes has >= n / this tokens).
-
-        The longest token text plus one byte (a leading space that decoding a lone token
-        may drop), doubled where a normalizer may shorten text before it is split.
-        """
+    def _token_bound(self) -> Optional[tuple]:
+        dropped = self._backend.dropped_bytes()
+        if dropped is None:
+            return None
         longest = max((len(t.encode("utf-8", "surrogatepass")) for t in self._backend.token_texts()), default=1)
-        return (longest + 1) * (2 if self._backend.normalizes() else 1)
+        return longest + 1, dropped  # + 1: a leading space that decoding a lone token may drop
+
+    @property
+    def max_bytes_per_token(self) -> Optional[int]:
+        """A bound on the UTF-8 bytes of input text one token stands for, or None when there is none.
+
+        The longest token text plus one byte. None where the tokenizer can collapse text
+        before splitting it (a normalizer, whitespace removal, added tokens that strip their
+        neighbours, WordPiece's unknown words): see `min_tokens`.
+        """
+        bound = self._token_bound
+        return None if bound is None else bound[0]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))`` found without tokenizing (0 when there is none).
+
+        The bytes the model keeps, over `max_bytes_per_token`: milliseconds for megabytes.
+        """
+        bound = self._token_bound
+        if bound is None:
+            return 0
+        per_token, dropped = bound
+        data = text.encode("utf-8", "surrogatepass")
+        if dropped:
+            data = data.translate(None, dropped)
+        return -(-len(data) // per_token)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""

@@ -15,7 +15,6 @@ from google.protobuf import json_format
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import jaxinfer_pb2 as pb
-from jaxinfer.stats import percentile
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -31,7 +30,6 @@ _OPTIONAL_SAMPLING = (
     "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
     "include_stop_str_in_output",
 )
-# Template variables a client may not set through chat_template_kwargs.
 
 
 def sampling_params_from_proto(opts: pb.SamplingOptions, defaults: SamplingParams) -> SamplingParams:
@@ -77,13 +75,10 @@ def timings_to_proto(m: RequestMetrics) -> pb.Timings:
         prefill_chunks=s["prefill_chunks"],
         decode_steps=m.decode_steps,
     )
-    for name in ("queue_s", "prefill_s", "ttft_s", "tpot_s", "itl_mean_s", "itl_max_s", "e2e_s"):
+    for name in ("queue_s", "prefill_s", "ttft_s", "tpot_s", "itl_mean_s", "itl_p50_s", "itl_p99_s", "itl_max_s",
+                 "e2e_s"):
         if s[name] is not None:
             setattr(t, name, s[name])
-    itl = m.itl_s
-    if itl:
-        t.itl_p50_s = percentile(itl, 50)
-        t.itl_p99_s = percentile(itl, 99)
     return t
 
 

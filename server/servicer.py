@@ -14,8 +14,9 @@ Rules the service keeps (the API doc in README.md says the same):
   by the servicer, so a huge prompt does not stall other streams or the
   health check, as far as the tokenizer releases the GIL while it works
   (SentencePiece does; a Hugging Face ``tokenizers.Tokenizer.encode`` call
-  holds it throughout, ``encode_batch``, which `jaxinfer.tokenizer` uses,
-  lets go of it but for converting its input and output).
+  holds it throughout; ``encode_batch_fast``, which `jaxinfer.tokenizer` uses,
+  lets go of it but for converting its input and output). Tokenize calls have
+  their own threads, so long texts sent to Tokenize do not delay Generate.
 * **request_id.** A client-chosen id must be unique among the Generate calls
   in flight, else ALREADY_EXISTS. An id is free again once the server has
   seen the call that held it end: finished, or cancelled by the client (or
@@ -169,7 +170,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.throughput = _Throughput(self.engine.stats)
         self.metrics = None  # a ServerMetrics when the server exports Prometheus metrics
         self._token_text: dict = {}
-        self._pool = ThreadPoolExecutor(max_workers=TOKENIZE_WORKERS, thread_name_prefix="jaxinfer-tokenize")
+        self._pool = ThreadPoolExecutor(max_workers=TOKENIZE_WORKERS, thread_name_prefix="jaxinfer-prepare")
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxinfer-tokenize")
 
     # -- wiring -------------------------------------------------------------------
 
@@ -208,13 +210,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self._rejected("invalid_argument")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request.type_name}: {request.error}.")
 
-    async def _in_pool(self, fn: Callable, *args):
+    async def _in_pool(self, fn: Callable, *args, pool: Optional[ThreadPoolExecutor] = None):
         """Run blocking work (templates, tokenizers) in the servicer's threads, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
 
     def close(self) -> None:
         """Stop the tokenizing threads (work already running finishes; queued work is dropped)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def _rejected(self, reason: str) -> None:
         if self.metrics is not None:
@@ -300,12 +303,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             log.exception("could not prepare a request")
             self._rejected("internal")
             await context.abort(grpc.StatusCode.INTERNAL, f"could not prepare the request: {e}")
-        await self._refuse_if_draining(context)  # shutdown may have begun while it was tokenized
         rid = req.request_id
         await self._take_request_id(rid, context)  # again: another call may have taken it meanwhile
+        await self._refuse_if_draining(context)  # shutdown may have begun while it was tokenized
         await self._refuse_if_full(context)  # again: others may have been admitted meanwhile
 
-        # No await from the checks above to here: the id and the capacity are still as checked.
+        # These two checks await only to refuse, so from them to here the state is still as checked.
         try:
             stream = self.llm.submit(req)
         except ValueError:  # the engine holds a live request with this id (one not made by this server)
@@ -378,7 +381,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self.llm.tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer.")
         try:
-            return await self._in_pool(self._tokenize, request)
+            return await self._in_pool(self._tokenize, request, pool=self._tokenize_pool)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except MessageTooLarge as e:

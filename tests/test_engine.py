@@ -374,3 +374,15 @@ def test_a_request_id_is_refused_while_live_and_free_again_as_soon_as_it_is_abor
         assert old.result().outputs[0].finish_reason == "abort"
     assert tiny_llm.wait_idle()
     tiny_llm.engine.allocator.check_all_free()
+
+
+def test_a_hand_built_request_longer_than_the_context_is_refused_at_submit(tiny_llm):
+    """Requests made without the processor are checked too: one too long would fail a whole step."""
+    limit = tiny_llm.max_model_len
+    req = Request("too-long", [1] * 10, SamplingParams(), seed=0, max_tokens=limit, stop_token_ids=frozenset(),
+                  detokenizer=NullDetokenizer())
+    with pytest.raises(ValueError, match=rf"needs {limit + 10} tokens \(10 prompt \+ {limit} max_tokens\), more than "
+                                         rf"max_model_len \({limit}\)"):
+        tiny_llm.submit(req)
+    ok = tiny_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert len(ok.outputs[0].token_ids) >= 1

@@ -44,17 +44,16 @@ _texts = st.one_of(
     st.text(min_size=1, max_size=400),
     st.builds(lambda c, n: c * n, st.sampled_from([" ", "\n", "#", "=", "-", "a", "\t", "é", "0"]),
               st.integers(1, 3000)),
-    st.lists(st.sampled_from(["    ", "\n", "################", " ====", "hello", "<|im_start|>", "🙂"]),
+    st.lists(st.sampled_from(["    ", "\n", "################", " ====", "hello", "<|im_start|>", "🙂", "\x16", "\U00050000"]),
              min_size=1, max_size=300).map("".join),
 )
 
 
 @given(text=_texts)
 @settings(max_examples=150, deadline=None)
-def test_no_text_has_fewer_tokens_than_its_bytes_over_max_bytes_per_token(tok, text):
-    """The bound the early length check relies on: tokens >= UTF-8 bytes / max_bytes_per_token."""
-    n_bytes = len(text.encode("utf-8", "surrogatepass"))
-    assert len(tok.encode(text, add_special_tokens=False)) * tok.max_bytes_per_token >= n_bytes
+def test_min_tokens_is_a_lower_bound_of_the_token_count(tok, text):
+    """The bound the early length check relies on (kept bytes / max_bytes_per_token) never exceeds the count."""
+    assert len(tok.encode(text, add_special_tokens=False)) >= tok.min_tokens(text)
 
 
 def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing_with_the_limits_named(proc, tok):
@@ -66,7 +65,7 @@ def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing_with_the_limits
     msg = str(e.value)
     assert f"{len(huge):,} bytes" in msg and f"{tok.max_bytes_per_token} bytes" in msg
     assert f"(max_model_len) is {MAX_LEN} tokens" in msg
-    with pytest.raises(ValueError, match="conversation is 5,242,880 bytes"):
+    with pytest.raises(ValueError, match=r"conversation \(rendered with the chat template\) is 5,24\d,\d\d\d bytes"):
         proc.process(None, SP(max_tokens=4), messages=[{"role": "user", "content": huge}])
 
 
@@ -102,6 +101,9 @@ def test_chat_counts_user_and_template_tokens_and_renders_the_models_template(pr
         (dict(prompt="hi", params=SP(logprobs=6)), "greater than max allowed: 5"),
         (dict(prompt="hi", params=SP(max_tokens=MAX_LEN)), "However, you requested"),
         (dict(prompt="hi", request_id=""), "request_id must be a non-empty string"),
+        (dict(prompt="hi", priority="high"), "priority must be an integer"),
+        (dict(messages=[{"role": "user", "content": "a"}], chat_template_kwargs={"special_tokens": 1}),
+         "chat_template_kwargs may not set special_tokens"),
     ],
 )
 def test_bad_input_names_the_field_and_the_limit(proc, kwargs, message):
@@ -134,3 +136,34 @@ def test_stop_conditions_are_bounded_in_count_and_size():
         with pytest.raises(ValueError) as e:
             SP(**kw)
         assert message in str(e.value)
+
+
+def test_a_tokenizer_that_collapses_whitespace_has_no_byte_bound_and_long_blank_prompts_still_fit(tok):
+    """SentencePiece's default normalizer removes runs of spaces: 100,000 spaces may be one token, so
+    the byte pre-check must not apply (the prompt is tokenized and counted instead)."""
+    import sentencepiece as spm
+
+    from jaxinfer.tokenizer import Tokenizer, _SPBackend
+    from test_tokenizer import train_tiny_sentencepiece
+
+    exact = Tokenizer(_SPBackend(spm.SentencePieceProcessor(model_proto=train_tiny_sentencepiece())))
+    assert exact.max_bytes_per_token is not None  # identity normalizer, whitespace kept: bounded
+    model = train_tiny_sentencepiece(remove_extra_whitespaces=True)
+    sp_tok = Tokenizer(_SPBackend(spm.SentencePieceProcessor(model_proto=model)))
+    assert sp_tok.max_bytes_per_token is None
+    text = "hello" + " " * 100_000 + "world"
+    assert len(sp_tok.encode(text)) < 20
+    proc = InputProcessor(sp_tok, vocab_size=sp_tok.vocab_size, max_model_len=64, max_logprobs=0)
+    assert len(proc.process(text, SP(max_tokens=4)).prompt_ids) < 20
+    assert tok.max_bytes_per_token == 82  # SmolLM2: byte-level BPE, no normalizer: the longest token is 81 bytes
+
+
+def test_a_template_that_fails_on_a_callers_variable_is_a_value_error():
+    """A client's template variable of the wrong type is bad input (INVALID_ARGUMENT), not a crash."""
+    from jaxinfer.chat_template import ChatTemplateError, render_chat_template
+
+    template = "{% for t in tools %}{{ t.name }}{% endfor %}{{ messages[0]['content'] }}"
+    assert render_chat_template(template, [{"role": "user", "content": "hi"}], tools=[{"name": "f"}]) == "fhi"
+    with pytest.raises(ChatTemplateError, match="chat template failed") as e:
+        render_chat_template(template, [{"role": "user", "content": "hi"}], tools=5)
+    assert isinstance(e.value, ValueError)

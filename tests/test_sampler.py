@@ -241,3 +241,47 @@ def test_sampling_params_model_limits():
         SamplingParams(logprobs=6).check_against(vocab_size=64, max_logprobs=5)
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+def _filter_reference(logits, sp):
+    """min-p, then top-k, then top-p (renormalised after top-k), in numpy: the set of tokens kept."""
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    allowed = np.ones(len(logits), bool)
+    if sp.min_p > 0:
+        allowed &= probs >= sp.min_p * probs.max()
+    order = [i for i in np.argsort(-logits, kind="stable") if allowed[i]]
+    if 0 < sp.top_k < len(logits):
+        kth = logits[order[min(sp.top_k, len(order)) - 1]]
+        allowed &= logits >= kth
+        order = [i for i in order if allowed[i]]
+    if sp.top_p < 1.0:
+        kp = probs[order] / probs[order].sum()
+        before = np.cumsum(kp) - kp
+        cut = min(logits[i] for i, b in zip(order, before) if b < sp.top_p or i == order[0])
+        allowed &= logits >= cut
+    return allowed
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), candidates=st.sampled_from([(1,), (3,), (1, 8), (2, 16), ()]))
+def test_filters_keep_exactly_the_reference_set_whether_or_not_the_cut_is_among_the_candidates(seed, candidates):
+    """Top-k / top-p look among each tier of best logits in turn and sort the whole row only when a
+    cut lies beyond them all; whichever tier decides, each row keeps exactly the reference's tokens."""
+    from jaxinfer.sampler import _apply_filters
+
+    rng = np.random.default_rng(seed)
+    b = 6
+    scale = rng.choice([0.05, 1.0, 4.0], size=(b, 1))  # flat rows need many tokens for their top-p mass
+    lg = (rng.normal(0, 1, (b, V)) * scale).astype(np.float32)
+    params = [
+        SamplingParams(top_k=int(rng.choice([0, 1, 2, 5, 20, V - 1, V])), top_p=float(rng.choice([1.0, 0.95, 0.5, 0.1])),
+                       min_p=float(rng.choice([0.0, 0.0, 0.2])))
+        for _ in range(b)
+    ]
+    md = build_metadata([RowSampling(p, seed=0, sample_pos=0, slot=i) for i, p in enumerate(params)], b,
+                        num_slots=8, max_logprobs=0)
+    kept = np.asarray(jax.jit(_apply_filters, static_argnums=2)(lg, md, candidates)) > np.finfo(np.float32).min
+    for i, p in enumerate(params):
+        want = _filter_reference(lg[i], p)
+        assert (kept[i] == want).all(), (i, p, np.nonzero(kept[i] != want))

@@ -59,11 +59,12 @@ def train_tiny_sentencepiece(**extra) -> bytes:
     words = ["hello", "world", "token", "jax", "inference", "engine", "日本", "語", "naïve", "café", "page", "cache"]
     corpus = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(400)]
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
+    options = dict(
         sentence_iterator=iter(corpus), model_writer=model, vocab_size=340, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, control_symbols=["<|im_start|>", "<|im_end|>"], minloglevel=2, **extra,
+        remove_extra_whitespaces=False, control_symbols=["<|im_start|>", "<|im_end|>"], minloglevel=2,
     )
+    spm.SentencePieceTrainer.train(**{**options, **extra})
     return model.getvalue()
 
 
