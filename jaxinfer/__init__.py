@@ -8,7 +8,9 @@ Library use:
 
 Pure pieces for research code: `forward` / `logits` of a model family
 (`jaxinfer.models.llama`), the KV cache pytree (`init_cache`), the jitted
-`prefill` and `decode_step`, and the sampler (`sample`). `save_model` writes a
+`prefill` and `decode_step`, and the sampler (`sample`). `InputProcessor` (as
+``llm.processor``) is the one front door that turns a prompt, a conversation or
+token ids into a validated request for every entry point. `save_model` writes a
 parameter tree (with its config and tokenizer) as a directory `LLM` serves.
 """
 
@@ -19,6 +21,7 @@ from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig, RopeS
 from jaxinfer.kv_cache import cache_specs, init_cache
 from jaxinfer.llm import LLM
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
+from jaxinfer.processor import InputProcessor
 from jaxinfer.sampler import SamplerState, SamplingMetadata, init_sampler_state, sample
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step import decode_step, prefill
@@ -26,6 +29,7 @@ from jaxinfer.step import decode_step, prefill
 __all__ = [
     "__version__",
     "LLM",
+    "InputProcessor",
     "save_model",
     "SamplingParams",
     "RequestOutput",
