@@ -391,14 +391,19 @@ class Soak:
             writer.close()
 
     async def until_admitted(self, attempt, pause: float) -> str:
-        """A full server refuses a call before reading it: send it again until the server reads it."""
-        for _ in range(100):
+        """A full server refuses a call before reading it: send it again until the server reads it.
+
+        Under a sustained overload a slot may take many seconds to free, so it keeps trying (backing
+        off to half a second between tries) for up to --request-timeout seconds.
+        """
+        deadline = time.monotonic() + self.args.request_timeout
+        while True:
             status = await attempt()
-            if status != "RESOURCE_EXHAUSTED":
-                break
+            if status != "RESOURCE_EXHAUSTED" or time.monotonic() > deadline:
+                return status
             self.retries += 1
             await asyncio.sleep(pause)
-        return status
+            pause = min(0.5, pause * 1.5)
 
     async def kill(self, req: pb.GenerateRequest) -> str:
         """A child process opens the stream and is SIGKILLed after its first message."""
