@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -101,22 +102,24 @@ class ProgramTable:
         """Whether the page table goes at full width (the attention reads each row's length)."""
         return self.runner.reads_row_lengths
 
-    def page_buckets(self) -> list[int]:
+    @functools.cached_property
+    def page_buckets(self) -> tuple[int, ...]:
         """The page buckets up to the first that holds a whole context (``max_model_len`` tokens)."""
         e = self.ecfg
         top = bucket_for(pages_needed(self.runner.max_model_len, e.page_size), e.page_buckets, "pages attended")
-        return [p for p in e.page_buckets if p <= top]
+        return tuple(p for p in e.page_buckets if p <= top)
 
-    def chunk_buckets(self) -> list[int]:
+    @functools.cached_property
+    def chunk_buckets(self) -> tuple[int, ...]:
         """The chunk buckets a prompt chunk can pad to: none beyond the one a whole prompt fits in."""
         e = self.ecfg
         longest = min(self.runner.max_model_len - 1, e.chunk_buckets[-1])
         top = bucket_for(max(longest, 1), e.chunk_buckets)
-        return [t for t in e.chunk_buckets if t <= top]
+        return tuple(t for t in e.chunk_buckets if t <= top)
 
     def page_width(self, need: int) -> int:
         """The page-table width for a step whose longest row needs ``need`` pages."""
-        buckets = self.page_buckets()
+        buckets = self.page_buckets
         if self.full_width:
             if need > buckets[-1]:
                 raise ValueError(f"pages attended {need} exceeds the largest bucket ({buckets[-1]})")
@@ -138,13 +141,13 @@ class ProgramTable:
         batches = self.batch_buckets()
         out = []
         prev_t = 0
-        for t in self.chunk_buckets():
+        for t in self.chunk_buckets:
             # a chunk of this bucket is longer than the previous bucket, so it attends at least that many pages
             min_pages = self.page_width(pages_needed(prev_t + 1, e.page_size))
-            widths = [min_pages] if self.full_width else [p for p in self.page_buckets() if p >= min_pages]
+            widths = [min_pages] if self.full_width else [p for p in self.page_buckets if p >= min_pages]
             out += [ProgramKey("prefill", b, t, p) for b in batches if b * t <= area for p in widths]
             prev_t = t
-        widths = self.page_buckets()[-1:] if self.full_width else self.page_buckets()
+        widths = list(self.page_buckets[-1:] if self.full_width else self.page_buckets)
         out += [ProgramKey("decode", b, 1, p) for b in batches for p in widths]
         return out
 

@@ -22,7 +22,6 @@ from typing import Optional
 
 from jaxinfer.argtypes import int_in
 from jaxinfer.cli_flags import (
-    add_client_flags,
     add_engine_flags,
     add_model_flags,
     chat_messages,
@@ -179,9 +178,6 @@ def run_serve(args: argparse.Namespace) -> int:
 # jaxinfer generate --server
 # --------------------------------------------------------------------------- #
 
-
-# `generate --server`'s flags are generate's own (`jaxinfer.cli_flags`); this is its server group alone.
-add_server_client_arguments = add_client_flags
 
 
 def server_summary(final) -> dict:

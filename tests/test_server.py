@@ -678,7 +678,7 @@ def test_tokenize_refuses_a_response_larger_than_the_message_limit_with_a_clear_
 def _generate_args(server_addr, prompt_text, **kw):
     import argparse
 
-    from jaxinfer.server.cli import add_server_client_arguments
+    from jaxinfer.cli_flags import add_client_flags
 
     p = argparse.ArgumentParser()
     p.add_argument("prompt")
@@ -692,7 +692,7 @@ def _generate_args(server_addr, prompt_text, **kw):
     p.add_argument("--system")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trace", action="store_true")
-    add_server_client_arguments(p)
+    add_client_flags(p)
     argv = [prompt_text, "--server", server_addr]
     for flag, value in kw.items():
         argv += [flag] if value is None else [flag, str(value)]
