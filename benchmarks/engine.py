@@ -371,7 +371,7 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
     """ms of the model's matmul shapes at each batch size (jitted, blocking), per layer and for the head.
 
     Through the model's own `matmul` (weights in `dtype`, float32 accumulation)."""
-    from jaxinfer.models.llama import matmul
+    from jaxinfer.models.decoder import matmul
 
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

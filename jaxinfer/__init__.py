@@ -7,7 +7,7 @@ Library use:
     outs = llm.generate(["The KV cache is"], jaxinfer.SamplingParams(max_tokens=32, temperature=0.0))
 
 Pure pieces for research code: `forward` / `logits` of a model family
-(`jaxinfer.models.llama`), the KV cache pytree (`init_cache`), the jitted
+(`jaxinfer.models`, one decoder for every family), the KV cache pytree (`init_cache`), the jitted
 `prefill` and `decode_step`, and the sampler (`sample`). `InputProcessor` (as
 ``llm.processor``) is the one front door that turns a prompt, a conversation or
 token ids into a validated request for every entry point. `save_model` writes a

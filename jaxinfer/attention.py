@@ -91,10 +91,13 @@ def paged_attention(
     cache_layer: jax.Array,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal grouped-query attention of a chunk over its sequence's pages.
 
     q: [B, T, H, D]; k, v: [B, T, KVH, D]; cache_layer: [num_pages, page_size, 2*KVH, D].
+    ``window`` > 0: sliding-window attention, a query at position p attends keys
+    p - window + 1 .. p (transformers' rule: ``q - k < window``); 0: every earlier key.
     Returns (out [B, T, H, D], updated cache_layer).
     """
     b, t, h, d = q.shape
@@ -107,10 +110,10 @@ def paged_attention(
             v,
             cache_layer,
             meta,
-            cpu=lambda *args: _cpu_attention(*args, scale),
-            default=functools.partial(_gather_attention, scale=scale),
+            cpu=lambda *args: _cpu_attention(*args, scale, window),
+            default=functools.partial(_gather_attention, scale=scale, window=window),
         )
-    return _gather_attention(q, k, v, cache_layer, meta, scale)
+    return _gather_attention(q, k, v, cache_layer, meta, scale, window)
 
 
 CPU_TARGET = "jaxinfer_paged_attention"
@@ -160,8 +163,8 @@ def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dt
     return _cpu_kernel_fits(num_heads, num_kv_heads, head_dim, cache_dtype) and kernels.ready(CPU_SOURCE)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _cpu_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def _cpu_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, window: int):
     """CPU: the native kernel writes the chunk's keys/values into the cache in place, then attends.
 
     Derivatives (research code differentiating the model) are those of the pure-JAX path,
@@ -173,16 +176,17 @@ def _cpu_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float):
         CPU_TARGET,
         (jax.ShapeDtypeStruct((b, t, h, d), f32), jax.ShapeDtypeStruct(cache_layer.shape, cache_layer.dtype)),
         input_output_aliases={3: 1},
-    )(q.astype(f32), k.astype(f32), v.astype(f32), cache_layer, meta.page_table, meta.positions, scale=np.float32(scale))
+    )(q.astype(f32), k.astype(f32), v.astype(f32), cache_layer, meta.page_table, meta.positions, scale=np.float32(scale),
+        window=np.int64(window))
     return out.astype(q.dtype), cache_layer
 
 
 @_cpu_attention.defjvp
-def _cpu_attention_jvp(scale, primals, tangents):
-    return jax.jvp(functools.partial(_gather_attention, scale=scale), primals, tangents)
+def _cpu_attention_jvp(scale, window, primals, tangents):
+    return jax.jvp(functools.partial(_gather_attention, scale=scale, window=window), primals, tangents)
 
 
-def _gather_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float):
+def _gather_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, window: int = 0):
     """The pure-JAX path: gather the attended pages, overlay the chunk, attend, write the chunk."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
@@ -202,6 +206,8 @@ def _gather_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: floa
     valid = (key_pos[None, None, :] <= meta.positions[:, :, None]) & (
         key_pos[None, None, :] < meta.kv_lens[:, None, None]
     )  # [B, T, S]
+    if window:
+        valid = valid & (key_pos[None, None, :] > meta.positions[:, :, None] - window)
     scores = jnp.where(valid[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(q.dtype))

@@ -256,7 +256,7 @@ def save_model(
 ) -> Path:
     """Save a parameter tree (with its config, tokenizer and defaults) as a directory ``LLM(dst)`` serves.
 
-    ``params`` is the family's tree (`jaxinfer.models.llama.param_specs`
+    ``params`` is the family's tree (`jaxinfer.models.decoder.param_specs`
     describes it), as research code trains it; its leaves may be jax or numpy
     arrays, all of one dtype unless ``dtype`` says which to save them in.
     ``tokenizer``: a `jaxinfer.tokenizer.Tokenizer` (e.g. ``llm.tokenizer``),

@@ -21,18 +21,43 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style rotary frequency scaling ("rope_type": "llama3")."""
+    """Rotary frequency scaling (Hugging Face ``rope_scaling`` / ``rope_parameters``).
+
+    ``rope_type``: "llama3" (Llama 3.1+: factor, low/high frequency factors, original
+    context), "linear" (every frequency divided by ``factor``) or "yarn" (NTK-by-parts
+    interpolation between ``beta_fast`` and ``beta_slow`` rotations, and cos/sin scaled
+    by ``attention_factor``). `jaxinfer.models.decoder.rope_inv_freq` computes them.
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+
+
+ROPE_TYPES = ("llama3", "linear", "yarn")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder."""
+    """Hyperparameters of a decoder: the Llama shape, and as data what each family changes.
+
+    Every field past ``name`` defaults to Llama's behaviour; a family module
+    (`jaxinfer.models`) reads its Hugging Face ``config.json`` into these fields and
+    the one decoder (`jaxinfer.models.decoder`) acts on them.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -46,14 +71,58 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[RopeScaling] = None
     tie_word_embeddings: bool = False
-    architecture: str = "llama"
+    architecture: str = "llama"  # the family (a key of jaxinfer.models.FAMILIES)
     name: str = "model"
+    # -- attention
+    attention_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before RoPE (Qwen3, Gemma 3)
+    query_pre_attn_scalar: Optional[float] = None  # scores scaled by this ** -0.5 (Gemma); None: head_dim
+    sliding_window: Optional[int] = None  # keys within this many positions (self included) on sliding layers
+    layer_types: tuple[str, ...] = ()  # per layer, FULL_ATTENTION or SLIDING_ATTENTION; () = all full
+    local_rope_theta: Optional[float] = None  # RoPE base of sliding layers, unscaled (Gemma 3); None: as full
+    # -- norms, embeddings, MLP, head
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): 1.0 for Gemma
+    sandwich_norms: bool = False  # Gemma 3: also a norm on the attention output and on the MLP output
+    embed_scale: float = 1.0  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    hidden_act: str = "silu"  # gated MLP activation: "silu" or "gelu_tanh"
+    final_logit_softcap: Optional[float] = None  # logits = cap * tanh(logits / cap)
+    # -- mixture of experts (num_experts = 0: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model that keep a dense MLP
 
     def __post_init__(self):
+        # JSON round trips give lists; a config is a jit static argument, so it must hash.
+        for nm in ("layer_types", "dense_layers"):
+            v = getattr(self, nm)
+            if not isinstance(v, tuple):
+                object.__setattr__(self, nm, tuple(v))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})."
             )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            if bad:
+                raise ValueError(f"unsupported layer types {sorted(bad)}; supported: {FULL_ATTENTION}, {SLIDING_ATTENTION}")
+            if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported hidden activation {self.hidden_act!r}; supported: silu, gelu_tanh")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"a mixture of experts needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                    f"num_experts ({self.num_experts}) and moe_intermediate_size > 0"
+                )
 
     @property
     def q_size(self) -> int:
@@ -63,69 +132,62 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` in positions, or 0 for full (causal) attention."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def num_params(self) -> int:
+        """Parameters in the model (every expert counted)."""
+        import math
+
+        import jax
+
+        from jaxinfer.models import get_family
+        from jaxinfer.spec import is_spec
+
+        specs = get_family(self.architecture).param_specs(self)
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
+
+    def active_params(self) -> int:
+        """Parameters one token runs through: a MoE layer counts only its top-k experts."""
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        idle = self.num_experts - self.num_experts_per_tok
+        moe_layers = sum(self.is_moe_layer(li) for li in range(self.num_layers))
+        return self.num_params() - moe_layers * idle * per_expert
+
+    def describe(self) -> str:
+        """One line naming the family and its size, e.g. ``qwen3_moe, 4 layers, 1.2M parameters (0.4M active, 8 experts, top 2)``."""
+
+        def millions(n: int) -> str:
+            return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+        text = f"{self.architecture}, {self.num_layers} layers, {millions(self.num_params())} parameters"
+        extra = []
+        if self.num_experts:
+            extra.append(f"{millions(self.active_params())} active, {self.num_experts} experts, top {self.num_experts_per_tok}")
+        if self.sliding_window:
+            n = sum(bool(self.layer_window(li)) for li in range(self.num_layers))
+            extra.append(f"sliding window {self.sliding_window} on {n} of {self.num_layers} layers")
+        return text + (f" ({'; '.join(extra)})" if extra else "")
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dictionary (LlamaConfig / MistralConfig)."""
-        arch = (cfg.get("model_type") or "llama").lower()
-        if arch not in ("llama", "mistral"):
-            raise ValueError(f"unsupported model_type {arch!r}; supported: llama, mistral.")
-        if arch == "mistral" and cfg.get("sliding_window") not in (None, 0):
-            # A sliding window only matters past its length; we attend to the full context,
-            # which is exact for sequences shorter than the window.
-            pass
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        rs = cfg.get("rope_scaling") or None
-        rope_scaling = None
-        if rs:
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype == "llama3":
-                rope_scaling = RopeScaling(
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs["low_freq_factor"]),
-                    high_freq_factor=float(rs["high_freq_factor"]),
-                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                )
-            elif rtype not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {rtype!r}; supported: llama3.")
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            architecture="llama",
-            name=name,
-        )
+        """Build from a Hugging Face ``config.json`` dictionary: the family of its ``model_type``
+        reads it (`jaxinfer.models.config_from_hf`); unknown types and features are refused."""
+        from jaxinfer.models import config_from_hf
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """The equivalent Hugging Face LlamaConfig dictionary (used to build reference models)."""
-        d = {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-        }
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
-        return d
+        return config_from_hf(cfg, name)
 
 
 @dataclass(frozen=True)

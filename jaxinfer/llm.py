@@ -66,6 +66,7 @@ class LLM:
         # The converted-model cache (jaxinfer.model_cache): the first load of a GGUF file or an HF
         # directory converts it and saves the engine's tree; later loads restore it.
         loaded = cache.load(source, engine.dtype, use_cache=model_cache)
+        progress.say(f"model {source.name}: {loaded.config.describe()}")
         self.model_source = source
         self.model_cache_path = loaded.cache_path
         self._setup(

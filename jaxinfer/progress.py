@@ -119,6 +119,13 @@ def stage(title: str, total: Optional[int] = None, unit: str = "item") -> Iterat
     s._close(failed=False)
 
 
+def say(text: str) -> None:
+    """One line of a start that is not a timed stage (logged, and shown when stages are)."""
+    log.info(text)
+    if _show:
+        _line(text)
+
+
 def ready(t_start: float, what: str = "ready") -> None:
     """The closing line of a start: total time since ``t_start`` (a `time.perf_counter` value)."""
     text = f"{what} in {time.perf_counter() - t_start:.1f}s"

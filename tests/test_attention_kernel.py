@@ -4,7 +4,8 @@ Both paths write the chunk's keys/values and attend over the pages; the kernel r
 pages in place. Random chunks cover decode (T = 1), prefill from position 0, chunks that
 continue a cached context, padding rows and padding tokens, grouped-query ratios, head
 sizes with and without a specialised loop, page sizes below and above the kernel's key
-block, and float32 and bfloat16 caches.
+block, float32 and bfloat16 caches, and sliding windows (shorter than a page, one
+position, longer than a page) next to full causal attention.
 """
 
 from __future__ import annotations
@@ -58,13 +59,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("b,t,h,kvh,d,page_size,cache_dtype", CASES)
-def test_kernel_matches_gather_path(b, t, h, kvh, d, page_size, cache_dtype):
+def test_kernel_matches_gather_path(b, t, h, kvh, d, page_size, cache_dtype, window):
+    check_kernel_against_gather(b, t, h, kvh, d, page_size, cache_dtype, window)
+
+
+@pytest.mark.parametrize("window", [1, 20])
+def test_kernel_sliding_window_edges(window):
+    check_kernel_against_gather(3, 37, 4, 1, 32, 16, "float32", window)
+    check_kernel_against_gather(4, 1, 4, 2, 32, 16, "float32", window)
+
+
+def check_kernel_against_gather(b, t, h, kvh, d, page_size, cache_dtype, window):
     rng = np.random.default_rng(b * 1000 + t)
     q, k, v, cache, meta, positions = make_case(rng, b, t, h, kvh, d, page_size, jnp.dtype(cache_dtype))
     scale = d**-0.5
-    out_k, cache_k = jax.jit(lambda *a: attention._cpu_attention(*a, scale))(q, k, v, cache, meta)
-    out_r, cache_r = jax.jit(lambda *a: attention._gather_attention(*a, scale=scale))(q, k, v, cache, meta)
+    out_k, cache_k = jax.jit(lambda *a: attention._cpu_attention(*a, scale, window))(q, k, v, cache, meta)
+    out_r, cache_r = jax.jit(lambda *a: attention._gather_attention(*a, scale=scale, window=window))(
+        q, k, v, cache, meta)
     # page 0 is the dummy page the pure-JAX path sends padding tokens to; the kernel skips them
     assert np.array_equal(np.asarray(cache_k)[1:], np.asarray(cache_r)[1:]), "the caches differ after the write"
     real = positions >= 0
@@ -85,7 +98,7 @@ def test_position_past_the_page_table_is_an_error():
     capacity = meta.page_table.shape[1] * cache.shape[1]
     bad = AttentionMetadata(jnp.full_like(meta.positions, capacity), meta.slots, meta.page_table, meta.kv_lens)
     with pytest.raises(Exception, match="past the pages given"):
-        jax.block_until_ready(jax.jit(lambda *a: attention._cpu_attention(*a, 0.125))(q, k, v, cache, bad))
+        jax.block_until_ready(jax.jit(lambda *a: attention._cpu_attention(*a, 0.125, 0))(q, k, v, cache, bad))
 
 
 FALLBACK_PROBE = """

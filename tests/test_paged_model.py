@@ -11,7 +11,7 @@ from conftest import TINY, TINY_ENGINE, tiny_params
 from jaxinfer import kv_cache, step
 from jaxinfer.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig, RopeScaling
-from jaxinfer.models import llama
+from jaxinfer.models import decoder, llama
 from jaxinfer.sampler import RowSampling, build_metadata, init_sampler_state
 from jaxinfer.sampling_params import SamplingParams
 
@@ -127,7 +127,7 @@ def test_llama3_rope_scaling_keeps_high_frequencies_and_scales_low_ones():
     base = replace(TINY, head_dim=64, rope_theta=500000.0)
     scaled = replace(base, rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                     original_max_position_embeddings=8192))
-    f0, f1 = llama.rope_inv_freq(base), llama.rope_inv_freq(scaled)
+    f0, f1 = (decoder.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)[0] for c in (base, scaled))
     wavelen = 2 * np.pi / f0
     high = wavelen < 8192 / 4
     low = wavelen > 8192 / 1

@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 from jaxinfer import weights as W
 from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.models import llama
 
 T = gguf.GGMLQuantizationType
 
@@ -292,7 +293,7 @@ def write_hf_dir(d: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], *, b
                  sharded: bool = True, extra: dict[str, np.ndarray] | None = None,
                  generation: dict | None = None) -> Path:
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg.to_hf_config()))
+    (d / "config.json").write_text(json.dumps(llama.hf_config(cfg)))
     if generation is not None:
         (d / "generation_config.json").write_text(json.dumps(generation))
     stored = {k: (v.astype(ml_dtypes.bfloat16) if bf16 and v.ndim == 2 else v) for k, v in tensors.items()}

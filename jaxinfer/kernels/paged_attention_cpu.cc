@@ -18,7 +18,8 @@
 //   out        [B, T, H, D]    float32;  cache_out: the cache, updated (aliases `cache`)
 //
 // Query token at position p attends keys 0..p of its row (causal; grouped-query heads share
-// their kv head). Work items are (row, kv head, tile of query tokens), shared with XLA's
+// their kv head); with the `window` attribute w > 0, only keys p-w+1..p (sliding window: the
+// blocks before a row's window are never read, so those pages may be gone). Work items are (row, kv head, tile of query tokens), shared with XLA's
 // intra-op thread pool. Keys and values are read from the cache a vector (16 elements of
 // head_dim) at a time, converted from bfloat16 on the fly. Two inner loops:
 //   * one query token (decode): keys are scored by dot products over head_dim;
@@ -31,6 +32,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -163,6 +165,7 @@ struct Problem {
   float* out;
   int64_t batch, tokens, heads, kv_heads, head_dim, page_size, num_pages, pages_per_row;
   int64_t group, tile_tokens, tiles;
+  int64_t window;  // 0: full causal attention; w > 0: keys within w positions, self included
   float scale;
 };
 
@@ -198,7 +201,7 @@ void attend_token(const Problem& p, int64_t b, int64_t t, int64_t kvh) {
     l[h] = 0.0f;
   }
   const int32_t* table = p.page_table + b * p.pages_per_row;
-  for (int64_t start = 0; start <= pos;) {
+  for (int64_t start = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0; start <= pos;) {
     const int64_t n = std::min<int64_t>({pos + 1 - start, p.page_size - start % p.page_size, kBlock});
     const T* k0 = kv_row<T>(p, table, kvh, start, 0);
     start += n;
@@ -251,12 +254,15 @@ void attend_tile(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
   Scratch& sc = scratch();
   vi qpos[NV];
   vf m[NV], l[NV];
-  int64_t maxpos = -1;
+  int64_t maxpos = -1, minpos = INT64_MAX;
+  vi qlow[NV];  // a key is attended when qlow < kpos <= qpos
   for (int v = 0; v < NV; ++v) {
     for (int lane = 0; lane < kLanes; ++lane) {
       const int64_t r = v * kLanes + lane;
       qpos[v][lane] = r < rows ? p.positions[b * p.tokens + t0 + r / g] : -1;
+      qlow[v][lane] = p.window > 0 ? qpos[v][lane] - static_cast<int32_t>(p.window) : -1;
       maxpos = std::max<int64_t>(maxpos, qpos[v][lane]);
+      if (qpos[v][lane] >= 0) minpos = std::min<int64_t>(minpos, qpos[v][lane]);
     }
     m[v] = splat(kNeg);
     l[v] = splat(0.0f);
@@ -268,7 +274,8 @@ void attend_tile(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
   }
   const int32_t* table = p.page_table + b * p.pages_per_row;
   const int64_t stride = 2 * p.kv_heads * d;
-  for (int64_t start = 0; start <= maxpos;) {
+  const int64_t first_key = p.window > 0 && maxpos >= 0 ? std::max<int64_t>(0, minpos - p.window + 1) : 0;
+  for (int64_t start = first_key; start <= maxpos;) {
     const int64_t n = std::min<int64_t>({maxpos + 1 - start, p.page_size - start % p.page_size, kBlock});
     const T* k0 = kv_row<T>(p, table, kvh, start, 0);
     const int32_t first = static_cast<int32_t>(start);
@@ -296,7 +303,7 @@ void attend_tile(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
       for (int64_t kk = 0; kk < nk; ++kk) {
         const int32_t kpos = first + static_cast<int32_t>(j0 + kk);
         for (int v = 0; v < NV; ++v) {
-          const vf sv = kpos <= qpos[v] ? s[kk][v] : splat(kNeg);  // causal mask
+          const vf sv = (kpos <= qpos[v]) & (kpos > qlow[v]) ? s[kk][v] : splat(kNeg);  // causal, window
           sc.w[j0 + kk][v] = sv;
           bmax[v] = bmax[v] > sv ? bmax[v] : sv;
         }
@@ -311,7 +318,7 @@ void attend_tile(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
     for (int64_t j = 0; j < n; ++j) {
       const int32_t kpos = first + static_cast<int32_t>(j);
       for (int v = 0; v < NV; ++v) {
-        const vf e = kpos <= qpos[v] ? vexp(sc.w[j][v] - m[v]) : splat(0.0f);
+        const vf e = (kpos <= qpos[v]) & (kpos > qlow[v]) ? vexp(sc.w[j][v] - m[v]) : splat(0.0f);
         sc.w[j][v] = e;
         l[v] += e;
       }
@@ -423,7 +430,8 @@ void run_items(const Problem& p, bool bf16, Progress& prog, int64_t total) {
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> positions, float scale, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::Buffer<ffi::S32> positions, float scale, int64_t window,
+                          ffi::ResultBuffer<ffi::F32> out,
                           ffi::Result<ffi::AnyBuffer> cache) {
   const auto qd = q.dimensions();
   const auto cd = cache->dimensions();
@@ -443,6 +451,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   p.kv_heads = cd[2] / 2;
   p.pages_per_row = td[1];
   p.scale = scale;
+  p.window = window;
   if (cd[3] != p.head_dim || cd[2] % 2 != 0 || p.kv_heads == 0 || p.heads % p.kv_heads != 0 ||
       td[0] != p.batch || pd[0] != p.batch || pd[1] != p.tokens || kd.size() != 4 || kd[0] != p.batch ||
       kd[1] != p.tokens || kd[2] != p.kv_heads || kd[3] != p.head_dim || v.element_count() != k.element_count())
@@ -499,5 +508,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("window")  // 0: full causal attention
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::AnyBuffer>());       // cache, updated in place

@@ -1,0 +1,352 @@
+"""The decoder every family runs: a Llama-shaped transformer whose differences are config data.
+
+Pure functions over a parameter pytree:
+
+- `param_specs(cfg)`: the parameter tree described once (shapes, dtypes, logical axes);
+- `hf_tensor_shapes(cfg)`: the Hugging Face tensors (canonical names) a checkpoint must hold;
+- `params_from_hf(tensors, cfg, dtype)`: those numpy tensors -> parameter tree;
+- `forward(params, cfg, tokens, kv_cache, attn)`: hidden states, updating the paged cache;
+- `logits(params, cfg, hidden)`: the LM head;
+- `matmul(x, w)`: every product with a weight, in the weights' dtype, accumulated in float32.
+
+What a family changes is a field of `ModelConfig`, read by its module in `jaxinfer.models`:
+Q/K/V biases (Qwen2), per-head Q/K norms (Qwen3, Gemma 3), norms that scale by
+``1 + weight`` and the extra norms after attention and the MLP (Gemma 3), scaled
+embeddings, the MLP activation, the attention scale, sliding-window layers and their
+own RoPE base (Mistral, Gemma 3), RoPE scaling (llama3, linear, yarn), a final logit
+soft cap, and routed experts in place of the MLP (`jaxinfer.models.moe`).
+
+Canonical tensor names are those of Hugging Face Llama (``model.layers.N.self_attn.q_proj.weight``,
+``mlp.gate_proj``...), with ``self_attn.q_norm``/``k_norm``, Gemma's
+``pre_feedforward_layernorm``/``post_feedforward_layernorm``, and for experts
+``mlp.gate.weight`` (router) and ``mlp.experts.E.{gate,up,down}_proj.weight``.
+Loaders (`jaxinfer.weights`) map every file format and family naming to these.
+
+Layout: weights are stored ``[in, out]`` so a layer is ``x @ w``. Q, K and V are
+fused into one ``wqkv`` and gate/up into one ``w_gate_up``: fewer, larger
+matmuls, which is what a memory-bound decode step wants. Layers are a Python
+list, so a jitted step unrolls them and each layer's cache array is updated
+in place (a `lax.scan` carrying the whole cache copies it every step); it also
+lets layers differ (sliding or full attention, dense or routed MLP).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import AttentionMetadata, paged_attention
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.models import moe
+from jaxinfer.spec import ArraySpec
+
+Params = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------
+# parameters
+
+
+def _norm_init(cfg: ModelConfig) -> str:
+    return "zeros" if cfg.norm_weight_offset == 1.0 else "ones"
+
+
+def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    ninit = _norm_init(cfg)
+    layers = []
+    for li in range(cfg.num_layers):
+        layer = {
+            "attn_norm": ArraySpec((d,), dtype, ("embed",), init=ninit),
+            "wqkv": ArraySpec((d, qkv), dtype, ("embed", "qkv")),
+            "wo": ArraySpec((cfg.q_size, d), dtype, ("heads", "embed")),
+            "mlp_norm": ArraySpec((d,), dtype, ("embed",), init=ninit),
+        }
+        if cfg.attention_bias:
+            layer["bqkv"] = ArraySpec((qkv,), dtype, ("qkv",), init="zeros")
+        if cfg.qk_norm:
+            layer["q_norm"] = ArraySpec((cfg.head_dim,), dtype, (None,), init=ninit)
+            layer["k_norm"] = ArraySpec((cfg.head_dim,), dtype, (None,), init=ninit)
+        if cfg.sandwich_norms:
+            layer["attn_out_norm"] = ArraySpec((d,), dtype, ("embed",), init=ninit)
+            layer["mlp_out_norm"] = ArraySpec((d,), dtype, ("embed",), init=ninit)
+        if cfg.is_moe_layer(li):
+            layer.update(moe.param_specs(cfg, dtype))
+        else:
+            layer["w_gate_up"] = ArraySpec((d, 2 * i), dtype, ("embed", "mlp"))
+            layer["w_down"] = ArraySpec((i, d), dtype, ("mlp", "embed"))
+        layers.append(layer)
+    specs: Params = {
+        "embed": ArraySpec((cfg.vocab_size, d), dtype, ("vocab", "embed")),
+        "layers": layers,
+        "final_norm": ArraySpec((d,), dtype, ("embed",), init=ninit),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ArraySpec((d, cfg.vocab_size), dtype, ("embed", "vocab"))
+    return specs
+
+
+def _mlp_norm_name(cfg: ModelConfig) -> str:
+    # Llama's "post_attention_layernorm" is the norm before the MLP; Gemma names that one
+    # "pre_feedforward_layernorm" and uses "post_attention_layernorm" on the attention output.
+    return "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` must hold, by canonical HF name, with its numpy shape."""
+    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for li in range(cfg.num_layers):
+        p = f"model.layers.{li}."
+        a = p + "self_attn."
+        shapes[a + "q_proj.weight"] = (cfg.q_size, h)
+        shapes[a + "k_proj.weight"] = (cfg.kv_size, h)
+        shapes[a + "v_proj.weight"] = (cfg.kv_size, h)
+        shapes[a + "o_proj.weight"] = (h, cfg.q_size)
+        if cfg.attention_bias:
+            shapes[a + "q_proj.bias"] = (cfg.q_size,)
+            shapes[a + "k_proj.bias"] = (cfg.kv_size,)
+            shapes[a + "v_proj.bias"] = (cfg.kv_size,)
+        if cfg.qk_norm:
+            shapes[a + "q_norm.weight"] = (hd,)
+            shapes[a + "k_norm.weight"] = (hd,)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + _mlp_norm_name(cfg) + ".weight"] = (h,)
+        if cfg.sandwich_norms:
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if cfg.is_moe_layer(li):
+            shapes.update(moe.hf_tensor_shapes(cfg, p + "mlp."))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (f, h)
+            shapes[p + "mlp.up_proj.weight"] = (f, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, f)
+    return shapes
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    """Convert canonical Hugging Face tensors (``[out, in]`` weights) to our parameter tree."""
+
+    def get(name: str) -> np.ndarray:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise ValueError(f"weights are missing tensor {name!r}") from None
+
+    def put(x: np.ndarray) -> jax.Array:
+        return jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
+
+    layers = []
+    for li in range(cfg.num_layers):
+        p = f"model.layers.{li}."
+        a = p + "self_attn."
+        layer = {
+            "attn_norm": put(get(p + "input_layernorm.weight")),
+            "wqkv": put(np.concatenate([get(a + f"{x}_proj.weight") for x in "qkv"], axis=0).T),
+            "wo": put(get(a + "o_proj.weight").T),
+            "mlp_norm": put(get(p + _mlp_norm_name(cfg) + ".weight")),
+        }
+        if cfg.attention_bias:
+            layer["bqkv"] = put(np.concatenate([get(a + f"{x}_proj.bias") for x in "qkv"]))
+        if cfg.qk_norm:
+            layer["q_norm"] = put(get(a + "q_norm.weight"))
+            layer["k_norm"] = put(get(a + "k_norm.weight"))
+        if cfg.sandwich_norms:
+            layer["attn_out_norm"] = put(get(p + "post_attention_layernorm.weight"))
+            layer["mlp_out_norm"] = put(get(p + "post_feedforward_layernorm.weight"))
+        if cfg.is_moe_layer(li):
+            layer.update(moe.params_from_hf(get, put, cfg, p + "mlp."))
+        else:
+            gate_up = np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=0)
+            layer["w_gate_up"] = put(gate_up.T)
+            layer["w_down"] = put(get(p + "mlp.down_proj.weight").T)
+        layers.append(layer)
+    params: Params = {
+        "embed": put(get("model.embed_tokens.weight")),
+        "layers": layers,
+        "final_norm": put(get("model.norm.weight")),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = put(get("lm_head.weight").T)
+    return params
+
+
+# ---------------------------------------------------------------------------
+# layers
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in float32, scaled by ``offset + weight`` (offset 1 for Gemma's zero-centred weights)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = weight.astype(jnp.float32)
+    return (xf * (w + offset if offset else w)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, rs: RopeScaling | None) -> tuple[np.ndarray, float]:
+    """Inverse rotary frequencies [head_dim // 2] and the cos/sin scale, for one RoPE setting.
+
+    Scaling types follow transformers' ``modeling_rope_utils``: "llama3" (frequencies below
+    the original context's band divided by ``factor``, a smooth blend in between), "linear"
+    (all divided by ``factor``), "yarn" (a linear ramp between extrapolated and interpolated
+    frequencies over the dimensions that rotate between ``beta_fast`` and ``beta_slow``
+    times in the original context; cos and sin scaled by ``attention_factor``).
+    """
+    d = head_dim
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if rs is None:
+        return inv.astype(np.float32), 1.0
+    if rs.rope_type == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+        return inv.astype(np.float32), 1.0
+    if rs.rope_type == "linear":
+        return (inv / rs.factor).astype(np.float32), 1.0
+    # yarn
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolate = 1.0 - ramp
+    inv = (inv / rs.factor) * (1.0 - extrapolate) + inv * extrapolate
+    return inv.astype(np.float32), float(rs.attention_factor)
+
+
+def layer_ropes(cfg: ModelConfig) -> list[tuple[np.ndarray, float]]:
+    """Each layer's (inverse frequencies, cos/sin scale): sliding layers may have their own base."""
+    full = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    local = full if cfg.local_rope_theta is None else rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, None)
+    return [local if cfg.layer_window(li) else full for li in range(cfg.num_layers)]
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotate the halves of each head (the Hugging Face "rotate_half" convention).
+
+    x: [B, T, N, D]; positions: [B, T] int32; cos and sin are multiplied by ``scale`` (yarn).
+    """
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array, w_contract: int = 0) -> jax.Array:
+    """x @ w in the weights' dtype, accumulated and returned in float32.
+
+    ``w_contract`` is the axis of ``w`` that meets x's last axis (1 for the tied
+    embedding, stored [vocab, hidden]). With float32 weights this is a plain float32
+    matmul. With bfloat16 weights the activations are rounded to bfloat16 just for
+    the product, which XLA's CPU backend runs natively (AVX512-BF16 where present:
+    about twice float32's rate, measured); everything between matmuls (residual
+    stream, norms, RoPE, attention) stays float32.
+
+    A single bfloat16 row is padded to two: XLA's CPU backend turns a one-row
+    product into a matrix-vector one that it runs ~12x slower than two rows in
+    bfloat16 (measured, 30 SmolLM2 layers and head: 127 ms vs 10 ms).
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    x2 = x.reshape(rows, k).astype(w.dtype)
+    pad = rows == 1 and w.dtype != jnp.float32
+    if pad:
+        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
+    dims = (((1,), (w_contract,)), ((), ()))
+    y = jax.lax.dot_general(x2, w, dims, preferred_element_type=jnp.float32)
+    if pad:
+        y = y[:1]
+    return y.reshape(*lead, y.shape[-1])
+
+
+def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The gated MLP's activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
+    if cfg.hidden_act == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def dense_mlp(p: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    gate, up = jnp.split(matmul(h, p["w_gate_up"]), 2, axis=-1)
+    return matmul(activation(cfg, gate) * up, p["w_down"])
+
+
+def _layer(p: Params, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn: AttentionMetadata, rope):
+    b, t, _ = x.shape
+    eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
+    h = rms_norm(x, p["attn_norm"], eps, off)
+    qkv = matmul(h, p["wqkv"])
+    if cfg.attention_bias:
+        qkv = qkv + p["bqkv"].astype(jnp.float32)
+    q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], eps, off)
+        k = rms_norm(k, p["k_norm"], eps, off)
+    inv_freq, rope_scale = rope
+    q = apply_rope(q, attn.positions, inv_freq, rope_scale)
+    k = apply_rope(k, attn.positions, inv_freq, rope_scale)
+    o, cache_layer = paged_attention(q, k, v, cache_layer, attn, scale=cfg.attn_scale, window=cfg.layer_window(li))
+    a = matmul(o.reshape(b, t, cfg.q_size), p["wo"])
+    if cfg.sandwich_norms:
+        a = rms_norm(a, p["attn_out_norm"], eps, off)
+    x = x + a
+    h = rms_norm(x, p["mlp_norm"], eps, off)
+    m = moe.routed_mlp(p, cfg, h) if cfg.is_moe_layer(li) else dense_mlp(p, cfg, h)
+    if cfg.sandwich_norms:
+        m = rms_norm(m, p["mlp_out_norm"], eps, off)
+    return x + m, cache_layer
+
+
+def forward(
+    params: Params, cfg: ModelConfig, tokens: jax.Array, kv_cache: list, attn: AttentionMetadata
+) -> tuple[jax.Array, list]:
+    """tokens: [B, T] int32 -> (hidden [B, T, hidden_size] float32, updated kv_cache).
+
+    The residual stream is float32 whatever the weights' dtype.
+    """
+    x = params["embed"][tokens].astype(jnp.float32)
+    if cfg.embed_scale != 1.0:
+        x = x * cfg.embed_scale
+    ropes = [(jnp.asarray(f), s) for f, s in layer_ropes(cfg)]
+    new_cache = []
+    for li, (p, cache_layer) in enumerate(zip(params["layers"], kv_cache)):
+        x, cache_layer = _layer(p, cfg, li, x, cache_layer, attn, ropes[li])
+        new_cache.append(cache_layer)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset), new_cache
+
+
+def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """hidden: [..., hidden_size] -> float32 logits [..., vocab]."""
+    if cfg.tie_word_embeddings:
+        out = matmul(hidden, params["embed"], w_contract=1)
+    else:
+        out = matmul(hidden, params["lm_head"])
+    out = out.astype(jnp.float32)
+    if cfg.final_logit_softcap:
+        out = jnp.tanh(out / cfg.final_logit_softcap) * cfg.final_logit_softcap
+    return out

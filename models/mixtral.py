@@ -1,0 +1,44 @@
+"""Mixtral: Mistral attention with routed experts in every layer (`jaxinfer.models.moe`).
+
+Its router takes the top-k of the softmax and renormalises them (``norm_topk_prob``), as
+Qwen3-MoE does; only the tensor names differ (``block_sparse_moe``, experts' ``w1``/``w3``/``w2``
+for gate/up/down), mapped here to the decoder's canonical names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.decoder import forward, hf_tensor_shapes, logits, param_specs, params_from_hf  # noqa: F401
+from jaxinfer.models.hf_config import common_fields, layer_type_fields, refuse, rope_fields
+
+MODEL_TYPES = ("mixtral",)
+
+
+def config_from_hf(d: dict[str, Any], name: str) -> ModelConfig:
+    arch = "mixtral"
+    if d.get("hidden_act", "silu") != "silu":
+        raise refuse(arch, f"hidden_act {d['hidden_act']!r}")
+    f = common_fields(d, arch, name)
+    f.update(rope_fields(d, arch, default_theta=1e6))
+    f.update(layer_type_fields(d, arch, f["num_layers"], d.get("sliding_window")))
+    f.update(
+        num_experts=int(d["num_local_experts"]),
+        num_experts_per_tok=int(d["num_experts_per_tok"]),
+        moe_intermediate_size=int(d["intermediate_size"]),
+        norm_topk_prob=True,
+    )
+    return ModelConfig(**f)
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def canonical_name(name: str) -> Optional[str]:
+    m = _EXPERT.match(name)
+    if m:
+        return f"{m.group(1)}mlp.experts.{m.group(2)}.{_PROJ[m.group(3)]}.weight"
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
