@@ -59,11 +59,23 @@ def chat_input_from_proto(chat: pb.ChatInput) -> dict:
     lengths for every entry point alike.
     """
     kwargs = json_format.MessageToDict(chat.chat_template_kwargs) if chat.HasField("chat_template_kwargs") else {}
+    kwargs = _whole_numbers_as_ints(kwargs)
     return {
         "messages": [{"role": m.role, "content": m.content} for m in chat.messages],
         "chat_template_kwargs": kwargs,
         "add_generation_prompt": chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
     }
+
+
+def _whole_numbers_as_ints(x):
+    """A protobuf Struct holds every number as a double; give templates back ``3``, not ``3.0``."""
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    if isinstance(x, dict):
+        return {k: _whole_numbers_as_ints(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_whole_numbers_as_ints(v) for v in x]
+    return x
 
 
 def timings_to_proto(m: RequestMetrics) -> pb.Timings:

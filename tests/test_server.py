@@ -863,3 +863,19 @@ def test_real_model_text_and_chat_over_the_server_equal_the_library(smollm2_llm,
         want_cli = llm.chat(messages, local.clone(max_tokens=24, temperature=0.7, seed=42))[0].outputs[0]
         assert out["chat"] is True and out["text"] == want_cli.text and out["usage"]["completion_tokens"] == 24
     assert_all_free(llm)
+
+
+def test_chat_template_kwargs_keep_whole_numbers_as_ints():
+    """A protobuf Struct carries numbers as doubles; a template comparing ``keep == 3`` or
+    printing ``{{ keep }}`` must see 3, as a library caller's kwargs give it."""
+    from google.protobuf import struct_pb2
+
+    from jaxinfer.server import jaxinfer_pb2 as pb
+    from jaxinfer.server.convert import chat_input_from_proto
+
+    kw = struct_pb2.Struct()
+    kw.update({"keep": 3, "ratio": 0.5, "nested": {"n": 2, "xs": [1, 2.5]}, "enable_thinking": False})
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi")], chat_template_kwargs=kw)
+    got = chat_input_from_proto(chat)["chat_template_kwargs"]
+    assert got == {"keep": 3, "ratio": 0.5, "nested": {"n": 2, "xs": [1, 2.5]}, "enable_thinking": False}
+    assert type(got["keep"]) is int and type(got["nested"]["xs"][0]) is int and got["enable_thinking"] is False
