@@ -285,6 +285,10 @@ class Tokenizer:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        """The id of the vocabulary string `token`, or None if the vocabulary has no such token."""
+        return self._backend.token_to_id(token)
+
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """The vocabulary strings of ``ids`` (byte-level or ``▁`` spelling)."""
         out = []

@@ -16,9 +16,10 @@ Two backends:
 
 * **GGUF** (llama.cpp): the header is read once by `jaxinfer.gguf_file.GGUFFile`
   (`open_gguf`; the tokenizer can share that parse), quantized tensors are
-  dequantized with `gguf.quants.dequantize`, names are mapped to Hugging Face
-  names, and the rotary row permutation that llama.cpp's converter applies to
-  the Q and K projections is undone (see `unpermute_rotary`).
+  dequantized with `gguf.quants.dequantize`, and `jaxinfer.gguf_models` undoes,
+  per architecture, what llama.cpp's converter did (names, the rotary row
+  permutation of Q and K, Gemma's ``1 + w`` norms, stacked experts) and fills in
+  what llama.cpp's loader hard-codes, into the same config and tensors.
 * **Hugging Face directory**: ``config.json``, ``generation_config.json`` and
   ``*.safetensors`` (one file or shards with ``model.safetensors.index.json``).
 
@@ -37,14 +38,12 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 
 from jaxinfer.config import DEFAULT_MODEL, GenerationDefaults, ModelConfig, RopeScaling
-
-if TYPE_CHECKING:
-    from jaxinfer.gguf_file import GGUFFile
+from jaxinfer.models import get_family
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -259,26 +258,8 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint must hold, by HF name, with its numpy shape."""
-    h, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (config.num_heads * hd, h)
-        shapes[p + "self_attn.k_proj.weight"] = (config.num_kv_heads * hd, h)
-        shapes[p + "self_attn.v_proj.weight"] = (config.num_kv_heads * hd, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, config.num_heads * hd)
-        shapes[p + "mlp.gate_proj.weight"] = (f, h)
-        shapes[p + "mlp.up_proj.weight"] = (f, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, f)
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-    return shapes
+    """Every tensor a checkpoint of `config` must hold, by canonical HF name, with its numpy shape."""
+    return get_family(config.architecture).hf_tensor_shapes(config)
 
 
 def _check_complete(tensors: dict[str, np.ndarray], config: ModelConfig, where: Path) -> None:
@@ -351,87 +332,7 @@ def load_model(source: ModelSource, dtype: Any = np.float32, *, gguf_file: Any =
 # GGUF
 # --------------------------------------------------------------------------- #
 
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-_GGUF_ARCHS = ("llama", "mistral")
-
-
-def _gguf_hf_name(name: str) -> Optional[str]:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    m = _GGUF_LAYER_RE.match(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
-    return None
-
-
-def _gguf_supported_types():
-    import gguf
-
-    T = gguf.GGMLQuantizationType
-    names = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-    return {getattr(T, n) for n in names if hasattr(T, n)}
-
-
-def _gguf_rope_scaling(meta: GGUFFile, arch: str, rope_freqs: Optional[np.ndarray], head_dim: int,
-                       theta: float, path: Path) -> Optional[RopeScaling]:
-    """The rope scaling a GGUF describes, as `RopeScaling` (Llama-3 style) or None.
-
-    llama.cpp stores Llama-3 scaling not as parameters but as a ``rope_freqs``
-    tensor of per-frequency divisors. We recover the parameters by finding the
-    `RopeScaling` whose divisors reproduce that tensor: the factor is its
-    largest value, and the other three are searched among the values Meta's
-    releases and common fine-tunes use. A ``rope.scaling.type`` of linear or
-    yarn is rejected (`ModelConfig` cannot express it).
-    """
-    stype = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if stype not in (None, "none", "") and not (stype == "linear" and factor in (None, 1.0)):
-        raise ValueError(
-            f"{path}: unsupported rope scaling type {stype!r} (factor {factor}); "
-            f"supported: none, and Llama-3 scaling stored as a rope_freqs tensor."
-        )
-    if rope_freqs is None:
-        return None
-    rope_freqs = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
-    if rope_freqs.shape[0] != head_dim // 2:
-        raise ValueError(f"{path}: rope_freqs has {rope_freqs.shape[0]} entries, expected head_dim/2 = {head_dim // 2}")
-    if np.allclose(rope_freqs, 1.0):
-        return None
-    fmax = float(rope_freqs.max())
-    orig_meta = meta.get(f"{arch}.rope.scaling.original_context_length")
-    origs = [int(orig_meta)] if orig_meta else []
-    origs += [8192, 4096, 2048, 16384, 32768, 65536, 131072]
-    # The divisors depend only on orig/low and orig/high, so (orig, low, high) and
-    # (k*orig, k*low, k*high) are the same scaling: search with low = 1 first.
-    for low in (1.0, 2.0, 0.5):
-        for orig in dict.fromkeys(origs):
-            for high in (4.0, 8.0, 2.0, 16.0):
-                if high <= low:
-                    continue
-                cand = RopeScaling(factor=fmax, low_freq_factor=low, high_freq_factor=high,
-                                   original_max_position_embeddings=orig)
-                if np.allclose(llama3_rope_divisors(head_dim, theta, cand), rope_freqs, rtol=1e-4, atol=1e-5):
-                    return cand
-    raise ValueError(
-        f"{path}: the rope_freqs tensor does not match Llama-3 rope scaling with factor {fmax} "
-        f"and any usual low/high frequency factors; cannot express it in ModelConfig."
-    )
+# Per-architecture names, layouts and hyperparameters: `jaxinfer.gguf_models`.
 
 
 def llama3_rope_divisors(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
@@ -447,72 +348,6 @@ def llama3_rope_divisors(head_dim: int, theta: float, s: RopeScaling) -> np.ndar
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, s.factor, mid))
 
 
-def _f32_to_float(v: Any) -> float:
-    """A GGUF float32 as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(v)))
-
-
-def _gguf_arch(meta: GGUFFile, path: Path) -> str:
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
-    return arch
-
-
-def _gguf_config(meta: GGUFFile, reader: GGUFFile, path: Path, name: str,
-                 rope_freqs: Optional[np.ndarray]) -> tuple[ModelConfig, GenerationDefaults]:
-    arch = _gguf_arch(meta, path)
-
-    def need(key: str) -> Any:
-        v = meta.get(f"{arch}.{key}")
-        if v is None:
-            raise ValueError(f"{path}: GGUF header lacks {arch}.{key}")
-        return v
-
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
-    head_dim = int(head_dim)
-    rot = meta.get(f"{arch}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
-        raise ValueError(f"{path}: partial rotary (rope.dimension_count {rot} != head_dim {head_dim}) is not supported")
-
-    vocab = meta.get(f"{arch}.vocab_size") or meta.array_len("tokenizer.ggml.tokens")
-    names = {t.name: t for t in reader.tensors}
-    emb = names.get("token_embd.weight")
-    if emb is None:
-        raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
-    emb_rows = int(emb.shape[-1])  # ne = [hidden, vocab]
-    vocab = int(vocab) if vocab else emb_rows
-    if vocab != emb_rows:
-        raise ValueError(f"{path}: vocab size {vocab} from the header != token_embd rows {emb_rows}")
-
-    theta = _f32_to_float(meta.get(f"{arch}.rope.freq_base") or 10000.0)
-    config = ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(meta.get(f"{arch}.context_length") or 4096),
-        rms_norm_eps=_f32_to_float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
-        rope_theta=theta,
-        rope_scaling=_gguf_rope_scaling(meta, arch, rope_freqs, head_dim, theta, path),
-        tie_word_embeddings="output.weight" not in names,
-        architecture="llama",
-        name=name,
-    )
-    eos: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = meta.get(key)
-        if v is not None and int(v) not in eos:
-            eos.append(int(v))
-    return config, GenerationDefaults(eos_token_ids=tuple(eos))
-
-
 def open_gguf(path: Path):
     """Parse a GGUF file's header once (`jaxinfer.gguf_file.GGUFFile`); ModelNotFoundError if unreadable."""
     from jaxinfer.gguf_file import GGUFFile
@@ -525,60 +360,34 @@ def open_gguf(path: Path):
 
 def gguf_tensor_count(gguf_file) -> int:
     """How many tensors `load_model` reads from a parsed GGUF (for progress totals)."""
-    return sum(1 for t in gguf_file.tensors if _gguf_hf_name(t.name) is not None)
+    from jaxinfer.gguf_models import tensor_count
+
+    return tensor_count(gguf_file)
 
 
 def _load_gguf(source: ModelSource, dtype: np.dtype, gguf_file=None,
                on_tensor: Optional[Callable[[int], None]] = None) -> LoadedWeights:
-    import gguf
+    from jaxinfer.gguf_models import dequantize, read_model
 
     path = Path(source.path)
     reader = gguf_file if gguf_file is not None else open_gguf(path)
-    meta = reader
-    _gguf_arch(meta, path)
-    supported = _gguf_supported_types()
-
-    def dequant(t) -> np.ndarray:
-        if t.tensor_type not in supported:
-            raise ValueError(
-                f"{path}: tensor {t.name!r} has unsupported GGML type {t.tensor_type.name}; "
-                f"supported: {', '.join(sorted(s.name for s in supported))}"
-            )
-        x = gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type)
-        return x.reshape(t.np_shape)  # ne order -> numpy order
-
-    rope_freqs = None
-    unknown = []
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            rope_freqs = dequant(t)
-        elif _gguf_hf_name(t.name) is None:
-            unknown.append(t.name)
-    if unknown:
-        raise ValueError(f"{path}: unexpected tensors for a Llama model: {unknown[:8]}")
-
-    config, generation = _gguf_config(meta, reader, path, source.name, rope_freqs)
-    total = gguf_tensor_count(reader)
+    model = read_model(reader, source.name)  # config, defaults, what to read: refuses what we cannot run
+    config = model.config
+    total = len(model.reads)
     backing = reader.buffer
     tensors: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        hf = _gguf_hf_name(t.name)
-        if hf is None:
-            continue
-        x = dequant(t)
-        if hf.endswith("q_proj.weight"):
-            x = unpermute_rotary(x, config.num_heads)
-        elif hf.endswith("k_proj.weight"):
-            x = unpermute_rotary(x, config.num_kv_heads)
-        tensors[hf] = _owned(x, dtype, backing=backing)
+    for read in model.reads:
+        x = dequantize(reader, read.tensor)
+        for name, transform in read.outputs:  # a stack of experts becomes one tensor per expert
+            tensors[name] = _owned(transform(x), dtype, backing=backing)
         del x
         if on_tensor is not None:
             on_tensor(total)
-    del backing, rope_freqs
+    del backing
     if gguf_file is None:
         reader.close()
     _check_complete(tensors, config, path)
-    return LoadedWeights(config=config, tensors=tensors, generation=generation, source=source)
+    return LoadedWeights(config=config, tensors=tensors, generation=model.generation, source=source)
 
 
 # --------------------------------------------------------------------------- #
@@ -658,18 +467,24 @@ def _load_hf(source: ModelSource, dtype: np.dtype,
         eos = cfg.get("eos_token_id")
         generation = GenerationDefaults.from_dict({"eos_token_id": eos} if eos is not None else {})
 
+    canonical = get_family(config.architecture).canonical_name
     want = hf_tensor_shapes(config)
     tensors: dict[str, np.ndarray] = {}
     unknown: list[str] = []
     files = _hf_weight_files(d)
-    total = sum(1 for file in files for key in _safetensors_header(file)[0] if key in want)
+    names = {file: {key: canonical(key) for key in _safetensors_header(file)[0] if key != "__metadata__"}
+             for file in files}
+    total = sum(1 for file in files for name in names[file].values() if name in want)
     for file in files:
         header = None
         with safe_open(str(file), framework="np") as f:
             for key in f.keys():
-                if key not in want:
+                name = names[file].get(key, key)
+                if name is None:  # not part of the language model (a vision tower)
+                    continue
+                if name not in want:
                     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
-                    if not (_HF_IGNORED.search(key) or (key == "lm_head.weight" and config.tie_word_embeddings)):
+                    if not (_HF_IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings)):
                         unknown.append(key)
                     continue
                 try:
@@ -677,11 +492,11 @@ def _load_hf(source: ModelSource, dtype: np.dtype,
                 except (TypeError, ValueError):  # bfloat16 on safetensors without ml_dtypes support
                     header = header or _safetensors_header(file)
                     x = read_safetensors_raw(file, key, header)
-                tensors[key] = _owned(x, dtype)
+                tensors[name] = _owned(x, dtype)
                 del x
                 if on_tensor is not None:
                     on_tensor(total)
     if unknown:
-        raise ValueError(f"{d}: unexpected tensors for a Llama model: {unknown[:8]}")
+        raise ValueError(f"{d}: unexpected tensors for a {config.architecture} model: {unknown[:8]}")
     _check_complete(tensors, config, d)
     return LoadedWeights(config=config, tensors=tensors, generation=generation, source=source)

@@ -243,8 +243,8 @@ def test_gguf_unsupported_tensor_type_names_tensor_and_type(tmp_path):
 
 
 def test_gguf_other_architecture_is_rejected(tmp_path):
-    path = write_gguf(tmp_path / "q.gguf", TINY, random_hf_tensors(TINY), arch="qwen2")
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen2'"):
+    path = write_gguf(tmp_path / "q.gguf", TINY, random_hf_tensors(TINY), arch="phi3")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'"):
         W.load_model(W.resolve_model(str(path)))
 
 
@@ -276,14 +276,14 @@ def test_gguf_rope_freqs_become_llama3_rope_scaling(tmp_path, factor, old_ctx):
     assert "rope_freqs.weight" not in lw.tensors
 
 
-def test_gguf_linear_rope_scaling_is_rejected(tmp_path):
+def test_gguf_linear_rope_scaling_loads_as_in_a_hf_config(tmp_path):
     def header(w):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(4.0)
 
     path = write_gguf(tmp_path / "lin.gguf", TINY, random_hf_tensors(TINY), header=header)
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'linear'"):
-        W.load_model(W.resolve_model(str(path)))
+    lw = W.load_model(W.resolve_model(str(path)))
+    assert lw.config.rope_scaling == RopeScaling(rope_type="linear", factor=4.0)
 
 
 # ---------------------------------------------------- Hugging Face dirs ----
