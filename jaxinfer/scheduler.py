@@ -57,6 +57,13 @@ class Scheduler:
         self.budget = max(max_num_batched_tokens, ecfg.max_num_seqs)
         # the largest padded prefill batch (rows x chunk bucket) we allow: bounds the programs
         self.prefill_area = max(self.budget, self.max_chunk)
+        smallest = ecfg.batch_buckets[0] * ecfg.chunk_buckets[0]
+        if smallest > self.prefill_area:
+            raise ValueError(
+                f"no prompt could ever be prefilled: the smallest prefill shape (batch bucket "
+                f"{ecfg.batch_buckets[0]} x chunk bucket {ecfg.chunk_buckets[0]} = {smallest} tokens) exceeds "
+                f"max_num_batched_tokens ({self.budget}); raise it to {smallest} or add smaller buckets"
+            )
         self.policy = policy
         self.waiting: list = []  # heap of (priority, arrival order, request)
         self.running: list = []  # admission order: newest last

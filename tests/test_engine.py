@@ -386,3 +386,15 @@ def test_a_hand_built_request_longer_than_the_context_is_refused_at_submit(tiny_
         tiny_llm.submit(req)
     ok = tiny_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0]
     assert len(ok.outputs[0].token_ids) >= 1
+
+
+def test_an_engine_that_could_never_prefill_is_refused_at_construction():
+    """Batch bucket 4 x chunk bucket 8 is 32 tokens; a step budget of 16 could never admit a prompt
+    (the engine used to spin forever on it)."""
+    r = runner()
+    r.ecfg = TINY_ENGINE.replace(batch_buckets=(4,), chunk_buckets=(8,))
+    try:
+        with pytest.raises(ValueError, match=r"smallest prefill shape \(batch bucket 4 x chunk bucket 8 = 32 tokens\)"):
+            Engine(r, max_num_batched_tokens=16, autostart=False)
+    finally:
+        r.ecfg = TINY_ENGINE
