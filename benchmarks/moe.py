@@ -1,0 +1,90 @@
+"""Mixture-of-experts decode step against a dense model with the same active parameters.
+
+    python -m benchmarks.moe            (from the repository root)
+
+Two random-weight models built in memory (no downloads), alike in everything but the MLP:
+a Qwen3-MoE config with ``--experts`` experts of ``--expert-size`` and top ``--top-k``
+routing, and a Qwen3 config whose dense MLP is ``top_k * expert_size`` wide, so both run
+the same active parameters per token. For each batch size the engine decodes that many
+requests and the steady decode step time is read from the engine's counters
+(`benchmarks.engine.steady_window`), alternating the two models over ``--rounds`` rounds;
+medians are printed with the CPU flags. The MoE step reads only its tokens' experts
+(`jaxinfer.models.moe`), so at batch 1 it should cost about what the dense step costs,
+and at larger batches what the union of the chosen experts costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+
+import jax
+import jax.numpy as jnp
+
+import jaxinfer
+from jaxinfer.config import EngineConfig, ModelConfig, cpu_flags
+from jaxinfer.models import get_family
+from jaxinfer.spec import init_random
+from jaxinfer.stats import median
+
+from benchmarks.engine import steady_window
+
+
+def configs(a) -> tuple[ModelConfig, ModelConfig]:
+    moe = ModelConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.top_k * a.expert_size, num_layers=a.layers,
+        num_heads=8, num_kv_heads=4, head_dim=a.hidden // 8, architecture="qwen3_moe", qk_norm=True,
+        num_experts=a.experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.expert_size, name="moe",
+    )
+    dense = dataclasses.replace(moe, architecture="qwen3", num_experts=0, num_experts_per_tok=0,
+                                moe_intermediate_size=0, name="dense")
+    return moe, dense
+
+
+def build(cfg: ModelConfig, ecfg: EngineConfig):
+    params = init_random(get_family(cfg.architecture).param_specs(cfg, jnp.dtype(ecfg.dtype)), jax.random.key(0),
+                         scale=0.05)
+    return jaxinfer.LLM.from_params(cfg, params, engine_config=ecfg, name=cfg.name)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--expert-size", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args(argv)
+    moe, dense = configs(a)
+    ecfg = EngineConfig.for_backend().replace(dtype=a.dtype, max_num_seqs=max(a.batches),
+                                              batch_buckets=tuple(sorted({1, *a.batches})))
+    llms = {"moe": build(moe, ecfg), "dense": build(dense, ecfg)}
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(10, a.vocab) for _ in range(n)]
+
+    print(f"cpu flags: {' '.join(sorted(f for f in cpu_flags() if f.startswith(('avx', 'fma', 'amx'))))}")
+    print(f"moe:   {moe.describe()}\ndense: {dense.describe()}")
+    for b in a.batches:
+        for llm in llms.values():  # compile and settle this batch size once
+            steady_window(llm, b, 16, ids, skip=2, window=4)
+        times = {k: [] for k in llms}
+        for _ in range(a.rounds):
+            for k, llm in llms.items():
+                times[k].append(steady_window(llm, b, 16, ids, skip=4, window=16)["step_ms"])
+        m, d = median(times["moe"]), median(times["dense"])
+        print(f"batch {b:3d}: decode step moe {m:7.2f} ms, dense {d:7.2f} ms, moe/dense {m / d:.2f}"
+              f"  (rounds: moe {['%.2f' % t for t in times['moe']]}, dense {['%.2f' % t for t in times['dense']]})")
+    for llm in llms.values():
+        llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
