@@ -11,7 +11,7 @@ dequantization.
   directory per entry, ``<name>-<key>``.
 * **Key**: the source's identity (its resolved path, size and mtime_ns; for a
   Hugging Face directory every file's name, size and mtime_ns), the engine
-  dtype and `checkpoint.FORMAT_VERSION`. Touching or replacing the source
+  dtype, `checkpoint.FORMAT_VERSION` and `READER_VERSION`. Touching or replacing the source
   makes a new entry; the old one is removed once the new one is written.
 * **Off**: ``JAXINFER_MODEL_CACHE=0`` (or off/false/no), ``LLM(...,
   model_cache=False)``, ``--no-model-cache``.
@@ -127,9 +127,15 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+# What a conversion understands of a source. Raised when reading a source can give a different
+# model than before: 2 = model families (a Mistral sliding window, say, was read as full attention).
+READER_VERSION = 2
+
+
 def cache_key(identity: dict, dtype: Any) -> str:
     blob = json.dumps(
-        {"source": identity, "dtype": _dtype_name(dtype), "format_version": checkpoint.FORMAT_VERSION},
+        {"source": identity, "dtype": _dtype_name(dtype), "format_version": checkpoint.FORMAT_VERSION,
+         "reader_version": READER_VERSION},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
