@@ -319,7 +319,8 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
     chat = chat_mode(args, llm.processor.has_chat_template, f"model {llm.model_name!r}")
     messages = chat_messages(prompt, args.system) if chat else None
     # the front door: template, tokenize, check; the default --max-tokens shrinks to fit the context
-    req = llm.make_request(None if chat else prompt, params, messages=messages, fit_max_tokens=args.max_tokens is None)
+    req = llm.make_request(None if chat else prompt, params, messages=messages, fit_max_tokens=args.max_tokens is None,
+                           chat_template_kwargs=args.chat_template_kwargs)
     # compile (or load) just this request's programs, with progress; that time is not the request's
     t0 = time.perf_counter()
     llm.engine.runner.programs.warmup(llm.engine.request_program_keys(len(req.prompt_ids), req.max_tokens),
@@ -372,6 +373,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     text = read_prompt(args.text, "text")
     if args.system is not None and not args.chat:
         raise UsageError("--system needs --chat.")
+    if args.chat_template_kwargs and not args.chat:
+        raise UsageError("--chat-template-kwargs needs --chat.")
     # the model cache's tokenizer when the model was loaded before, else the source's (no weights either way)
     name = model_name(args)
     processor = InputProcessor(model_cache.load_tokenizer(resolve_model(name), use_cache=not args.no_model_cache))
@@ -379,7 +382,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         raise UsageError(f"the tokenizer of {name!r} has no chat template; drop --chat.")
     # what generate sends the model: the same rendering and tokenizing code, with no context to fit
     if args.chat:
-        ids = processor.tokenize(messages=chat_messages(text, args.system), fit_context=False).ids
+        ids = processor.tokenize(messages=chat_messages(text, args.system), fit_context=False,
+                                 chat_template_kwargs=args.chat_template_kwargs).ids
     else:
         ids = processor.tokenize(text, fit_context=False).ids
     tokens = processor.tokenizer.convert_ids_to_tokens(ids)

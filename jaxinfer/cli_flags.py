@@ -159,6 +159,8 @@ def add_prompt_format_flags(p: argparse.ArgumentParser, *, chat_default: Optiona
                  f"(default: {'on' if chat_default else 'off'})")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=chat_default, help=help_)
     g.add_argument("--system", metavar="TEXT", help="a system message (chat mode)")
+    g.add_argument("--chat-template-kwargs", type=json_object, metavar="JSON", default=None,
+                   help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3)')
 
 
 def add_output_flags(p: argparse.ArgumentParser, *, json_help: Optional[str] = None, trace: bool = True) -> None:
@@ -280,6 +282,19 @@ def chat_messages(text: str, system: Optional[str] = None) -> list:
     return messages
 
 
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (``--chat-template-kwargs``)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {text!r}")
+    return value
+
+
 def chat_mode(args: argparse.Namespace, has_template: bool, model: str) -> bool:
     """Whether the prompt goes through the chat template: --chat / --no-chat, else whether the model has one."""
     flag = getattr(args, "chat", None)
@@ -288,6 +303,8 @@ def chat_mode(args: argparse.Namespace, has_template: bool, model: str) -> bool:
         raise UsageError(f"{model} has no chat template; use --no-chat.")
     if getattr(args, "system", None) is not None and not chat:
         raise UsageError(f"--system needs chat mode, but {model} has no chat template.")
+    if getattr(args, "chat_template_kwargs", None) and not chat:
+        raise UsageError("--chat-template-kwargs needs chat mode (the prompt is not rendered with a template).")
     return chat
 
 

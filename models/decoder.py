@@ -330,8 +330,8 @@ def forward(
     The residual stream is float32 whatever the weights' dtype.
     """
     x = params["embed"][tokens].astype(jnp.float32)
-    if cfg.embed_scale != 1.0:
-        x = x * cfg.embed_scale
+    if cfg.embed_scale != 1.0:  # in the embeddings' dtype, as transformers rounds it (bfloat16: 50.5, not 50.6)
+        x = x * jnp.asarray(cfg.embed_scale, params["embed"].dtype).astype(jnp.float32)
     ropes = [(jnp.asarray(f), s) for f, s in layer_ropes(cfg)]
     new_cache = []
     for li, (p, cache_layer) in enumerate(zip(params["layers"], kv_cache)):

@@ -15,25 +15,35 @@ from typing import Any, Optional
 
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.models.decoder import forward, hf_tensor_shapes, logits, param_specs, params_from_hf  # noqa: F401
-from jaxinfer.models.hf_config import _scaling, common_fields, layer_type_fields, refuse, refuse_set
+from jaxinfer.models.hf_config import _scaling, common_fields, layer_type_fields, refuse, refuse_set, with_defaults
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
+# transformers' Gemma3TextConfig defaults: a multimodal checkpoint's text_config keeps only the keys
+# that differ from these (gemma-3-4b-it's has five), so they are part of reading it
+DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                sliding_window=4096, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                rope_theta=1e6, rope_local_base_freq=1e4, tie_word_embeddings=True,
+                hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None)
+
 
 def config_from_hf(d: dict[str, Any], name: str) -> ModelConfig:
-    if d.get("model_type") == "gemma3":
+    multimodal = d.get("model_type") == "gemma3"
+    if multimodal:
         if not isinstance(d.get("text_config"), dict):
             raise refuse("gemma3", "a multimodal config without text_config")
         d = {"model_type": "gemma3_text", **d["text_config"]}
+    d = with_defaults(d, DEFAULTS)
     arch = "gemma3"
     refuse_set(d, arch, {"attention_bias": False, "attn_logit_softcapping": None,
                          "use_bidirectional_attention": False})
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise refuse(arch, f"hidden_activation {act!r}")
-    f = common_fields({"tie_word_embeddings": True, **d}, arch, name)
+    f = common_fields(d, arch, name)
     f.update(_ropes(d, arch, f["max_position_embeddings"]))
-    pattern = int(d.get("sliding_window_pattern") or 6)
+    pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)  # transformers' default
     derived = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(f["num_layers"])]
     f.update(layer_type_fields(d, arch, f["num_layers"], d.get("sliding_window"), derived))
     f.update(
@@ -43,7 +53,9 @@ def config_from_hf(d: dict[str, Any], name: str) -> ModelConfig:
         sandwich_norms=True,
         embed_scale=float(f["hidden_size"]) ** 0.5,
         hidden_act="gelu_tanh",
-        final_logit_softcap=float(d["final_logit_softcapping"]) if d.get("final_logit_softcapping") else None,
+        # Gemma3ForConditionalGeneration's head does not cap; Gemma3ForCausalLM's does, when set
+        final_logit_softcap=(float(d["final_logit_softcapping"])
+                             if d.get("final_logit_softcapping") and not multimodal else None),
     )
     return ModelConfig(**f)
 
@@ -51,18 +63,19 @@ def config_from_hf(d: dict[str, Any], name: str) -> ModelConfig:
 def _ropes(d: dict[str, Any], arch: str, max_pos: int) -> dict[str, Any]:
     """Global layers: ``rope_theta`` with the config's scaling; local layers: their own base, unscaled."""
     rp = d.get("rope_parameters")
+    top_orig = d.get("original_max_position_embeddings")
     if isinstance(rp, dict) and rp:  # transformers 5: one dict per layer type
         full, local = rp.get(FULL_ATTENTION) or {}, rp.get(SLIDING_ATTENTION) or {}
         if _scaling(arch, local, max_pos) is not None:
             raise refuse(arch, "RoPE scaling on sliding-window layers")
         return dict(
             rope_theta=float(full.get("rope_theta", 1e6)),
-            rope_scaling=_scaling(arch, full, max_pos),
+            rope_scaling=_scaling(arch, full, max_pos, top_orig),
             local_rope_theta=float(local.get("rope_theta", 1e4)),
         )
     return dict(
         rope_theta=float(d.get("rope_theta") or 1e6),
-        rope_scaling=_scaling(arch, d.get("rope_scaling"), max_pos),
+        rope_scaling=_scaling(arch, d.get("rope_scaling"), max_pos, top_orig),
         local_rope_theta=float(d.get("rope_local_base_freq") or 1e4),
     )
 

@@ -22,7 +22,14 @@ def refuse(arch: str, feature: str) -> UnsupportedFeature:
     return UnsupportedFeature(f"{arch}: unsupported config feature: {feature}")
 
 
-def common_fields(d: dict[str, Any], arch: str, name: str, default_theta: float = 10000.0) -> dict[str, Any]:
+def with_defaults(d: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`d` with the keys it lacks taken from `defaults`: the family's transformers config class
+    defaults, which transformers applies to a ``config.json`` that leaves a key out (Gemma 3's
+    multimodal ``text_config`` keeps only the keys that differ from them)."""
+    return {**defaults, **d}
+
+
+def common_fields(d: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
     """The Llama-shaped fields of `ModelConfig` from a config dict (rope handled by `rope_fields`)."""
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
@@ -37,15 +44,20 @@ def common_fields(d: dict[str, Any], arch: str, name: str, default_theta: float 
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=int(d.get("head_dim") or hidden // heads),
         max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6 if arch.startswith(("qwen", "gemma")) else 1e-5)),
+        rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         architecture=arch,
         name=name,
     )
 
 
-def _scaling(arch: str, p: Optional[dict[str, Any]], max_pos: int) -> Optional[RopeScaling]:
-    """A rope_scaling / rope_parameters dict -> RopeScaling (None for default RoPE)."""
+def _scaling(arch: str, p: Optional[dict[str, Any]], max_pos: int,
+             top_orig: Optional[int] = None) -> Optional[RopeScaling]:
+    """A rope_scaling / rope_parameters dict -> RopeScaling (None for default RoPE).
+
+    The original context of llama3 and yarn scaling is, as transformers reads it, a top-level
+    ``original_max_position_embeddings`` (`top_orig`) first, then the dict's, then the context.
+    """
     if not p:
         return None
     rtype = p.get("rope_type", p.get("type")) or "default"
@@ -56,16 +68,16 @@ def _scaling(arch: str, p: Optional[dict[str, Any]], max_pos: int) -> Optional[R
     factor = p.get("factor")
     if rtype == "linear":
         return RopeScaling(rope_type="linear", factor=float(factor))
+    orig = int(top_orig or p.get("original_max_position_embeddings") or max_pos)
     if rtype == "llama3":
         return RopeScaling(
             rope_type="llama3",
             factor=float(factor),
             low_freq_factor=float(p["low_freq_factor"]),
             high_freq_factor=float(p["high_freq_factor"]),
-            original_max_position_embeddings=int(p["original_max_position_embeddings"]),
+            original_max_position_embeddings=orig,
         )
     # yarn, as transformers' _compute_yarn_parameters reads it
-    orig = int(p.get("original_max_position_embeddings") or max_pos)
     factor = float(factor) if factor is not None else max_pos / orig
 
     def mscale_of(scale: float, m: float = 1.0) -> float:
@@ -86,18 +98,19 @@ def _scaling(arch: str, p: Optional[dict[str, Any]], max_pos: int) -> Optional[R
     )
 
 
-def rope_fields(d: dict[str, Any], arch: str, default_theta: float = 10000.0) -> dict[str, Any]:
+def rope_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     """``rope_theta`` and ``rope_scaling`` from either config generation (one RoPE for every layer)."""
     max_pos = int(d.get("max_position_embeddings") or 4096)
+    top_orig = d.get("original_max_position_embeddings")
     rp = d.get("rope_parameters")
     if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
         raise refuse(arch, "per-layer-type rope_parameters")
     if isinstance(rp, dict) and rp:
-        theta = rp.get("rope_theta", d.get("rope_theta", default_theta))
-        return dict(rope_theta=float(theta), rope_scaling=_scaling(arch, rp, max_pos))
+        theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+        return dict(rope_theta=float(theta), rope_scaling=_scaling(arch, rp, max_pos, top_orig))
     return dict(
-        rope_theta=float(d.get("rope_theta") or default_theta),
-        rope_scaling=_scaling(arch, d.get("rope_scaling"), max_pos),
+        rope_theta=float(d.get("rope_theta") or 10000.0),
+        rope_scaling=_scaling(arch, d.get("rope_scaling"), max_pos, top_orig),
     )
 
 

@@ -7,13 +7,31 @@ from typing import Any, Optional
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import forward, hf_tensor_shapes, logits, param_specs, params_from_hf  # noqa: F401
-from jaxinfer.models.hf_config import common_fields, layer_type_fields, refuse, refuse_set, rope_fields
+from jaxinfer.models.hf_config import (
+    common_fields,
+    layer_type_fields,
+    refuse,
+    refuse_set,
+    rope_fields,
+    with_defaults,
+)
 
 MODEL_TYPES = ("llama", "mistral")
+
+# transformers' LlamaConfig / MistralConfig defaults, for keys a config.json leaves out
+DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False),
+}
 
 
 def config_from_hf(d: dict[str, Any], name: str) -> ModelConfig:
     arch = d.get("model_type") or "llama"
+    d = with_defaults(d, DEFAULTS[arch])
     refuse_set(d, arch, {"attention_bias": False, "mlp_bias": False})
     if d.get("hidden_act", "silu") != "silu":
         raise refuse(arch, f"hidden_act {d['hidden_act']!r}")

@@ -12,17 +12,24 @@ from typing import Any, Optional
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import forward, hf_tensor_shapes, logits, param_specs, params_from_hf  # noqa: F401
-from jaxinfer.models.hf_config import common_fields, layer_type_fields, refuse, rope_fields
+from jaxinfer.models.hf_config import common_fields, layer_type_fields, refuse, rope_fields, with_defaults
 
 MODEL_TYPES = ("mixtral",)
+
+# transformers' MixtralConfig defaults, for keys a config.json leaves out
+DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=1e6, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                sliding_window=None)
 
 
 def config_from_hf(d: dict[str, Any], name: str) -> ModelConfig:
     arch = "mixtral"
+    d = with_defaults(d, DEFAULTS)
     if d.get("hidden_act", "silu") != "silu":
         raise refuse(arch, f"hidden_act {d['hidden_act']!r}")
     f = common_fields(d, arch, name)
-    f.update(rope_fields(d, arch, default_theta=1e6))
+    f.update(rope_fields(d, arch))
     f.update(layer_type_fields(d, arch, f["num_layers"], d.get("sliding_window")))
     f.update(
         num_experts=int(d["num_local_experts"]),

@@ -100,7 +100,9 @@ def routed_mlp(p: dict[str, jax.Array], cfg: ModelConfig, h: jax.Array) -> jax.A
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
     n, e, k = x.shape[0], cfg.num_experts, cfg.num_experts_per_tok
-    weights, experts = route(matmul(x, p["router"]), k, cfg.norm_topk_prob)
+    # the router logits in the weights' dtype, as transformers has them, then a float32 softmax
+    router_logits = matmul(x, p["router"]).astype(p["router"].dtype).astype(jnp.float32)
+    weights, experts = route(router_logits, k, cfg.norm_topk_prob)
 
     s = n * k
     bt = block_rows(s, e)

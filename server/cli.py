@@ -218,12 +218,14 @@ def generate_via_server(args: argparse.Namespace) -> int:
         max_tokens = kw.pop("max_tokens")
         if getattr(args, "max_tokens", None) is None and info["has_tokenizer"]:
             # the default shrinks to fit the context, as the processor's fit_max_tokens does locally
-            room = info["max_model_len"] - client.tokenize(messages if chat else prompt)["count"]
+            room = info["max_model_len"] - client.tokenize(
+                messages if chat else prompt, chat_template_kwargs=getattr(args, "chat_template_kwargs", None))["count"]
             if room > 0:
                 max_tokens = min(max_tokens, room)
         final = None
         printed = False
-        pieces = client.generate(messages if chat else prompt, max_tokens=max_tokens, timeout=timeout, **kw)
+        pieces = client.generate(messages if chat else prompt, max_tokens=max_tokens, timeout=timeout,
+                                 chat_template_kwargs=getattr(args, "chat_template_kwargs", None), **kw)
         try:
             for piece in pieces:
                 final = final or Completion(piece.request_id)

@@ -272,16 +272,58 @@ def test_end_of_turn_token_is_a_stop_token_by_the_models_own_config(name):
     assert eot in req.stop_token_ids
 
 
-def test_cli_generate_names_the_family_and_its_size(tmp_path):
+@pytest.mark.parametrize("name", [f for f in ("gemma3", "llama3", "qwen3_moe") if f in FAMILIES])
+def test_cli_generate_names_the_family_and_its_size(name, tmp_path):
+    """`jaxinfer generate --model DIR` end to end: the model's own tokenizer and chat template
+    (Qwen3's with enable_thinking off), the family and its size named on load. (Three families
+    with different templates and features; every family runs end to end through `LLM(path)` above.)"""
     import subprocess
     import sys
 
-    d = FAMILY_DIR / "qwen3_moe"
+    cfg = family(name).cfg
+    kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}'] if name.startswith("qwen3") else []
     env = dict(os.environ, JAXINFER_MODEL_CACHE=str(tmp_path))
     out = subprocess.run(
-        [sys.executable, "-m", "jaxinfer", "generate", "--model", str(d), "--max-tokens", "4", "--temperature", "0",
-         "--dtype", "float32", "--verbose", "hello"],
+        [sys.executable, "-m", "jaxinfer", "generate", "--model", str(FAMILY_DIR / name), "--max-tokens", "4",
+         "--temperature", "0", "--dtype", "float32", "--verbose", "--json", *kwargs, "hello"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert out.returncode == 0, out.stderr
-    assert "qwen3_moe, 3 layers" in out.stderr and "8 experts, top 2" in out.stderr, out.stderr
+    assert f"{cfg.architecture}, {cfg.num_layers} layers" in out.stderr, out.stderr
+    if cfg.num_experts:
+        assert "8 experts, top 2" in out.stderr
+    if cfg.sliding_window:
+        assert f"sliding window {cfg.sliding_window}" in out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) >= 1
+
+
+def test_a_multimodal_gemma3_config_reads_its_sparse_text_config_with_transformers_defaults():
+    """gemma-3-4b-it's config.json: the text_config has only the keys that differ from
+    Gemma3TextConfig's defaults. The expected values are what transformers' Gemma3Config gives
+    for this dict (checked with transformers 5.23): 8 heads over 4 KV heads of 256, scale 256,
+    vocabulary 262208, tied, every 6th layer global, local RoPE 1e4, global 1e6 linear x8."""
+    d = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+         "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                         "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                         "sliding_window": 1024},
+         "vision_config": {"model_type": "siglip_vision_model"}}
+    c = config_from_hf(d)
+    assert (c.architecture, c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim) == ("gemma3", 262208, 8, 4, 256)
+    assert (c.query_pre_attn_scalar, c.max_position_embeddings, c.tie_word_embeddings) == (256, 131072, True)
+    assert [c.layer_window(i) for i in range(7)] == [1024] * 5 + [0, 1024]
+    assert (c.rope_theta, c.local_rope_theta, c.rope_scaling.rope_type, c.rope_scaling.factor) == (1e6, 1e4, "linear", 8)
+    assert c.final_logit_softcap is None and c.embed_scale == 2560**0.5
+
+
+def test_qwen3_moe_slides_every_layer_and_qwen3_from_max_window_layers():
+    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "use_sliding_window": True,
+            "sliding_window": 64, "max_window_layers": 2}
+    moe = config_from_hf({**base, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                          "moe_intermediate_size": 16})
+    dense = config_from_hf({**base, "model_type": "qwen3"})
+    assert [moe.layer_window(i) for i in range(4)] == [64] * 4
+    assert [dense.layer_window(i) for i in range(4)] == [0, 0, 64, 64]
+    off = config_from_hf({**base, "model_type": "qwen3", "use_sliding_window": False})
+    assert off.sliding_window is None and all(off.layer_window(i) == 0 for i in range(4))
