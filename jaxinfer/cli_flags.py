@@ -16,6 +16,7 @@ default, so ``generate``, ``generate --server``, ``serve``, ``warmup`` and
                                              --presence/frequency/repetition-penalty
                                              --logprobs
     prompt format  add_prompt_format_flags   --chat/--no-chat --system                        generate tokenize
+                                             --chat-template-kwargs JSON
     output         add_output_flags          --json --trace                                   generate (tokenize:
                                                                                               --json)
     client         add_client_flags          --server --auth-token-file --tls-ca --timeout    generate bench (no
