@@ -140,6 +140,14 @@ class ModelConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else 0
 
+    @property
+    def kv_window(self) -> int:
+        """How far back from a query any layer still attends: the largest sliding window when
+        every layer has one (Mistral), else 0 (a layer attends the whole context: Gemma 3's
+        global layers). KV pages wholly behind it can be given back."""
+        windows = [self.layer_window(li) for li in range(self.num_layers)]
+        return max(windows) if windows and all(windows) else 0
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
@@ -231,14 +239,24 @@ class EngineConfig:
         """This config with dtype "auto" replaced by `resolve_dtype`'s choice."""
         return self.replace(dtype=resolve_dtype(self.dtype, backend)) if self.dtype == "auto" else self
 
-    def context_limit(self, model_max_len: int) -> int:
+    def context_limit(self, model_max_len: int, kv_window: int = 0) -> int:
         """The longest sequence (prompt + output, tokens) this engine serves for a model of `model_max_len`.
 
         The least of the model's context, ``max_model_len``, the KV cache's capacity and
-        what the largest page bucket holds.
+        what the largest page bucket holds. A model whose every layer slides (``kv_window`` > 0,
+        see `ModelConfig.kv_window`) gives back the pages behind its window, so a sequence
+        holds at most `window_pages` pages whatever its length: the cache's capacity is no
+        limit then, as long as it holds that many.
         """
         limit = model_max_len if self.max_model_len is None else min(model_max_len, self.max_model_len)
-        return min(limit, (self.num_pages - 1) * self.page_size, self.page_buckets[-1] * self.page_size)
+        capacity = (self.num_pages - 1) * self.page_size
+        if kv_window and self.window_pages(kv_window) <= self.num_pages - 1:
+            capacity = limit
+        return min(limit, capacity, self.page_buckets[-1] * self.page_size)
+
+    def window_pages(self, kv_window: int) -> int:
+        """The most pages a sequence of a `kv_window` model holds: its window and one chunk, unaligned."""
+        return -(-(kv_window - 1 + self.chunk_buckets[-1]) // self.page_size) + 1
 
     @property
     def cache_dtype(self) -> str:

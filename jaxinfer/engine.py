@@ -139,7 +139,8 @@ class Engine:
         self.ecfg = runner.ecfg
         self.allocator = PageAllocator(self.ecfg.num_pages, enable_prefix_cache=enable_prefix_caching)
         budget = max_num_batched_tokens or self.ecfg.max_num_batched_tokens
-        self.scheduler = Scheduler(self.ecfg, self.allocator, max_num_batched_tokens=budget, policy=policy)
+        self.scheduler = Scheduler(self.ecfg, self.allocator, max_num_batched_tokens=budget, policy=policy,
+                                   kv_window=runner.cfg.kv_window)
         self.stats = EngineStats(self)
         self.log_stats_interval = log_stats_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -97,6 +97,25 @@ class PageAllocator:
         self.hits += len(found)
         return found
 
+    def lookup_window(self, hashes: Sequence[bytes], window: int, page_size: int) -> tuple[int, list]:
+        """`lookup` for a model whose every layer attends at most `window` positions back.
+
+        The next query after a cached prefix of ``m`` pages reads only the pages from
+        ``(m * page_size - window + 1) // page_size`` on, so the prefix counts as cached when
+        those are, whatever became of the pages behind them. Returns ``(behind, pages)`` for the
+        longest such prefix: ``behind`` pages not needed, then the cached pages after them.
+        """
+        if not self.enable_prefix_cache:
+            return 0, []
+        self.queries += len(hashes)
+        for m in range(len(hashes), 0, -1):
+            behind = max(0, m * page_size - window + 1) // page_size
+            found = [self._page_of.get(h) for h in hashes[behind:m]]
+            if all(p is not None for p in found):
+                self.hits += m
+                return behind, found
+        return 0, []
+
     def share(self, pages: Iterable[int]) -> None:
         """Take a reference to cached pages found by `lookup`."""
         for p in pages:

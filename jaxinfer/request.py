@@ -59,7 +59,8 @@ class Request:
         self.priority = priority
         self.arrival_order = 0
         # device-side progress
-        self.pages: list = []
+        self.pages: list = []  # page of each page-sized run of positions; 0 once released behind a window
+        self.num_released_pages = 0  # leading entries of `pages` given back (sliding-window models)
         self.page_hashes: list = []  # names of full pages of the known tokens (prefix cache)
         self.num_registered_pages = 0
         self.num_preemptions = 0

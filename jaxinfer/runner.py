@@ -38,7 +38,7 @@ class ModelRunner:
         self.cfg = model_cfg
         self.ecfg = engine_cfg
         self.params = params
-        self.max_model_len = engine_cfg.context_limit(model_cfg.max_position_embeddings)
+        self.max_model_len = engine_cfg.context_limit(model_cfg.max_position_embeddings, model_cfg.kv_window)
         self.kv_cache = init_cache(model_cfg, engine_cfg)
         self.sampler_state = init_sampler_state(engine_cfg.max_num_seqs, model_cfg.vocab_size)
         prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace

@@ -47,6 +47,7 @@ class Scheduler:
         *,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        kv_window: int = 0,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -65,6 +66,8 @@ class Scheduler:
                 f"max_num_batched_tokens ({self.budget}); raise it to {smallest} or add smaller buckets"
             )
         self.policy = policy
+        # > 0: every layer attends at most this many positions back, so pages behind it are given back
+        self.kv_window = kv_window
         self.waiting: list = []  # heap of (priority, arrival order, request)
         self.running: list = []  # admission order: newest last
         self.free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
@@ -100,8 +103,9 @@ class Scheduler:
 
     def _free(self, r: Request) -> None:
         if r.pages:
-            self.allocator.release(reversed(r.pages))
+            self.allocator.release(p for p in reversed(r.pages) if p)  # 0: released behind the window
             r.pages = []
+            r.num_released_pages = 0
         if r.slot is not None:
             self.free_slots.append(r.slot)
             r.slot = None
@@ -133,6 +137,24 @@ class Scheduler:
             r.pages.extend(self.allocator.allocate(need))
         return True
 
+    def _release_behind_window(self, r: Request) -> None:
+        """Give back the pages of `r` wholly behind every layer's window (`kv_window`).
+
+        The next step's first query is at ``r.num_computed`` and later ones are further on, so
+        no step still to be scheduled reads a key before ``num_computed - kv_window + 1``.
+        (A step already dispatched may, but it runs first on the device, before any step that
+        could write to a page given back now.) The entries become 0, the dummy page: the CPU
+        kernel starts each row at its window and the pure-JAX path masks what it gathers there.
+        """
+        first_key = r.num_computed - self.kv_window + 1
+        upto = min(max(0, first_key) // self.page_size, len(r.pages))
+        if upto <= r.num_released_pages:
+            return
+        behind = r.pages[r.num_released_pages : upto]
+        self.allocator.release(reversed(behind))
+        r.pages[r.num_released_pages : upto] = [0] * len(behind)
+        r.num_released_pages = upto
+
     def register_full_pages(self, r: Request) -> None:
         """Name the pages whose tokens are all known and written, for later prefix hits."""
         if not self.allocator.enable_prefix_cache or not r.pages:
@@ -142,7 +164,8 @@ class Scheduler:
             return
         extend_hashes(r.page_hashes, r.known_token_ids(), self.page_size)
         for i in range(r.num_registered_pages, min(upto, len(r.pages), len(r.page_hashes))):
-            self.allocator.register(r.pages[i], r.page_hashes[i])
+            if r.pages[i]:  # a page given back behind the window before it was named stays unnamed
+                self.allocator.register(r.pages[i], r.page_hashes[i])
         r.num_registered_pages = upto
 
     # -- one step --------------------------------------------------------------------
@@ -167,6 +190,8 @@ class Scheduler:
         for r in list(self.running):
             if r not in self.running or r.finished:
                 continue
+            if self.kv_window:
+                self._release_behind_window(r)
             if r.prefill_done:
                 if r.done_sampling:
                     continue  # its last token is still in flight
@@ -200,21 +225,27 @@ class Scheduler:
         ps = self.page_size
         tokens = r.known_token_ids()
         hit: list = []
+        behind = 0  # cached pages wholly behind the window of the first query: not needed (0 in r.pages)
         if self.allocator.enable_prefix_cache:
             extend_hashes(r.page_hashes, tokens, ps)
-            hit = self.allocator.lookup(r.page_hashes[: (len(tokens) - 1) // ps])  # keep >= 1 token to run
-        cached = len(hit) * ps
+            hashes = r.page_hashes[: (len(tokens) - 1) // ps]  # keep >= 1 token to run
+            if self.kv_window:
+                behind, hit = self.allocator.lookup_window(hashes, self.kv_window, ps)
+            else:
+                hit = self.allocator.lookup(hashes)
+        cached = (behind + len(hit)) * ps
         n = min(len(tokens) - cached, budget, self.max_chunk)
         n = self._fit_chunk(prefill, n)
         if n <= 0:
             return None
-        new_pages = pages_needed(cached + n, ps) - len(hit)
+        new_pages = pages_needed(cached + n, ps) - behind - len(hit)
         reclaimed = sum(1 for p in hit if self.allocator.refcount[p] == 0)
         if new_pages > self.allocator.num_free - reclaimed:
             return None
         self.allocator.share(hit)
-        r.pages = hit + self.allocator.allocate(new_pages)
-        r.num_registered_pages = len(hit)
+        r.pages = [0] * behind + hit + self.allocator.allocate(new_pages)
+        r.num_released_pages = behind
+        r.num_registered_pages = behind + len(hit)
         r.num_computed = cached
         r.prefill_target = len(tokens)
         if r.num_preemptions == 0:

@@ -7,6 +7,7 @@ aborts land at exact steps; the threaded tests use the engine as callers do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import numpy as np
@@ -23,19 +24,22 @@ from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
 
 SP = SamplingParams
-_RUNNER = None
+_RUNNERS: dict = {}
+# TINY with a 6-position sliding window on every layer (Mistral-style): its engines give back
+# the KV pages behind the window, so the workload tests run it too.
+TINY_SW = dataclasses.replace(TINY, architecture="mistral", sliding_window=6, name="tiny-sw")
 
 
-def runner():
-    """One runner (params + KV cache) shared by the step-driven tests: engines come and go over it."""
-    global _RUNNER
-    if _RUNNER is None:
-        _RUNNER = ModelRunner(TINY, TINY_ENGINE, tiny_params())
-    return _RUNNER
+def runner(window: int = 0):
+    """One runner (params + KV cache) per model shared by the step-driven tests: engines come and go over it."""
+    if window not in _RUNNERS:
+        cfg = dataclasses.replace(TINY_SW, sliding_window=window) if window else TINY
+        _RUNNERS[window] = ModelRunner(cfg, TINY_ENGINE, tiny_params())
+    return _RUNNERS[window]
 
 
-def new_engine(num_pages=None, budget=None, prefix=True, policy="fcfs"):
-    r = runner()
+def new_engine(num_pages=None, budget=None, prefix=True, policy="fcfs", window=0):
+    r = runner(window)
     ecfg = TINY_ENGINE if num_pages is None else TINY_ENGINE.replace(num_pages=num_pages)
     r.ecfg = ecfg
     return Engine(r, max_num_batched_tokens=budget, enable_prefix_caching=prefix, policy=policy, autostart=False)
@@ -67,11 +71,11 @@ def run_until_done(engine, streams, max_steps=10_000):
 _ALONE: dict = {}
 
 
-def alone(prompt, max_tokens, params=None):
+def alone(prompt, max_tokens, params=None, window=0):
     """What a request produces with the engine to itself (large pool, no prefix cache)."""
-    key = (tuple(prompt), max_tokens, repr(params))
+    key = (tuple(prompt), max_tokens, repr(params), window)
     if key not in _ALONE:
-        eng = new_engine(prefix=False)
+        eng = new_engine(prefix=False, window=window)
         s = eng.submit(make(prompt, max_tokens, params))
         _ALONE[key] = run_until_done(eng, [s])[0].outputs[0].token_ids
     return _ALONE[key]
@@ -88,8 +92,11 @@ def rand_prompt(rng, lo=1, hi=40):
     num_pages=st.sampled_from([14, 20, 40, 96]),
     budget=st.sampled_from([8, 16, 64]),
     prefix=st.booleans(),
+    window=st.sampled_from([0, 6]),
 )
-def test_random_workload_matches_alone_and_frees_everything(seed, n, num_pages, budget, prefix):
+def test_random_workload_matches_alone_and_frees_everything(seed, n, num_pages, budget, prefix, window):
+    """Random arrivals, lengths, shared prefixes and aborts, on a full-attention model and on a
+    sliding-window one whose pages behind the window are given back while it runs."""
     rng = np.random.default_rng(seed)
     shared = rand_prompt(rng, 8, 20)  # some requests share a prefix, so the prefix cache is used
     reqs = []
@@ -100,7 +107,7 @@ def test_random_workload_matches_alone_and_frees_everything(seed, n, num_pages, 
         reqs.append((int(rng.integers(0, 6)), p, int(rng.integers(1, 12)), rng.random() < 0.2))
     # the pool must at least hold the largest single request
     need = max((len(p) + m) // TINY_ENGINE.page_size + 1 for _, p, m, _ in reqs)
-    eng = new_engine(num_pages=max(num_pages, need + 1), budget=budget, prefix=prefix)
+    eng = new_engine(num_pages=max(num_pages, need + 1), budget=budget, prefix=prefix, window=window)
     streams, abort_at = {}, {}
     step = 0
     pending = sorted(reqs, key=lambda x: x[0])
@@ -121,9 +128,9 @@ def test_random_workload_matches_alone_and_frees_everything(seed, n, num_pages, 
     for rid, (s, p, m) in streams.items():
         out = s.output.outputs[0]
         if out.finish_reason == "abort":
-            assert out.token_ids == alone(p, m)[: len(out.token_ids)]
+            assert out.token_ids == alone(p, m, window=window)[: len(out.token_ids)]
         else:
-            assert out.token_ids == alone(p, m), (rid, s.output.metrics.summary())
+            assert out.token_ids == alone(p, m, window=window), (rid, s.output.metrics.summary())
     eng.allocator.check_all_free()
     assert sorted(eng.scheduler.free_slots) == list(range(TINY_ENGINE.max_num_seqs))
 
@@ -398,3 +405,40 @@ def test_an_engine_that_could_never_prefill_is_refused_at_construction():
             Engine(r, max_num_batched_tokens=16, autostart=False)
     finally:
         r.ecfg = TINY_ENGINE
+
+
+def test_pages_behind_a_sliding_window_are_given_back_without_changing_a_token():
+    """Every layer attends 6 positions back, pages hold 4: a request of 60 tokens keeps about 3
+    pages, not 15, and draws the same tokens as with every page kept (release off)."""
+    rng = np.random.default_rng(7)
+    prompts = [rand_prompt(rng, 20, 30) for _ in range(3)]
+    outs, peaks = {}, {}
+    for release in (True, False):
+        eng = new_engine(budget=16, window=6)
+        if not release:
+            eng.scheduler.kv_window = 0
+        streams = [eng.submit(make(p, 30)) for p in prompts]
+        peak = 0
+        while not eng.is_idle():
+            eng.step()
+            peak = max(peak, eng.allocator.num_used)
+            for r in eng.scheduler.running:
+                held = [p for p in r.pages if p]
+                if release and r.num_computed > 12:
+                    assert len(held) <= -(-6 // 4) + 2 + 16 // 4, (len(held), r.num_computed)
+        outs[release] = [s.output.outputs[0].token_ids for s in streams]
+        peaks[release] = peak
+        eng.allocator.check_all_free()
+    assert outs[True] == outs[False]
+    assert peaks[True] < peaks[False] / 2, peaks
+
+
+def test_window_model_recomputes_after_preemption_with_pages_given_back():
+    rng = np.random.default_rng(8)
+    ps = [rand_prompt(rng, 10, 20) for _ in range(4)]
+    eng = new_engine(num_pages=10, budget=16, window=6)
+    outs = run_until_done(eng, [eng.submit(make(p, 24)) for p in ps])
+    assert eng.scheduler.num_preemptions > 0
+    for p, o in zip(ps, outs):
+        assert o.outputs[0].token_ids == alone(p, 24, window=6)
+    eng.allocator.check_all_free()
