@@ -125,7 +125,7 @@ def _cpu_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, cache_dty
     build it) and the shapes and dtypes it takes; anything else uses the pure-JAX path."""
     return (
         jax.default_backend() == "cpu"
-        and head_dim in (16, 32, 64, 128)
+        and head_dim in (16, 32, 64, 128, 256)
         and num_heads // num_kv_heads <= 64
         and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16)
     )

@@ -54,6 +54,8 @@ CASES = [
     (3, 37, 4, 1, 32, 4, "float32"),  # pages smaller than a key block
     (3, 20, 8, 8, 128, 32, "float32"),  # no grouping, pages larger than a key block
     (2, 9, 32, 2, 16, 8, "float32"),  # 16 query heads per kv head: a tile is one token
+    (3, 21, 8, 4, 256, 16, "bfloat16"),  # Gemma 3's head_dim
+    (4, 1, 8, 4, 256, 16, "float32"),
     (4, 1, 6, 2, 64, 16, "bfloat16"),
     (3, 50, 6, 2, 64, 16, "bfloat16"),
 ]

@@ -28,7 +28,7 @@
 //     scores, the running max and the softmax weights are all row-vectors; no horizontal
 //     reductions, no transposes of the cache. Four keys (and two rows for the values)
 //     are in flight at once so the multiply-adds do not wait on each other.
-// head_dim must be 16, 32, 64 or 128 (jaxinfer/attention.py checks before calling).
+// head_dim must be 16, 32, 64, 128 or 256 (Gemma 3) (jaxinfer/attention.py checks before calling).
 
 #include <algorithm>
 #include <atomic>
@@ -51,7 +51,7 @@ typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 
-constexpr int kMaxDV = 8;         // head_dim / 16, at most
+constexpr int kMaxDV = 16;        // head_dim / 16, at most
 constexpr int kMaxGroup = 64;     // query heads per kv head
 constexpr int kBlock = kLanes;    // keys per block (never more than what is left of a page)
 constexpr int kTileRows = 48;     // target query rows (tokens x grouped heads) per prefill tile
@@ -386,8 +386,10 @@ void run_item(const Problem& p, int64_t item) {
       return run_item_dv<T, 2>(p, b, tile, kvh);
     case 64:
       return run_item_dv<T, 4>(p, b, tile, kvh);
-    default:
+    case 128:
       return run_item_dv<T, 8>(p, b, tile, kvh);
+    default:
+      return run_item_dv<T, 16>(p, b, tile, kvh);
   }
 }
 
@@ -461,8 +463,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   p.group = p.heads / p.kv_heads;
   if (p.group > kMaxGroup)
     return ffi::Error::InvalidArgument("paged attention: at most 64 query heads per kv head");
-  if (p.head_dim != 16 && p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 128)
-    return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64 or 128");
+  if (p.head_dim != 16 && p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
+    return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64, 128 or 256");
   const bool bf16 = cache->element_type() == ffi::DataType::BF16;
   if (!bf16 && cache->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("paged attention: the cache must be float32 or bfloat16");
