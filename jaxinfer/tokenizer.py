@@ -198,6 +198,7 @@ class Tokenizer:
         chat_template: Optional[str] = None,
         extra_stop_ids: Iterable[int] = (),
         source: str = "<memory>",
+        named_chat_templates: Optional[Mapping[str, str]] = None,
     ):
         self._backend = backend
         self.bos_token_id = bos_token_id
@@ -207,6 +208,9 @@ class Tokenizer:
         self.add_bos_token = bool(add_bos_token)
         self.add_eos_token = bool(add_eos_token)
         self.chat_template = chat_template
+        # other templates by name (transformers' list form); "tool_use" renders requests with tools
+        self.named_chat_templates: dict[str, str] = {
+            k: v for k, v in (named_chat_templates or {}).items() if k != "default" and isinstance(v, str)}
         self.source = source
         named = {i for i in (bos_token_id, eos_token_id, pad_token_id, unk_token_id) if i is not None}
         self.all_special_ids: frozenset[int] = frozenset(backend.special_ids | named)
@@ -339,7 +343,11 @@ class Tokenizer:
         variables. With ``tokenize=True`` returns the ids of the rendered text,
         encoded without adding BOS/EOS (the template writes them).
         """
-        template = chat_template if chat_template is not None else self.chat_template
+        template = chat_template
+        if template is None and kwargs.get("tools") is not None:
+            template = self.named_chat_templates.get("tool_use")  # as transformers picks it
+        if template is None:
+            template = self.chat_template
         if template is None:
             raise ValueError(f"tokenizer from {self.source} has no chat_template; pass chat_template=...")
         text = render_chat_template(
@@ -387,7 +395,10 @@ class Tokenizer:
             token = self._token_str(getattr(self, f"{name}_token_id"))
             if token is not None:
                 config[f"{name}_token"] = token
-        if self.chat_template is not None:
+        if self.chat_template is not None and self.named_chat_templates:
+            config["chat_template"] = [{"name": "default", "template": self.chat_template}] + [
+                {"name": k, "template": v} for k, v in self.named_chat_templates.items()]
+        elif self.chat_template is not None:
             config["chat_template"] = self.chat_template
         _write_json(os.path.join(path, "tokenizer_config.json"), config)
         gen_path = os.path.join(path, "generation_config.json")
@@ -410,6 +421,7 @@ class Tokenizer:
             chat_template=self.chat_template,
             extra_stop_ids=facts.get("stop_token_ids") or (),
             source=self.source if source is None else source,
+            named_chat_templates=self.named_chat_templates,
         )
 
     # -- constructors -------------------------------------------------------
@@ -443,6 +455,8 @@ class Tokenizer:
             chat_template=get("tokenizer.chat_template"),
             extra_stop_ids=(get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")),
             source=path,
+            # llama.cpp's converter writes named templates as tokenizer.chat_template.<name>
+            named_chat_templates={n: get(f"tokenizer.chat_template.{n}") for n in get("tokenizer.chat_templates") or ()},
         )
 
     @classmethod
@@ -493,6 +507,7 @@ class Tokenizer:
         generation = _read_json(os.path.join(path, "generation_config.json")) or {}
         gen_eos = generation.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        chat_template, named_templates = _chat_templates_in_dir(path, config)
         return cls(
             backend,
             bos_token_id=bos,
@@ -501,9 +516,10 @@ class Tokenizer:
             unk_token_id=token_id("unk_token"),
             add_bos_token=bool(add_bos),
             add_eos_token=bool(add_eos),
-            chat_template=_chat_template_in_dir(path, config),
+            chat_template=chat_template,
             extra_stop_ids=[i for i in gen_eos if isinstance(i, int)],
             source=path,
+            named_chat_templates=named_templates,
         )
 
 
@@ -539,19 +555,31 @@ def _write_json(path: str, value: Any) -> None:
         f.write("\n")
 
 
-def _chat_template_in_dir(path: str, config: Mapping) -> Optional[str]:
-    """``chat_template.jinja``, then ``chat_template.json``, then the config's entry."""
+def _chat_templates_in_dir(path: str, config: Mapping) -> tuple[Optional[str], dict[str, str]]:
+    """The default chat template and the other named ones, as transformers finds them:
+    ``chat_template.jinja`` (with ``additional_chat_templates/<name>.jinja``), then
+    ``chat_template.json``, then the config's entry (a string, or a list of named templates)."""
     jinja_file = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:
-            return f.read()
+            default = f.read()
+        named = {}
+        extra = os.path.join(path, "additional_chat_templates")
+        if os.path.isdir(extra):
+            for name in sorted(os.listdir(extra)):
+                if name.endswith(".jinja"):
+                    with open(os.path.join(extra, name), encoding="utf-8") as f:
+                        named[name[: -len(".jinja")]] = f.read()
+        return default, named
     template = (_read_json(os.path.join(path, "chat_template.json")) or {}).get("chat_template")
     if template is None:
         template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+        default = named.pop("default", None)
+        return (default if isinstance(default, str) else None), {
+            k: v for k, v in named.items() if isinstance(k, str) and isinstance(v, str)}
+    return (template if isinstance(template, str) else None), {}
 
 
 # ---------------------------------------------------------------------------

@@ -161,3 +161,41 @@ def test_template_sees_plain_data_only():
     out = render_chat_template("{{ x }}|{{ y }}|{{ t | tojson }}", [{"role": "user", "content": "q"}],
                                x=Opaque(), y=b"raw", t=(1, 2))
     assert out == "<Opaque>|<bytes>|[1, 2]"
+
+
+def _word_tokenizer_dir(path, config):
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    backend = Tokenizer(WordLevel({"<unk>": 0, "</s>": 1, "hi": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["</s>"])
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "unk_token": "<unk>", **config}))
+
+
+@pytest.mark.parametrize("layout", ["config list", "jinja files"])
+def test_a_tool_use_template_renders_requests_with_tools(tmp_path, layout):
+    """transformers' named templates: "tool_use" when tools are given, "default" otherwise, from the
+    list form in tokenizer_config.json or from additional_chat_templates/*.jinja; they survive a save."""
+    from jaxinfer.tokenizer import load_tokenizer
+
+    default = "plain:{% for m in messages %}{{ m.content }}{% endfor %}"
+    tool_use = "tools={{ tools | length }}:{% for m in messages %}{{ m.content }}{% endfor %}"
+    if layout == "config list":
+        _word_tokenizer_dir(tmp_path, {"chat_template": [{"name": "default", "template": default},
+                                                         {"name": "tool_use", "template": tool_use}]})
+    else:
+        _word_tokenizer_dir(tmp_path, {})
+        (tmp_path / "chat_template.jinja").write_text(default)
+        (tmp_path / "additional_chat_templates").mkdir()
+        (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for tok in (load_tokenizer(tmp_path), None):
+        if tok is None:  # round trip through the tokenizer's own save (what the model cache stores)
+            saved = tmp_path / "saved"
+            load_tokenizer(tmp_path).save(str(saved))
+            tok = load_tokenizer(saved)
+        assert tok.apply_chat_template(msgs) == "plain:hi"
+        assert tok.apply_chat_template(msgs, tools=tools) == "tools=1:hi"

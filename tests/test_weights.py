@@ -483,3 +483,19 @@ def test_real_smollm2_gguf_config_and_load_time():
     assert all(x.dtype == np.float32 and np.isfinite(x).all() for x in lw.tensors.values())
     assert seconds < 30, f"loading took {seconds:.1f}s"
     print(f"SmolLM2 GGUF load: {seconds:.2f}s")
+
+
+def test_gguf_named_chat_templates_reach_the_tokenizer(tmp_path):
+    """llama.cpp's converter writes transformers' named templates as tokenizer.chat_template.<name>
+    (listed in tokenizer.chat_templates); "tool_use" renders requests that carry tools."""
+    from jaxinfer.tokenizer import load_tokenizer
+
+    def header(w):
+        w.add_chat_template([{"name": "default", "template": "plain"},
+                             {"name": "tool_use", "template": "tools={{ tools | length }}"}])
+
+    path = write_gguf(tmp_path / "t.gguf", TINY, random_hf_tensors(TINY), header=header)
+    tok = load_tokenizer(path)
+    msgs = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(msgs) == "plain"
+    assert tok.apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "f"}}]) == "tools=1"
