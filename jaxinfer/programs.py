@@ -15,7 +15,9 @@ without tracing or compiling (about 0.1 s a program instead of 1-3 s). The
 cache key covers everything the executables depend on: JAX and jaxlib
 versions, the device, the CPU's flags, the model and engine configs, the
 parameter tree's shapes and dtypes, and the source of jaxinfer's device code.
-`JAXINFER_COMPILATION_CACHE=0` turns it off.
+`JAXINFER_COMPILATION_CACHE=0` turns it off. Within one process, tables with the same
+fingerprint (another `LLM` of the same model and engine config) share the executables
+themselves, so a process never deserializes a program it already holds.
 A key reached that is not in the table (only possible with a config the list
 does not cover) is compiled on the spot and logged as a warning.
 """
@@ -232,6 +234,13 @@ class ProgramTable:
         return fn, args
 
     def _load_or_compile(self, key: ProgramKey):
+        shared_key = (self._fingerprint(), key)
+        with _SHARED_LOCK:
+            prog = _SHARED.get(shared_key)
+        if prog is not None:
+            with self._lock:
+                self._compiled[key] = prog
+            return prog
         prog = self._load(key)
         if prog is not None:
             with self._lock:
@@ -243,6 +252,8 @@ class ProgramTable:
                 self._save(key, prog)
         with self._lock:
             self._compiled[key] = prog
+        with _SHARED_LOCK:
+            _SHARED.setdefault(shared_key, prog)
         return prog
 
     def cache_dir(self) -> Optional[str]:
@@ -253,7 +264,14 @@ class ProgramTable:
             self._dir = os.path.join(cache_root(), "programs", self._fingerprint())
         return self._dir
 
+    @functools.cached_property
+    def _fingerprint_value(self) -> str:
+        return self._compute_fingerprint()
+
     def _fingerprint(self) -> str:
+        return self._fingerprint_value
+
+    def _compute_fingerprint(self) -> str:
         from jaxinfer.config import cpu_flags
 
         import jaxlib
@@ -308,6 +326,11 @@ class ProgramTable:
 
 
 _DIGEST: Optional[bytes] = None
+
+# Executables this process holds, by (table fingerprint, key): a second table of the same model
+# and engine config takes them from here instead of deserializing its copy from the disk cache.
+_SHARED: dict = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def _device_code_digest() -> bytes:

@@ -442,3 +442,16 @@ def test_window_model_recomputes_after_preemption_with_pages_given_back():
     for p, o in zip(ps, outs):
         assert o.outputs[0].token_ids == alone(p, 24, window=6)
     eng.allocator.check_all_free()
+
+
+def test_runners_of_the_same_model_share_their_programs_in_a_process():
+    """A second runner of the same model and engine config takes the first one's executables
+    (no second compile, no deserializing its own copy from the program cache)."""
+    a = ModelRunner(TINY, TINY_ENGINE, tiny_params())
+    b = ModelRunner(TINY, TINY_ENGINE, tiny_params(seed=1))  # other values, same shapes
+    key = [k for k in a.programs.keys(64) if k.kind == "decode"][0]
+    prog = a.programs.get(key)
+    loaded = b.programs.loaded_from_disk
+    assert b.programs.get(key) is prog and b.programs.loaded_from_disk == loaded
+    other = ModelRunner(TINY_SW, TINY_ENGINE, tiny_params())  # another model: its own program
+    assert other.programs.get(key) is not prog
