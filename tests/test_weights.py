@@ -491,6 +491,7 @@ def test_gguf_named_chat_templates_reach_the_tokenizer(tmp_path):
     from jaxinfer.tokenizer import load_tokenizer
 
     def header(w):
+        w.add_tokenizer_pre("gpt-2")
         w.add_chat_template([{"name": "default", "template": "plain"},
                              {"name": "tool_use", "template": "tools={{ tools | length }}"}])
 
