@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer._version import __version__
-from jaxinfer.config import GenerationDefaults, ModelConfig, RopeScaling
+from jaxinfer.config import GenerationDefaults, ModelConfig
 from jaxinfer.spec import abstract, is_spec
 from jaxinfer.weights import CONVERTED_MANIFEST
 
@@ -85,10 +85,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
-    rs = d.get("rope_scaling")
-    d["rope_scaling"] = RopeScaling(**rs) if rs else None
-    return ModelConfig(**d)
+    return ModelConfig(**d)  # ModelConfig rebuilds RopeScaling and the tuples from JSON's dicts and lists
 
 
 def _generation_from_dict(d: dict) -> GenerationDefaults:

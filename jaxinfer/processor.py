@@ -20,7 +20,6 @@ bound; their prompts are tokenized and then counted.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass

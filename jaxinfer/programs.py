@@ -234,7 +234,7 @@ class ProgramTable:
         return fn, args
 
     def _load_or_compile(self, key: ProgramKey):
-        shared_key = (self._fingerprint(), key)
+        shared_key = (self.fingerprint, key)
         with _SHARED_LOCK:
             prog = _SHARED.get(shared_key)
         if prog is not None:
@@ -261,17 +261,12 @@ class ProgramTable:
         if not caching_enabled():
             return None
         if self._dir is None:
-            self._dir = os.path.join(cache_root(), "programs", self._fingerprint())
+            self._dir = os.path.join(cache_root(), "programs", self.fingerprint)
         return self._dir
 
     @functools.cached_property
-    def _fingerprint_value(self) -> str:
-        return self._compute_fingerprint()
-
-    def _fingerprint(self) -> str:
-        return self._fingerprint_value
-
-    def _compute_fingerprint(self) -> str:
+    def fingerprint(self) -> str:
+        """What every program of this table depends on, hashed (computed once per table)."""
         from jaxinfer.config import cpu_flags
 
         import jaxlib

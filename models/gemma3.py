@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from jaxinfer.models.decoder import forward, hf_tensor_shapes, logits, param_specs, params_from_hf  # noqa: F401
-from jaxinfer.models.hf_config import _scaling, common_fields, layer_type_fields, refuse, refuse_set, with_defaults
+from jaxinfer.models.hf_config import common_fields, layer_type_fields, refuse, refuse_set, rope_scaling_from, with_defaults
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
@@ -66,16 +66,16 @@ def _ropes(d: dict[str, Any], arch: str, max_pos: int) -> dict[str, Any]:
     top_orig = d.get("original_max_position_embeddings")
     if isinstance(rp, dict) and rp:  # transformers 5: one dict per layer type
         full, local = rp.get(FULL_ATTENTION) or {}, rp.get(SLIDING_ATTENTION) or {}
-        if _scaling(arch, local, max_pos) is not None:
+        if rope_scaling_from(arch, local, max_pos) is not None:
             raise refuse(arch, "RoPE scaling on sliding-window layers")
         return dict(
             rope_theta=float(full.get("rope_theta", 1e6)),
-            rope_scaling=_scaling(arch, full, max_pos, top_orig),
+            rope_scaling=rope_scaling_from(arch, full, max_pos, top_orig),
             local_rope_theta=float(local.get("rope_theta", 1e4)),
         )
     return dict(
         rope_theta=float(d.get("rope_theta") or 1e6),
-        rope_scaling=_scaling(arch, d.get("rope_scaling"), max_pos, top_orig),
+        rope_scaling=rope_scaling_from(arch, d.get("rope_scaling"), max_pos, top_orig),
         local_rope_theta=float(d.get("rope_local_base_freq") or 1e4),
     )
 

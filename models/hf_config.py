@@ -51,7 +51,7 @@ def common_fields(d: dict[str, Any], arch: str, name: str) -> dict[str, Any]:
     )
 
 
-def _scaling(arch: str, p: Optional[dict[str, Any]], max_pos: int,
+def rope_scaling_from(arch: str, p: Optional[dict[str, Any]], max_pos: int,
              top_orig: Optional[int] = None) -> Optional[RopeScaling]:
     """A rope_scaling / rope_parameters dict -> RopeScaling (None for default RoPE).
 
@@ -107,10 +107,10 @@ def rope_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
         raise refuse(arch, "per-layer-type rope_parameters")
     if isinstance(rp, dict) and rp:
         theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-        return dict(rope_theta=float(theta), rope_scaling=_scaling(arch, rp, max_pos, top_orig))
+        return dict(rope_theta=float(theta), rope_scaling=rope_scaling_from(arch, rp, max_pos, top_orig))
     return dict(
         rope_theta=float(d.get("rope_theta") or 10000.0),
-        rope_scaling=_scaling(arch, d.get("rope_scaling"), max_pos, top_orig),
+        rope_scaling=rope_scaling_from(arch, d.get("rope_scaling"), max_pos, top_orig),
     )
 
 
