@@ -15,12 +15,29 @@ step; 0.6 s of a 1.8 s 32 x 128-token bfloat16 prefill). So on the CPU platform
 attention goes to a native kernel that reads the pages where they lie
 (`jaxinfer/kernels/paged_attention_cpu.cc`), for decode and prefill chunks
 alike. The choice is staged with `lax.platform_dependent`, so a GPU or TPU
-program never sees the CPU kernel; Pallas ragged paged attention is the
-counterpart there.
+program never sees the CPU kernel.
+
+Accelerators (`jaxinfer.attention_pallas`, where the reasons are given in full):
+
+- TPU: Pallas ``ragged_paged_attention``, which reads our cache layer as it is
+  (K at even, V at odd head indices), for decode and prefill chunks alike and
+  stopping at each row's length. It is staged where the shapes fit its tiling
+  (head_dim a multiple of 128, a KV-head count that tiles; `tpu_kernel_fits`);
+  other models (SmolLM2: head_dim 64, 3 KV heads) take the pure-JAX path.
+- GPU: the pure-JAX path. The Pallas GPU ``paged_attention`` reads K and V as two
+  head-major arrays: from our layout that is a copy of the whole cache every step
+  (about 200 GiB per step for a 100 GiB Llama-3-8B cache), and it is decode-only;
+  ``decode_attention`` and cuDNN's ``jax.nn.dot_product_attention`` read contiguous
+  keys, i.e. the same page gather the pure-JAX path does, plus a transpose. None
+  was measured on a GPU yet (none was available): `jaxinfer.device_check` reports
+  the decode step against the bandwidth roofline on the first GPU it runs on.
 
 The kernel is built by `prepare_cpu_kernel` (at model load, with its own
 progress line; cached per machine), never inside a jit trace: a trace uses
 the kernel only when it is already loaded, else the pure-JAX path.
+
+On a device mesh (`jaxinfer.mesh`) attention runs inside ``jax.shard_map`` over the
+KV-head axis: each device attends its own query heads over its own shard of the cache.
 
 Compile keys: the kernel reads each row's real context length (it stops at
 the row's last position), so with it the page table is passed at its full
@@ -38,7 +55,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import kernels
+from jaxinfer import kernels, mesh
+from jaxinfer.attention_pallas import tpu_kernel_fits, tpu_ragged_attention
 from jaxinfer.kv_cache import gather_kv, write_kv
 
 
@@ -103,17 +121,38 @@ def paged_attention(
     b, t, h, d = q.shape
     chex.assert_shape(meta.positions, (b, t))
     chex.assert_shape(meta.slots, (b, t))
-    if _cpu_kernel_fits(q.shape[2], k.shape[2], q.shape[3], cache_layer.dtype) and kernels.ready(CPU_SOURCE):
-        return jax.lax.platform_dependent(
-            q,
-            k,
-            v,
-            cache_layer,
-            meta,
-            cpu=lambda *args: _cpu_attention(*args, scale, window),
-            default=functools.partial(_gather_attention, scale=scale, window=window),
+    if mesh.tp_size() > 1:
+        # XLA cannot partition a custom call or a Pallas kernel: each device attends its own
+        # heads over its own shard of the cache (the layout puts a KV head's queries with it).
+        heads = mesh.CACHE_SPEC  # [B, T, heads, D] and the cache [pages, slot, 2 KVH, D] alike
+        local = jax.shard_map(
+            functools.partial(_attend, scale=scale, window=window),
+            in_specs=(heads, heads, heads, heads, jax.sharding.PartitionSpec()),
+            out_specs=(heads, heads),
+            check_vma=False,
         )
-    return _gather_attention(q, k, v, cache_layer, meta, scale, window)
+        return local(q, k, v, cache_layer, meta)
+    return _attend(q, k, v, cache_layer, meta, scale, window)
+
+
+def _attend(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, window: int):
+    """Attention on one device's heads: the platform's kernel where there is one, else pure JAX."""
+    h, kvh, d = q.shape[2], k.shape[2], q.shape[3]
+    kernels_by_platform = {}
+    if _cpu_kernel_fits(h, kvh, d, cache_layer.dtype) and kernels.ready(CPU_SOURCE):
+        kernels_by_platform["cpu"] = lambda *args: _cpu_attention(*args, scale, window)
+    if _tpu_kernel_fits(h, kvh, d, cache_layer.shape[1], cache_layer.dtype):
+        kernels_by_platform["tpu"] = functools.partial(tpu_ragged_attention, scale=scale, window=window)
+    gather = functools.partial(_gather_attention, scale=scale, window=window)
+    if not kernels_by_platform:
+        return gather(q, k, v, cache_layer, meta)
+    return jax.lax.platform_dependent(q, k, v, cache_layer, meta, **kernels_by_platform, default=gather)
+
+
+def _tpu_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, cache_dtype) -> bool:
+    """Whether to stage the Pallas TPU kernel: a TPU default backend and shapes it takes."""
+    return jax.default_backend() == "tpu" and tpu_kernel_fits(num_heads, num_kv_heads, head_dim, page_size,
+                                                              cache_dtype)
 
 
 CPU_TARGET = "jaxinfer_paged_attention"
@@ -157,10 +196,12 @@ def start_cpu_kernel_build() -> None:
 
 
 
-def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype) -> bool:
-    """Whether steps traced now attend with the CPU kernel, which stops at each row's
-    length (so the page table can be passed at full width: one program for every length)."""
-    return _cpu_kernel_fits(num_heads, num_kv_heads, head_dim, cache_dtype) and kernels.ready(CPU_SOURCE)
+def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype, page_size: int = 16) -> bool:
+    """Whether steps traced now attend with a kernel (CPU, or Pallas on TPU) that stops at each
+    row's length (so the page table can be passed at full width: one program for every length).
+    Head counts are one device's."""
+    cpu = _cpu_kernel_fits(num_heads, num_kv_heads, head_dim, cache_dtype) and kernels.ready(CPU_SOURCE)
+    return cpu or _tpu_kernel_fits(num_heads, num_kv_heads, head_dim, page_size, cache_dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
@@ -177,7 +218,7 @@ def _cpu_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, 
         (jax.ShapeDtypeStruct((b, t, h, d), f32), jax.ShapeDtypeStruct(cache_layer.shape, cache_layer.dtype)),
         input_output_aliases={3: 1},
     )(q.astype(f32), k.astype(f32), v.astype(f32), cache_layer, meta.page_table, meta.positions, scale=np.float32(scale),
-        window=np.int64(window))
+        window=np.int64(window), share=mesh.tp_size() == 1)
     return out.astype(q.dtype), cache_layer
 
 

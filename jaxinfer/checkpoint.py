@@ -354,8 +354,10 @@ def load_converted(
 ) -> ConvertedModel:
     """Restore a converted directory: config, parameters (as ``dtype``, default as saved), tokenizer.
 
-    ``sharding``: one `jax.sharding.Sharding` for every leaf, or a tree of
-    them shaped like the parameters (default: the first device). Raises
+    ``sharding``: one `jax.sharding.Sharding` for every leaf, a tree of them shaped
+    like the parameters, or a function of the `ModelConfig` giving either (a mesh's
+    `jaxinfer.mesh.load_shardings`: each device reads only its shard); default: the
+    first device. Raises
     `CheckpointError` for anything missing, corrupt or mismatched.
     """
     path = Path(path)
@@ -379,7 +381,7 @@ def load_converted(
         tokenizer_future = _executor().submit(load_converted_tokenizer, path, manifest, src)
     failure = None
     try:
-        params = _restore_params(params_dir, specs, sharding)
+        params = _restore_params(params_dir, specs, sharding(cfg) if callable(sharding) else sharding)
     except Exception as e:  # orbax and tensorstore raise many kinds for missing or damaged files
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         failure = f"{type(e).__name__}: {first}"

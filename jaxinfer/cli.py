@@ -298,9 +298,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_engine_flags(args)
 
     enable_compilation_cache()
+    from jaxinfer import distributed
     from jaxinfer.llm import LLM
 
     llm = LLM(**llm_kwargs(args))
+    if distributed.run_as_follower(llm):  # a multi-process run: process 0 generates and prints
+        return 0
     try:
         code = _generate(args, llm, prompt, overrides)
     except (KeyboardInterrupt, BrokenPipeError):
@@ -486,6 +489,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_USAGE
         if hasattr(args, "quiet"):  # the commands with the progress flags
             configure_progress(args)
+        if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # one of several processes (jaxinfer.distributed)
+            from jaxinfer import distributed
+
+            distributed.initialize()
         return args.func(args)
     except ValueError as e:  # UsageError; SamplingParams / EngineConfig / LLM validation, ModelNotFoundError
         return _fail(str(e))

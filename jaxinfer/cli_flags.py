@@ -9,6 +9,7 @@ default, so ``generate``, ``generate --server``, ``serve``, ``warmup`` and
                                                                                               bench tokenize
     engine         add_engine_flags          --engine-config --max-model-len --dtype          generate serve warmup
                                              --max-num-seqs --num-pages                       bench
+                                             --tensor-parallel-size
                                              --max-num-batched-tokens --no-prefix-caching
                                              --warmup/--no-warmup (serve, bench)
     sampling       add_sampling_flags        --max-tokens --min-tokens --temperature --top-p  generate (local and
@@ -65,7 +66,8 @@ SAMPLING_FLAGS = (
 )
 
 # Engine flags that override a field of the preset (None: not given), as LLM(...) keywords.
-ENGINE_OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "num_pages", "max_num_batched_tokens")
+ENGINE_OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "num_pages", "max_num_batched_tokens",
+                    "tensor_parallel_size")
 
 positive_int = int_in(1)
 non_negative_int = int_in(0)
@@ -109,6 +111,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, warmup: Optional[str] = None
                    help="most requests decoded together (default: the preset's)")
     g.add_argument("--num-pages", type=positive_int, metavar="N",
                    help="KV cache pages, page 0 reserved (default: the preset's)")
+    g.add_argument("--tensor-parallel-size", "--tp", type=positive_int, metavar="N",
+                   help="split the model over N devices (tensor parallelism; default 1)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
                    help="token budget of one engine step (default: the preset's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")

@@ -92,6 +92,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model that keep a dense MLP
+    # -- layout (not the model's math): the fused projections' columns (wqkv, w_gate_up) are laid out
+    # shard-major over this many tensor-parallel shards (`jaxinfer.mesh.TPLayout`); 1 = the plain layout
+    tp_shards: int = 1
 
     def __post_init__(self):
         # JSON round trips give lists; a config is a jit static argument, so it must hash.
@@ -218,6 +221,10 @@ class EngineConfig:
     page_buckets: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512)
     max_logprobs: int = 20
     name: str = "custom"
+    # The device mesh (`jaxinfer.mesh`): parameters and KV cache split over `tensor_parallel_size`
+    # devices on the "tp" axis; "dp" (data parallel) is a second axis, of size 1 for now.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -228,6 +235,11 @@ class EngineConfig:
             b = getattr(self, nm)
             if not b or list(b) != sorted(set(b)) or b[0] <= 0:
                 raise ValueError(f"{nm} must be a non-empty increasing tuple of positive ints, got {b}.")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size must be 1 (data parallelism is not supported yet), "
+                             f"got {self.data_parallel_size}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -39,7 +39,7 @@ def init_cache(model: ModelConfig, engine: EngineConfig, sharding: Any = None) -
     specs = cache_specs(model, engine)
     if sharding is None:
         return [jnp.zeros(s.shape, s.dtype) for s in specs]
-    return [jax.device_put(jnp.zeros(s.shape, s.dtype), sharding) for s in specs]
+    return [jnp.zeros(s.shape, s.dtype, device=sharding) for s in specs]  # made in place, shard by shard
 
 
 

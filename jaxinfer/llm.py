@@ -18,6 +18,7 @@ from jaxinfer.attention import start_cpu_kernel_build
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine import Engine, RequestStream
+from jaxinfer.mesh import mesh_placement, placement_report
 from jaxinfer.outputs import StreamDelta
 from jaxinfer.processor import InputProcessor, Prompt
 from jaxinfer.request import Request
@@ -65,7 +66,7 @@ class LLM:
             s.note(f"{source.format}: {source.path}")
         # The converted-model cache (jaxinfer.model_cache): the first load of a GGUF file or an HF
         # directory converts it and saves the engine's tree; later loads restore it.
-        loaded = cache.load(source, engine.dtype, use_cache=model_cache)
+        loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine))
         progress.say(f"model {source.name}: {loaded.config.describe()}")
         self.model_source = source
         self.model_cache_path = loaded.cache_path
@@ -119,6 +120,11 @@ class LLM:
         self.model_name = name
         self.engine_config = engine
         self.runner = ModelRunner(cfg, engine, params)
+        del params  # the runner holds the placed tree; a host copy is freed here
+        if engine.tensor_parallel_size > 1:
+            from jaxinfer import progress
+
+            progress.say(placement_report(self.runner))
         self.max_model_len = self.runner.max_model_len
         self.engine = Engine(
             self.runner,
@@ -238,6 +244,12 @@ class LLM:
 
     def close(self) -> None:
         self.engine.shutdown()
+        self.runner.stop_followers()
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-process run (`jaxinfer.distributed`): run the
+        steps process 0's engine plans, until it closes. Returns the number of steps run."""
+        return self.runner.follow()
 
     def __enter__(self):
         return self

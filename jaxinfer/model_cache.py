@@ -243,10 +243,10 @@ def _check_entry(entry: Path, identity: dict, dtype: str) -> dict:
 
 
 def _restore_entry(entry: Path, source: ModelSource, identity: dict, dtype: str,
-                   with_tokenizer: bool = True) -> LoadedModel:
+                   with_tokenizer: bool = True, placement: Any = None) -> LoadedModel:
     manifest = _check_entry(entry, identity, dtype)
     with progress.stage(f"restoring {source.name} ({dtype}) from the model cache"):
-        m = checkpoint.load_converted(entry, with_tokenizer=with_tokenizer, manifest=manifest)
+        m = checkpoint.load_converted(entry, with_tokenizer=with_tokenizer, manifest=manifest, sharding=placement)
     if with_tokenizer and m.tokenizer is not None:
         m.tokenizer.source = str(source.path)
     config = m.config if m.config.name == source.name else _renamed(m.config, source.name)
@@ -317,17 +317,19 @@ def enabled(use_cache: bool = True) -> bool:
     return use_cache and cache_dir() is not None
 
 
-def load(source: ModelSource, dtype: Any, *, use_cache: bool = True) -> LoadedModel:
+def load(source: ModelSource, dtype: Any, *, use_cache: bool = True, placement: Any = None) -> LoadedModel:
     """``source`` as the engine's parameter tree in ``dtype``, with its tokenizer and defaults.
 
     A converted directory is restored directly. A GGUF file or a Hugging Face
     directory is restored from the cache when it has an entry for it, else
-    converted (and, with the cache on, saved as the entry).
+    converted (and, with the cache on, saved as the entry). ``placement``: where
+    a restore puts the parameters (`jaxinfer.checkpoint.load_converted`'s
+    ``sharding``); a conversion leaves them in host memory.
     """
     dtype = _dtype_name(dtype)
     if source.format == "jaxinfer":
         with progress.stage(f"restoring {source.name} ({dtype})"):
-            m = checkpoint.load_converted(source.path, dtype=dtype)
+            m = checkpoint.load_converted(source.path, dtype=dtype, sharding=placement)
         stats["restored"] += 1
         return LoadedModel(m.config, m.params, m.generation, m.tokenizer, source, Path(source.path), True)
     root = cache_dir() if use_cache else None
@@ -337,7 +339,7 @@ def load(source: ModelSource, dtype: Any, *, use_cache: bool = True) -> LoadedMo
     entry = entry_path(source, dtype, root, identity)
     if entry.exists():
         try:
-            return _restore_entry(entry, source, identity, dtype)
+            return _restore_entry(entry, source, identity, dtype, placement=placement)
         except checkpoint.CheckpointError as e:
             _warn(f"model cache entry {entry} is unusable, rebuilding it: {e}")
             checkpoint.remove_dir(entry)

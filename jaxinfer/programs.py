@@ -43,6 +43,7 @@ from jaxinfer import progress, step
 from jaxinfer.attention import AttentionMetadata
 from jaxinfer.buckets import bucket_for, pages_needed
 from jaxinfer.compile_cache import cache_root, caching_enabled, jax_cache_active
+from jaxinfer.mesh import cache_sharding, replicated
 from jaxinfer.sampler import build_metadata
 
 log = logging.getLogger("jaxinfer")
@@ -65,8 +66,10 @@ class ProgramKey:
         return f"{self.kind}-b{self.batch}-t{self.tokens}-p{self.pages}.bin"
 
 
-def _sds(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+def _sds(tree, sharding=None):
+    """Shapes, dtypes and shardings of a tree: a device array's own, else ``sharding``."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", sharding)), tree)
 
 
 def return_freed_memory() -> None:
@@ -216,21 +219,20 @@ class ProgramTable:
     def _abstract_args(self, key: ProgramKey):
         r = self.runner
         b, t, p = key.batch, key.tokens, key.pages
-        i32 = jnp.int32
+        rep = replicated(r.mesh)  # host inputs go to every device
+
+        def host(*shape, dtype=jnp.int32):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
         md = _sds(build_metadata([None] * b, b, num_slots=self.ecfg.max_num_seqs,
-                                 max_logprobs=self.ecfg.max_logprobs))
-        attn = AttentionMetadata(
-            jax.ShapeDtypeStruct((b, t), i32), jax.ShapeDtypeStruct((b, t), i32),
-            jax.ShapeDtypeStruct((b, p), i32), jax.ShapeDtypeStruct((b,), i32),
-        )
+                                 max_logprobs=self.ecfg.max_logprobs), rep)
+        attn = AttentionMetadata(host(b, t), host(b, t), host(b, p), host(b))
+        state = (_sds(r.params), _sds(r.kv_cache), _sds(r.sampler_state))
+        fn = step.on_mesh(key.kind, cache_sharding(r.mesh), rep)
         if key.kind == "prefill":
-            fn = step.prefill
-            args = (r.params, r.kv_cache, r.sampler_state, jax.ShapeDtypeStruct((b, t), i32), attn,
-                    jax.ShapeDtypeStruct((b,), i32), md)
+            args = (*state, host(b, t), attn, host(b), md)
         else:
-            fn = step.decode_step
-            args = (r.params, r.kv_cache, r.sampler_state, jax.ShapeDtypeStruct((b,), i32),
-                    jax.ShapeDtypeStruct((b,), jnp.bool_), attn, md)
+            args = (*state, host(b), host(b, dtype=jnp.bool_), attn, md)
         return fn, args
 
     def _load_or_compile(self, key: ProgramKey):
@@ -247,7 +249,8 @@ class ProgramTable:
                 self.loaded_from_disk += 1
         else:
             fn, args = self._abstract_args(key)
-            prog = fn.lower(*args, cfg=self.runner.cfg).compile()
+            with jax.set_mesh(self.runner.mesh):  # attention shard_maps over its "tp" axis
+                prog = fn.lower(*args, cfg=self.runner.cfg).compile()
             if not jax_cache_active():  # see jaxinfer.compile_cache: such a copy would not reload
                 self._save(key, prog)
         with self._lock:
@@ -277,7 +280,9 @@ class ProgramTable:
         for part in (
             FORMAT, jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
             getattr(dev.client, "platform_version", ""), sorted(cpu_flags()) if dev.platform == "cpu" else "",
-            repr(r.cfg), repr(self.ecfg), r.reads_row_lengths,
+            repr(r.cfg), repr(self.ecfg), r.reads_row_lengths, r.mesh.devices.shape,
+            [d.id for d in r.mesh.devices.flat], jax.device_count(), jax.process_count(),
+            jax.process_index(),
             [(s.shape, str(s.dtype)) for s in jax.tree.leaves(_sds(r.params))],
             str(jax.tree.structure(r.params)),
         ):
@@ -348,4 +353,5 @@ def _device_code_digest() -> bytes:
 
 
 # The modules whose code ends up in a step program (with kernels/ and models/).
-_DEVICE_SOURCES = ("step.py", "sampler.py", "attention.py", "kv_cache.py", "config.py", "spec.py", "programs.py")
+_DEVICE_SOURCES = ("step.py", "sampler.py", "attention.py", "attention_pallas.py", "kv_cache.py", "config.py",
+                   "spec.py", "programs.py", "mesh.py")

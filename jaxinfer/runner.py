@@ -9,15 +9,20 @@ table's page width.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import jax
 import numpy as np
 
+from jaxinfer import distributed
 from jaxinfer.attention import AttentionMetadata, prepare_cpu_kernel, reads_row_lengths
 from jaxinfer.buckets import bucket_for, pages_needed
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.distributed import to_host
 from jaxinfer.kv_cache import init_cache, slots_for
+from jaxinfer.mesh import TPLayout, cache_sharding, make_mesh, place_params, replicated
 from jaxinfer.outputs import Logprob
 from jaxinfer.programs import ProgramKey, ProgramTable
 from jaxinfer.request import Request, TokenRef
@@ -34,16 +39,30 @@ class PrefillChunk:
 
 
 class ModelRunner:
+    """``model_cfg`` is the model as loaded; ``params`` its tree (host or device arrays, or restored
+    into `jaxinfer.mesh.load_shardings`). On the engine's mesh the runner works with the
+    tensor-parallel layout of both: `cfg` is `TPLayout.config(model_cfg)` (the plain model at
+    ``tensor_parallel_size`` 1), `params` are laid out and placed, the KV cache is split by KV heads.
+    """
+
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params: Any):
-        self.cfg = model_cfg
+        self.model_cfg = model_cfg
         self.ecfg = engine_cfg
-        self.params = params
+        self.mesh = make_mesh(engine_cfg)
+        self.layout = TPLayout.of(model_cfg, engine_cfg.tensor_parallel_size)
+        self.cfg = self.layout.config(model_cfg)
+        self.params = place_params(params, model_cfg, self.layout, self.mesh)
         self.max_model_len = engine_cfg.context_limit(model_cfg.max_position_embeddings, model_cfg.kv_window)
-        self.kv_cache = init_cache(model_cfg, engine_cfg)
-        self.sampler_state = init_sampler_state(engine_cfg.max_num_seqs, model_cfg.vocab_size)
+        self.kv_cache = init_cache(self.cfg, engine_cfg, sharding=cache_sharding(self.mesh))
+        self.sampler_state = jax.jit(  # made on the devices (every process of a multi-host mesh)
+            functools.partial(init_sampler_state, engine_cfg.max_num_seqs, model_cfg.vocab_size),
+            out_shardings=replicated(self.mesh))()
+        # Several processes: the leader (process 0) publishes each step's plan, the others follow it.
+        self.plans = distributed.PlanChannel() if distributed.is_multiprocess() else None
         prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace
         self.reads_row_lengths = reads_row_lengths(
-            model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, engine_cfg.cache_dtype
+            self.cfg.num_heads // self.layout.shards, self.cfg.num_kv_heads // self.layout.shards,
+            self.cfg.head_dim, engine_cfg.cache_dtype, engine_cfg.page_size,
         )
         self.programs = ProgramTable(self)
 
@@ -97,11 +116,7 @@ class ModelRunner:
             )
         attn = AttentionMetadata(positions, slots, table, kv_lens)
         md = self._sampling(rows, b)
-        prog = self.programs.get(ProgramKey("prefill", b, t, table.shape[1]))
-        out, self.kv_cache, self.sampler_state = prog(
-            self.params, self.kv_cache, self.sampler_state, tokens, attn, last, md
-        )
-        return out
+        return self._run(ProgramKey("prefill", b, t, table.shape[1]), (tokens, attn, last, md))
 
     def decode(self, reqs: Sequence[Request]) -> SamplerOutput:
         """Dispatch one decode step: each request's last drawn token goes in, the next comes out.
@@ -130,11 +145,38 @@ class ModelRunner:
             rows[i] = RowSampling(r.params, r.seed, p + 1, r.slot, is_output=True, banned=r.banned_ids())
         attn = AttentionMetadata(pos, slots, table, kv_lens)
         md = self._sampling(rows, b)
-        prog = self.programs.get(ProgramKey("decode", b, 1, table.shape[1]))
-        out, self.kv_cache, self.sampler_state = prog(
-            self.params, self.kv_cache, self.sampler_state, tokens, from_state, attn, md
-        )
+        return self._run(ProgramKey("decode", b, 1, table.shape[1]), (tokens, from_state, attn, md))
+
+    def _run(self, key: ProgramKey, host_args: tuple) -> SamplerOutput:
+        """Dispatch the program ``key`` on the host inputs; the leader of several processes
+        first publishes them, so every process runs the same step."""
+        if self.plans is not None:
+            self.plans.publish(key, host_args)
+            host_args = distributed.global_inputs(host_args, replicated(self.mesh))
+        prog = self.programs.get(key)
+        out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *host_args)
         return out
+
+    # -- several processes ---------------------------------------------------
+
+    def follow(self) -> int:
+        """A follower process: run the leader's steps, in order, until it stops; returns how many."""
+        if self.plans is None or distributed.is_leader():
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
+        n = 0
+        while (plan := self.plans.receive()) is not None:
+            key, host_args = plan
+            prog = self.programs.get(key)
+            args = distributed.global_inputs(host_args, replicated(self.mesh))
+            _, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)
+            n += 1
+        return n
+
+    def stop_followers(self) -> None:
+        """The leader: tell the followers there are no more steps."""
+        if self.plans is not None and distributed.is_leader():
+            self.plans.stop()
+            self.plans = None
 
 
 def read_output(out: SamplerOutput, reqs: Sequence[Request], rows: Optional[Sequence[int]] = None) -> list:
@@ -143,10 +185,10 @@ def read_output(out: SamplerOutput, reqs: Sequence[Request], rows: Optional[Sequ
     ``rows`` gives each request's row in the step (default: row i for request i).
     """
     rows = list(range(len(reqs))) if rows is None else list(rows)
-    tokens = np.asarray(out.tokens)
+    tokens = to_host(out.tokens)
     lps = None
     if out.logprob is not None and any(r.params.logprobs is not None for r in reqs):
-        lps = (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+        lps = (to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs))
     res = []
     for i, r in zip(rows, reqs):
         lp = None

@@ -14,7 +14,6 @@ data. The engine compiles them ahead of time into its program table
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import chex
@@ -51,8 +50,7 @@ def _step_core(
     return out, kv_cache, sampler_state
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv_cache", "sampler_state"))
-def prefill(
+def _prefill(
     params: Any,
     kv_cache: list,
     sampler_state: SamplerState,
@@ -72,8 +70,7 @@ def prefill(
     return _step_core(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, True)
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv_cache", "sampler_state"))
-def decode_step(
+def _decode_step(
     params: Any,
     kv_cache: list,
     sampler_state: SamplerState,
@@ -96,6 +93,19 @@ def decode_step(
     tokens = jnp.where(from_state, on_device, tokens)
     last = jnp.zeros((b,), jnp.int32)
     return _step_core(params, kv_cache, sampler_state, tokens[:, None], attn, last, sampling, cfg, False)
+
+
+_JIT = dict(static_argnames=("cfg",), donate_argnames=("kv_cache", "sampler_state"))
+prefill = jax.jit(_prefill, **_JIT)
+decode_step = jax.jit(_decode_step, **_JIT)
+
+
+def on_mesh(kind: str, cache_sharding: Any, replicated: Any):
+    """The step ``kind`` ("prefill" | "decode") jitted for a device mesh: the KV cache comes back in
+    ``cache_sharding`` and the rest (drawn tokens, sampler state) replicated, as they went in,
+    so every step's outputs are the next step's inputs as compiled."""
+    fn = _prefill if kind == "prefill" else _decode_step
+    return jax.jit(fn, out_shardings=(replicated, cache_sharding, replicated), **_JIT)
 
 
 def compiled_count() -> int:

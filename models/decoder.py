@@ -24,7 +24,10 @@ Loaders (`jaxinfer.weights`) map every file format and family naming to these.
 
 Layout: weights are stored ``[in, out]`` so a layer is ``x @ w``. Q, K and V are
 fused into one ``wqkv`` and gate/up into one ``w_gate_up``: fewer, larger
-matmuls, which is what a memory-bound decode step wants. Layers are a Python
+matmuls, which is what a memory-bound decode step wants. On a device mesh their
+columns are ordered per tensor-parallel shard (`split_qkv`, `split_gate_up`; the
+layout is `jaxinfer.mesh.TPLayout`'s), so each device's columns are its own heads;
+the same code runs at every tensor-parallel size. Layers are a Python
 list, so a jitted step unrolls them and each layer's cache array is updated
 in place (a `lax.scan` carrying the whole cache copies it every step); it also
 lets layers differ (sliding or full attention, dense or routed MLP).
@@ -132,7 +135,11 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
-    """Convert canonical Hugging Face tensors (``[out, in]`` weights) to our parameter tree."""
+    """Convert canonical Hugging Face tensors (``[out, in]`` weights) to our parameter tree.
+
+    The tree is in host memory (numpy arrays of ``dtype``): `jaxinfer.mesh.place_params` puts it
+    on the devices, shard by shard, so a model never sits whole on one device first.
+    """
 
     def get(name: str) -> np.ndarray:
         try:
@@ -140,8 +147,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
         except KeyError:
             raise ValueError(f"weights are missing tensor {name!r}") from None
 
-    def put(x: np.ndarray) -> jax.Array:
-        return jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
+    host_dtype = np.dtype(jnp.dtype(dtype))
+
+    def put(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x).astype(host_dtype, copy=False)
 
     layers = []
     for li in range(cfg.num_layers):
@@ -289,8 +298,30 @@ def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
+def split_gate_up(cfg: ModelConfig, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., 2i] -> gate, up [..., i]; the columns are [gate | up] per tensor-parallel shard
+    (`ModelConfig.tp_shards`, see `jaxinfer.mesh`), one shard: [gate | up]."""
+    s = cfg.tp_shards
+    y = y.reshape(*y.shape[:-1], s, 2, y.shape[-1] // (2 * s))
+    lead = y.shape[:-3]
+    return y[..., 0, :].reshape(*lead, -1), y[..., 1, :].reshape(*lead, -1)
+
+
+def split_qkv(cfg: ModelConfig, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[B, T, (H + 2 KVH) * D] -> q [B, T, H, D], k, v [B, T, KVH, D]; the columns are [q | k | v]
+    per tensor-parallel shard (`ModelConfig.tp_shards`), one shard: [q | k | v]."""
+    b, t, _ = qkv.shape
+    s, d = cfg.tp_shards, cfg.head_dim
+    nq, nkv = cfg.num_heads // s, cfg.num_kv_heads // s
+    x = qkv.reshape(b, t, s, (nq + 2 * nkv) * d)
+    q = x[..., : nq * d].reshape(b, t, cfg.num_heads, d)
+    k = x[..., nq * d : (nq + nkv) * d].reshape(b, t, cfg.num_kv_heads, d)
+    v = x[..., (nq + nkv) * d :].reshape(b, t, cfg.num_kv_heads, d)
+    return q, k, v
+
+
 def dense_mlp(p: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    gate, up = jnp.split(matmul(h, p["w_gate_up"]), 2, axis=-1)
+    gate, up = split_gate_up(cfg, matmul(h, p["w_gate_up"]))
     return matmul(activation(cfg, gate) * up, p["w_down"])
 
 
@@ -301,9 +332,7 @@ def _layer(p: Params, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn
     qkv = matmul(h, p["wqkv"])
     if cfg.attention_bias:
         qkv = qkv + p["bqkv"].astype(jnp.float32)
-    q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = split_qkv(cfg, qkv)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], eps, off)
         k = rms_norm(k, p["k_norm"], eps, off)

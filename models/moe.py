@@ -61,8 +61,8 @@ def hf_tensor_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
     return shapes
 
 
-def params_from_hf(get: Callable[[str], np.ndarray], put: Callable[[np.ndarray], jax.Array], cfg: ModelConfig,
-                   prefix: str) -> dict[str, jax.Array]:
+def params_from_hf(get: Callable[[str], np.ndarray], put: Callable[[np.ndarray], np.ndarray], cfg: ModelConfig,
+                   prefix: str) -> dict[str, np.ndarray]:
     experts = [f"{prefix}experts.{e}." for e in range(cfg.num_experts)]
     gate_up = np.stack(
         [np.concatenate([get(x + "gate_proj.weight"), get(x + "up_proj.weight")], axis=0).T for x in experts]
@@ -95,7 +95,7 @@ def block_rows(slots: int, num_experts: int) -> int:
 
 def routed_mlp(p: dict[str, jax.Array], cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """h: [..., hidden] -> the routed experts' output [..., hidden] float32."""
-    from jaxinfer.models.decoder import activation, matmul
+    from jaxinfer.models.decoder import activation, matmul, split_gate_up
 
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
@@ -124,7 +124,7 @@ def routed_mlp(p: dict[str, jax.Array], cfg: ModelConfig, h: jax.Array) -> jax.A
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token_of_row].reshape(nb, bt, d)
     wgu = p["w_gate_up"][block_expert]  # [nb, d, 2i]: each block's expert
     y = jnp.einsum("btd,bdo->bto", xs.astype(wgu.dtype), wgu, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(y, 2, axis=-1)
+    gate, up = split_gate_up(cfg, y)
     a = activation(cfg, gate) * up
     wd = p["w_down"][block_expert]
     out = jnp.einsum("bti,bid->btd", a.astype(wd.dtype), wd, preferred_element_type=jnp.float32)

@@ -142,6 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     config.host, "TLS and a token" if not config.tls_cert and not config.auth_token
                     else "TLS" if not config.tls_cert else "a token")
 
+    from jaxinfer import distributed
     from jaxinfer.compile_cache import enable_compilation_cache
     from jaxinfer.llm import LLM
     from jaxinfer.server import serve
@@ -152,6 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
                   log_stats_interval=args.log_stats_interval or None, warmup=args.warmup)
     except ValueError as e:
         return _err(str(e), 2)
+    if distributed.run_as_follower(llm):  # a multi-process run: process 0 serves
+        return 0
 
     def ready(server) -> None:
         e = llm.engine_config

@@ -850,10 +850,13 @@ def bench_command(args, out=None) -> int:
     if getattr(args, "server", None):
         return bench_server_command(args, entries, in_range, out_range, out)
 
+    from jaxinfer import distributed
     from jaxinfer.cli_flags import llm_kwargs
     from jaxinfer.llm import LLM
 
     llm = LLM(**llm_kwargs(args))  # the model and engine flags as every command loads them
+    if distributed.run_as_follower(llm):  # a multi-process run: process 0 measures
+        return 0
     try:
         vocab = llm.model_config.vocab_size
         if entries is not None:

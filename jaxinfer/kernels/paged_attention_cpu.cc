@@ -432,7 +432,7 @@ void run_items(const Problem& p, bool bf16, Progress& prog, int64_t total) {
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> positions, float scale, int64_t window,
+                          ffi::Buffer<ffi::S32> positions, float scale, int64_t window, bool share,
                           ffi::ResultBuffer<ffi::F32> out,
                           ffi::Result<ffi::AnyBuffer> cache) {
   const auto qd = q.dimensions();
@@ -488,7 +488,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
   const int64_t total = p.batch * p.tiles * p.kv_heads;
   auto prog = std::make_shared<Progress>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  // `share` false (a multi-device mesh, whose devices already keep every core busy, and whose
+  // collectives block pool threads): the calling thread does every item itself.
+  const int64_t helpers = share ? std::min<int64_t>(pool.num_threads(), total) - 1 : 0;
   for (int64_t i = 0; i < helpers; ++i) {
     // `p` is copied; its pointers are used only while items remain, i.e. before we return.
     pool.Schedule([prog, p, bf16, total] { run_items(p, bf16, *prog, total); });
@@ -511,5 +513,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window")  // 0: full causal attention
+                                  .Attr<bool>("share")      // share the items with the intra-op pool
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Ret<ffi::AnyBuffer>());       // cache, updated in place

@@ -1,0 +1,47 @@
+"""One process of the two-process test (tests/test_multihost.py): a tiny random Llama on a
+tensor-parallel mesh over every process's CPU devices. Process 0 generates and writes the
+tokens as JSON to argv[1]; the other process follows its steps.
+
+Run by the test with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and
+XLA_FLAGS=--xla_force_host_platform_device_count=N set.
+"""
+
+import json
+import os
+import sys
+
+import jax
+
+from jaxinfer import distributed
+
+distributed.initialize()  # before anything touches the backend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import TINY, TINY_ENGINE  # noqa: E402
+
+import jaxinfer  # noqa: E402
+from jaxinfer.models import llama  # noqa: E402
+from jaxinfer.spec import init_random  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(20, 45))]
+
+
+def main() -> None:
+    params = init_random(llama.param_specs(TINY), jax.random.PRNGKey(0))
+    engine = TINY_ENGINE.replace(tensor_parallel_size=jax.device_count())
+    llm = jaxinfer.LLM.from_params(TINY, params, engine_config=engine)
+    if distributed.is_leader():
+        sp = jaxinfer.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, sp)
+        llm.close()
+        with open(sys.argv[1], "w") as f:
+            json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "devices": jax.device_count(),
+                       "processes": jax.process_count()}, f)
+    else:
+        steps = llm.follow()
+        print(f"process {jax.process_index()} followed {steps} steps", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
