@@ -271,6 +271,8 @@ class LLM:
             "num_pages": e.num_pages,
             "kv_capacity_tokens": (e.num_pages - 1) * e.page_size,
             "backend": jax.default_backend(),
+            "tensor_parallel_size": e.tensor_parallel_size,
+            "processes": jax.process_count(),
         }
 
 

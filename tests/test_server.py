@@ -321,7 +321,7 @@ def test_model_info_and_tokenize(llm, client):
     assert info["max_model_len"] == MAX_LEN and info["vocab_size"] == 512 and info["page_size"] == 4
     assert info["num_pages"] == 256 and info["kv_capacity_tokens"] == 255 * 4
     assert info["page_buckets"] == list(ENGINE.page_buckets) and info["has_tokenizer"] is False
-    assert info["max_waiting"] == -1
+    assert info["max_waiting"] == -1 and info["tensor_parallel_size"] == 1
     assert set(info["stats"]) >= {"running", "waiting", "kv_usage", "prefix_hit_rate", "generation_throughput"}
     with pytest.raises(ServerError) as e:
         client.tokenize("hello")
