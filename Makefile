@@ -21,11 +21,15 @@ demo: setup
 	$(BIN)/jaxinfer generate "$(PROMPT)"
 
 # The whole suite, then the model-level tests again with the CPU attention kernel off:
-# GPU and TPU run that pure-JAX path, and CI has neither.
+# GPU and TPU run that pure-JAX path, and CI has neither. Then tensor parallelism on
+# 8 fake CPU devices (tests/multidevice skips in a one-device process), kernel on and off.
+MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
 test: setup
 	$(BIN)/python -m pytest -q
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_paged_model.py tests/test_engine.py tests/test_llm.py
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_families.py -k logits_match
+	$(MESH8) $(BIN)/python -m pytest -q -p no:cacheprovider tests/multidevice
+	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/multidevice -k "not smollm2 and not program_cache"
 
 # Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers,
 # accelerate). The peer benchmarks live in benchmarks/ (not installed) and run from the repository root;

@@ -303,7 +303,9 @@ class ProgramTable:
 
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return deserialize_and_load(payload, in_tree, out_tree)
+            # onto the mesh's devices: by default it would load onto every device of the process
+            return deserialize_and_load(payload, in_tree, out_tree,
+                                        execution_devices=list(self.runner.mesh.devices.flat))
         except Exception as e:  # a stale or damaged entry: compile again and overwrite it
             log.warning("program cache entry %s unusable (%s: %s); compiling it again", path, type(e).__name__, e)
             return None
