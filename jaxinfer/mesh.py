@@ -282,7 +282,9 @@ def place_params(params: Any, cfg: ModelConfig, layout: TPLayout, mesh: Mesh) ->
         axis, idx = m
         staged = x if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 else _put(
             x, _spread(np.shape(x), axis, mesh))
-        return _permute(axis, sharding)(staged, _put(idx.astype(np.int32), replicated(mesh)))
+        # One leaf at a time: only one leaf's staging copy is alive, and only one program with
+        # collectives is in flight (XLA:CPU's in-process collectives deadlock on several).
+        return _permute(axis, sharding)(staged, _put(idx.astype(np.int32), replicated(mesh))).block_until_ready()
 
     return jax.tree_util.tree_map_with_path(place, params, final)
 

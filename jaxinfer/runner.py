@@ -59,6 +59,9 @@ class ModelRunner:
             out_shardings=replicated(self.mesh))()
         # Several processes: the leader (process 0) publishes each step's plan, the others follow it.
         self.plans = distributed.PlanChannel() if distributed.is_multiprocess() else None
+        # XLA:CPU's collectives block a pool thread per device until every device arrives, so two
+        # steps in flight can starve each other: on a CPU mesh each step completes before the next.
+        self.one_step_in_flight = self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
         prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace
         self.reads_row_lengths = reads_row_lengths(
             self.cfg.num_heads // self.layout.shards, self.cfg.num_kv_heads // self.layout.shards,
@@ -155,6 +158,8 @@ class ModelRunner:
             host_args = distributed.global_inputs(host_args, replicated(self.mesh))
         prog = self.programs.get(key)
         out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *host_args)
+        if self.one_step_in_flight:
+            jax.block_until_ready(out)
         return out
 
     # -- several processes ---------------------------------------------------
@@ -168,7 +173,9 @@ class ModelRunner:
             key, host_args = plan
             prog = self.programs.get(key)
             args = distributed.global_inputs(host_args, replicated(self.mesh))
-            _, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)
+            out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)
+            if self.one_step_in_flight:
+                jax.block_until_ready(out)
             n += 1
         return n
 
