@@ -196,7 +196,7 @@ def start_cpu_kernel_build() -> None:
 
 
 
-def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype, page_size: int = 16) -> bool:
+def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype, page_size: int) -> bool:
     """Whether steps traced now attend with a kernel (CPU, or Pallas on TPU) that stops at each
     row's length (so the page table can be passed at full width: one program for every length).
     Head counts are one device's."""

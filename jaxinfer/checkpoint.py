@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer._version import __version__
 from jaxinfer.config import GenerationDefaults, ModelConfig
@@ -319,7 +320,15 @@ def _restore_params(path: Path, specs, sharding: Any = None) -> Any:
     else:
         shardings = sharding
     # No global_shape: orbax would pad or cut a stored array to fit it. We check shapes after.
-    args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sh), target, shardings)
+    # A leaf whose sharding is None is restored into host memory (numpy).
+    def restore_args(_, sh):
+        if sh is None:
+            return ocp.RestoreArgs(restore_type=np.ndarray)
+        return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sh)
+
+    leaves, treedef = jax.tree.flatten(target)
+    per_leaf = jax.tree.leaves(shardings, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+    args = jax.tree.unflatten(treedef, [restore_args(t, sh) for t, sh in zip(leaves, per_leaf)])
     with ocp.Checkpointer(_handler()) as ckptr:
         params = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args))
     return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(params))
@@ -355,7 +364,8 @@ def load_converted(
     """Restore a converted directory: config, parameters (as ``dtype``, default as saved), tokenizer.
 
     ``sharding``: one `jax.sharding.Sharding` for every leaf, a tree of them shaped
-    like the parameters, or a function of the `ModelConfig` giving either (a mesh's
+    like the parameters (None: that leaf into host memory), or a function of the
+    `ModelConfig` giving either (a mesh's
     `jaxinfer.mesh.load_shardings`: each device reads only its shard); default: the
     first device. Raises
     `CheckpointError` for anything missing, corrupt or mismatched.

@@ -14,20 +14,25 @@ leader reads its own copy. When the leader closes, it publishes a stop plan.
 The key-value store (the coordination service JAX starts with
 `jax.distributed.initialize`) costs about 1.5 ms a plan on loopback, and needs no
 compiled program (`multihost_utils.broadcast_one_to_all` compiles one per shape).
-Plans are deleted two steps later: a follower cannot fall further behind than one
-step, because the leader's step waits for every process in its collectives.
+A plan is deleted once its step has completed (which needs every process). The leader
+builds a step's inputs and program before publishing its plan; a failure after the
+plan is out would leave the processes a step apart, so it ends the leader's process
+(and the runtime's heartbeat then ends the others).
 
 Start (every process, before anything touches a JAX backend): `initialize()`,
 which calls `jax.distributed.initialize` with JAX's own environment
 (``JAX_COORDINATOR_ADDRESS``, plus ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
 where no cluster manager -- SLURM, Open MPI, Kubernetes, Cloud TPU -- provides
-them). ``jaxinfer`` commands call it when ``JAX_COORDINATOR_ADDRESS`` is set.
+them). ``jaxinfer`` commands call it when ``JAX_COORDINATOR_ADDRESS`` is set; a
+program that relies on a cluster manager to supply the coordinator's address calls
+``jax.distributed.initialize()`` itself, first.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import threading
 from typing import Any, Optional
 
 import jax
@@ -73,28 +78,56 @@ def _client():
     return global_state.client
 
 
+_SESSIONS = [0]  # runners made in this process so far: every process makes them in the same order
+
+
 class PlanChannel:
-    """The leader's step plans, in order, through the distributed runtime's key-value store."""
+    """The leader's step plans, in order, through the distributed runtime's key-value store.
+
+    Keys are ``jaxinfer/plan/<session>/<step>``: each runner (the same on every process)
+    has its own session, so a second `LLM` in one run never meets the first one's keys.
+    The leader deletes a plan once the step it planned has completed: a step completes only
+    when every process has run it, so every follower has read its plan by then.
+    """
 
     def __init__(self, wait_s: float = 60.0):
         self.client = _client()
+        _SESSIONS[0] += 1
+        self.prefix = f"{PLAN_PREFIX}{_SESSIONS[0]}/"
         self.step = 0
         self.wait_ms = int(wait_s * 1000)
+        self.stopped = False
+        self._in_flight: list = []  # (step, its output) not yet seen complete, oldest first
+        self._lock = threading.Lock()
 
-    def publish(self, key: Any, host_args: Any) -> None:
-        """Leader: the plan of the next step (``key``: its program, ``host_args``: numpy inputs)."""
-        self.client.key_value_set_bytes(f"{PLAN_PREFIX}{self.step}", pickle.dumps((key, host_args), protocol=5))
-        if self.step >= 2:  # every follower has taken it: it is running the step after it
-            self.client.key_value_delete(f"{PLAN_PREFIX}{self.step - 2}")
-        self.step += 1
+    def publish(self, key: Any, host_args: Any) -> int:
+        """Leader: the plan of the next step (``key``: its program, ``host_args``: numpy inputs);
+        returns its step number, for `dispatched`."""
+        with self._lock:
+            if self.stopped:
+                raise RuntimeError("the followers were stopped: no more steps can run")
+            self.client.key_value_set_bytes(f"{self.prefix}{self.step}", pickle.dumps((key, host_args), protocol=5))
+            self.step += 1
+            while self._in_flight and _complete(self._in_flight[0][1]):
+                self.client.key_value_delete(f"{self.prefix}{self._in_flight.pop(0)[0]}")
+            return self.step - 1
+
+    def dispatched(self, step: int, out: Any) -> None:
+        """Leader: step ``step`` was dispatched with output ``out`` (its plan goes when it completes)."""
+        with self._lock:
+            self._in_flight.append((step, out))
 
     def stop(self) -> None:
         """Leader: no more steps; the followers return."""
-        self.publish(_STOP, None)
+        with self._lock:
+            if self.stopped:
+                return
+            self.client.key_value_set_bytes(f"{self.prefix}{self.step}", pickle.dumps((_STOP, None), protocol=5))
+            self.stopped = True
 
     def receive(self) -> Optional[tuple[Any, Any]]:
         """Follower: the next plan, waiting as long as the leader is idle; None once it stopped."""
-        name = f"{PLAN_PREFIX}{self.step}"
+        name = f"{self.prefix}{self.step}"
         while True:
             try:
                 blob = self.client.blocking_key_value_get_bytes(name, self.wait_ms)
@@ -105,6 +138,24 @@ class PlanChannel:
         self.step += 1
         key, host_args = pickle.loads(blob)
         return None if key == _STOP else (key, host_args)
+
+
+def _complete(out: Any) -> bool:
+    return all(x.is_ready() for x in jax.tree.leaves(out) if isinstance(x, jax.Array))
+
+
+def lost_step(step: int, error: BaseException) -> None:
+    """The leader failed to run a step whose plan is out: the followers are running it and would
+    pair their next collectives with the wrong program. End this process (the runtime's
+    heartbeat ends the others) rather than run on out of step."""
+    import logging
+    import sys
+
+    message = f"jaxinfer: process 0 failed step {step} after publishing its plan ({type(error).__name__}: {error}); " \
+              "the processes are out of step, exiting"
+    logging.getLogger("jaxinfer").critical(message)
+    print(message, file=sys.stderr, flush=True)
+    os._exit(70)
 
 
 def global_inputs(host_args: Any, sharding: Any) -> Any:

@@ -71,7 +71,7 @@ class LLM:
         self.model_source = source
         self.model_cache_path = loaded.cache_path
         self._setup(
-            loaded.config, engine, loaded.params, loaded.tokenizer, loaded.generation, source.name,
+            loaded.config, engine, loaded.take_params(), loaded.tokenizer, loaded.generation, source.name,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             log_stats_interval=log_stats_interval,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -120,7 +120,7 @@ class LLM:
         self.model_name = name
         self.engine_config = engine
         self.runner = ModelRunner(cfg, engine, params)
-        del params  # the runner holds the placed tree; a host copy is freed here
+        del params  # the runner holds the placed tree; what was loaded (host copies) is freed here
         if engine.tensor_parallel_size > 1:
             from jaxinfer import progress
 

@@ -33,11 +33,13 @@ The layout is a model with more heads (`TPLayout.config`): at one shard it is
 the plain model, unchanged. The KV cache follows the laid-out config, one
 shard's KV heads per device.
 
-Placing (`place_params`): never the whole model on one device. A leaf whose
-layout does not change is put straight into its sharding (from host memory by
+Placing (`place_params`): each device receives only its shard (leaves that no
+mesh axis splits, such as norms, are replicated). A leaf whose layout does not
+change is put straight into its sharding (from host memory by
 `jax.make_array_from_callback`, slice by slice, or restored by orbax into it:
-`load_shardings`); a leaf that is re-laid out is first spread over the mesh on
-another axis, then permuted on the devices into its target sharding.
+`load_shardings`); a leaf that is re-laid out is read into host memory, spread
+over the mesh on another axis, and permuted on the devices into its target
+sharding, one leaf at a time.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def make_mesh(engine: EngineConfig, devices: Optional[Sequence[Any]] = None) -> 
                 if devices and devices[0].platform == "cpu" else "")
         raise ValueError(
             f"tensor_parallel_size {tp} needs {tp * dp} devices; this process sees {len(devices)}{hint}"
+        )
+    if jax.process_count() > 1 and tp * dp != len(devices):
+        raise ValueError(
+            f"a run of {jax.process_count()} processes needs a mesh over all their {len(devices)} devices; "
+            f"tensor_parallel_size {tp} x data_parallel_size {dp} is {tp * dp}"
         )
     grid = np.array(devices[: tp * dp], dtype=object).reshape(dp, tp)
     auto = jax.sharding.AxisType.Auto
@@ -228,7 +235,8 @@ def _spread(shape: tuple[int, ...], skip_axis: int, mesh: Mesh) -> NamedSharding
 
 def load_shardings(cfg: ModelConfig, layout: TPLayout, mesh: Mesh, dtype: Any = jnp.float32) -> Any:
     """Where to restore each leaf of the original (not laid-out) tree: its final sharding when
-    the layout leaves it as it is, else spread over the mesh for `place_params` to re-lay out."""
+    the layout leaves it as it is, else None: into host memory, for `place_params` to re-lay
+    out and place one leaf at a time (so the devices never hold a second copy of those leaves)."""
     from jaxinfer.models import get_family
 
     specs = get_family(cfg.architecture).param_specs(cfg, dtype)
@@ -236,8 +244,7 @@ def load_shardings(cfg: ModelConfig, layout: TPLayout, mesh: Mesh, dtype: Any = 
     maps = _relayouts(cfg, layout)
 
     def pick(path, spec, sharding):
-        m = maps.get((_leaf_name(path), len(spec.shape)))
-        return sharding if m is None else _spread(spec.shape, m[0], mesh)
+        return sharding if (_leaf_name(path), len(spec.shape)) not in maps else None
 
     return jax.tree_util.tree_map_with_path(pick, specs, final, is_leaf=is_spec)
 
@@ -262,9 +269,9 @@ def _put(x: Any, sharding: NamedSharding) -> jax.Array:
     if isinstance(x, jax.Array):
         if x.sharding == sharding:
             return x
-        if sharding.is_fully_addressable:
+        if sharding.is_fully_addressable or not x.is_fully_addressable:
             return jax.device_put(x, sharding)
-        x = np.asarray(x)  # a mesh over several processes: each takes its slices from the host copy
+        x = np.asarray(x)  # one process's array onto a mesh of several: each takes its slices from it
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: np.ascontiguousarray(x[index]))
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -76,7 +77,7 @@ stats: collections.Counter = collections.Counter()
 
 @dataclass
 class LoadedModel:
-    """A model ready for the engine: config, parameter tree (device arrays), defaults, tokenizer."""
+    """A model ready for the engine: config, parameter tree (host or device arrays), defaults, tokenizer."""
 
     config: ModelConfig
     params: Any
@@ -85,6 +86,11 @@ class LoadedModel:
     source: ModelSource
     cache_path: Optional[Path] = None  # the entry restored or written, if any
     from_cache: bool = False
+
+    def take_params(self) -> Any:
+        """The parameter tree, handed over: this object lets go of it (so it can be freed once placed)."""
+        params, self.params = self.params, None
+        return params
 
 
 # --------------------------------------------------------------------------- #
@@ -345,6 +351,8 @@ def load(source: ModelSource, dtype: Any, *, use_cache: bool = True, placement: 
             checkpoint.remove_dir(entry)
             stats["rebuilt"] += 1
     model = _convert_in_memory(source, dtype)
+    if jax.process_index() != 0:  # several processes converting at once: process 0 writes the entry
+        return model
     try:
         _publish(model, entry, identity, dtype)
         _remove_stale(root, entry, identity, dtype)

@@ -153,11 +153,17 @@ class ModelRunner:
     def _run(self, key: ProgramKey, host_args: tuple) -> SamplerOutput:
         """Dispatch the program ``key`` on the host inputs; the leader of several processes
         first publishes them, so every process runs the same step."""
-        if self.plans is not None:
-            self.plans.publish(key, host_args)
-            host_args = distributed.global_inputs(host_args, replicated(self.mesh))
         prog = self.programs.get(key)
-        out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *host_args)
+        if self.plans is None:
+            out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *host_args)
+        else:  # everything that can fail comes before the plan goes out
+            args = distributed.global_inputs(host_args, replicated(self.mesh))
+            step = self.plans.publish(key, host_args)
+            try:
+                out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)
+            except BaseException as e:
+                distributed.lost_step(step, e)
+            self.plans.dispatched(step, out)
         if self.one_step_in_flight:
             jax.block_until_ready(out)
         return out
@@ -183,7 +189,6 @@ class ModelRunner:
         """The leader: tell the followers there are no more steps."""
         if self.plans is not None and distributed.is_leader():
             self.plans.stop()
-            self.plans = None
 
 
 def read_output(out: SamplerOutput, reqs: Sequence[Request], rows: Optional[Sequence[int]] = None) -> list:

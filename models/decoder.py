@@ -138,7 +138,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
     """Convert canonical Hugging Face tensors (``[out, in]`` weights) to our parameter tree.
 
     The tree is in host memory (numpy arrays of ``dtype``): `jaxinfer.mesh.place_params` puts it
-    on the devices, shard by shard, so a model never sits whole on one device first.
+    on the devices, each device receiving only its shard.
     """
 
     def get(name: str) -> np.ndarray:
