@@ -326,8 +326,7 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
                            chat_template_kwargs=args.chat_template_kwargs)
     # compile (or load) just this request's programs, with progress; that time is not the request's
     t0 = time.perf_counter()
-    llm.engine.runner.programs.warmup(llm.engine.request_program_keys(len(req.prompt_ids), req.max_tokens),
-                                      complete=False)
+    llm.engine.runner.warmup(llm.engine.request_program_keys(len(req.prompt_ids), req.max_tokens), complete=False)
     req.metrics.arrival_time += time.perf_counter() - t0
     progress.ready(_T_START)
     deltas = llm.stream_request(req)

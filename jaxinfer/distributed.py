@@ -87,7 +87,8 @@ class PlanChannel:
     Keys are ``jaxinfer/plan/<session>/<step>``: each runner (the same on every process)
     has its own session, so a second `LLM` in one run never meets the first one's keys.
     The leader deletes a plan once the step it planned has completed: a step completes only
-    when every process has run it, so every follower has read its plan by then.
+    when every process has run it, so every follower has read its plan by then. (A warm-up
+    plan, which lists programs to compile, plans no step and stays: a few keys a run.)
     """
 
     def __init__(self, wait_s: float = 60.0):

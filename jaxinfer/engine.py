@@ -383,7 +383,7 @@ class Engine:
         After it, serving compiles nothing: any mix of sampling settings, logprobs, prompt
         lengths and batch sizes runs one of these programs.
         """
-        return self.runner.programs.warmup(self.program_keys())
+        return self.runner.warmup(self.program_keys())
 
     @staticmethod
     def compiled_count() -> int:

@@ -29,6 +29,9 @@ from jaxinfer.request import Request, TokenRef
 from jaxinfer.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
 
 
+WARMUP = "warmup"  # a plan that lists programs to compile, not a step
+
+
 @dataclass
 class PrefillChunk:
     """Prefill `length` tokens of `request` starting at position `start`."""
@@ -62,6 +65,7 @@ class ModelRunner:
         # XLA:CPU's collectives block a pool thread per device until every device arrives, so two
         # steps in flight can starve each other: on a CPU mesh each step completes before the next.
         self.one_step_in_flight = self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
+        self.warmups_followed = 0  # a follower: warm-up plans of the leader it ran
         prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace
         self.reads_row_lengths = reads_row_lengths(
             self.cfg.num_heads // self.layout.shards, self.cfg.num_kv_heads // self.layout.shards,
@@ -168,6 +172,14 @@ class ModelRunner:
             jax.block_until_ready(out)
         return out
 
+    def warmup(self, keys: list, complete: bool = True) -> int:
+        """Compile (or load) the programs ``keys`` (`ProgramTable.warmup`); the leader of several
+        processes first tells the followers, so they compile them at the same time instead of
+        one by one when the steps arrive."""
+        if self.plans is not None and distributed.is_leader():
+            self.plans.publish(WARMUP, (list(keys), complete))  # compiles only: no step to wait for
+        return self.programs.warmup(keys, complete)
+
     # -- several processes ---------------------------------------------------
 
     def follow(self) -> int:
@@ -177,6 +189,10 @@ class ModelRunner:
         n = 0
         while (plan := self.plans.receive()) is not None:
             key, host_args = plan
+            if key == WARMUP:
+                self.programs.warmup(*host_args)
+                self.warmups_followed += 1
+                continue
             prog = self.programs.get(key)
             args = distributed.global_inputs(host_args, replicated(self.mesh))
             out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)

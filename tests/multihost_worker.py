@@ -31,6 +31,8 @@ def main() -> None:
     engine = TINY_ENGINE.replace(tensor_parallel_size=jax.device_count())
     llm = jaxinfer.LLM.from_params(TINY, params, engine_config=engine)
     if distributed.is_leader():
+        # the follower compiles these when the leader does (a warm-up plan), not one by one later
+        llm.engine.runner.warmup(llm.engine.request_program_keys(len(PROMPTS[0]), 8), complete=False)
         sp = jaxinfer.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, sp)
         llm.close()
@@ -39,7 +41,8 @@ def main() -> None:
                        "processes": jax.process_count()}, f)
     else:
         steps = llm.follow()
-        print(f"process {jax.process_index()} followed {steps} steps", flush=True)
+        print(f"process {jax.process_index()} followed {steps} steps and "
+              f"{llm.runner.warmups_followed} warm-up", flush=True)
     jax.distributed.shutdown()
 
 

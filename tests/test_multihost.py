@@ -51,7 +51,7 @@ def test_two_processes_draw_the_tokens_of_one(tmp_path):
         assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
     got = json.loads(out.read_text())
     assert got["devices"] == 8 and got["processes"] == 2
-    assert "followed" in logs[1]
+    assert "followed" in logs[1] and "and 1 warm-up" in logs[1], logs[1][-2000:]
 
     params = init_random(llama.param_specs(TINY), jax.random.PRNGKey(0))
     llm = jaxinfer.LLM.from_params(TINY, params, engine_config=TINY_ENGINE)
