@@ -206,27 +206,10 @@ class StepBench:
             r.num_sampled = 1
             r.last_token = int(prompt[-1])
             self.requests.append(r)
-        captured = {}
-        table = runner.programs
-        real_get = table.get
-
-        def spy_get(key):
-            prog = real_get(key)
-
-            def call(*args):
-                captured["prog"], captured["args"] = prog, args
-                return prog(*args)
-
-            return call
-
-        table.get = spy_get
-        try:
-            runner.decode(self.requests).tokens.block_until_ready()
-        finally:
-            del table.get  # back to the class's method
-        self.program = captured["prog"]
-        # (params, kv_cache, sampler_state) are fed back each call; the rest is built once
-        self.inputs = jax.device_put(captured["args"][3:])  # tokens, from_state, attention and sampling metadata
+        key, host_inputs = runner.decode_inputs(self.requests)
+        runner.decode(self.requests).tokens.block_until_ready()
+        self.program = runner.programs.get(key)
+        self.inputs = jax.device_put(host_inputs)  # tokens, from_state, attention and sampling metadata
         self.direct(3)
         self.through_runner(3)
 

@@ -445,28 +445,11 @@ def time_decode_step(llm, context: int, calls: int, rounds: int, rng: random.Ran
     req.num_computed = context - 1
     req.num_sampled = 1
     req.last_token = int(ids[-1])
-    table = runner.programs
-    caught: dict = {}
-    real_get = table.get
-
-    def catching_get(key):
-        prog = real_get(key)
-        caught["key"] = key
-
-        def call(*args):
-            caught["prog"], caught["args"] = prog, args
-            return prog(*args)
-
-        return call
-
-    table.get = catching_get
-    try:
-        t0 = time.perf_counter()
-        runner.decode([req]).tokens.block_until_ready()
-        first_s = time.perf_counter() - t0
-    finally:
-        del table.get  # the class's method again
-    prog, inputs = caught["prog"], caught["args"][3:]
+    key, inputs = runner.decode_inputs([req])
+    t0 = time.perf_counter()
+    runner.decode([req]).tokens.block_until_ready()
+    first_s = time.perf_counter() - t0
+    prog = runner.programs.get(key)
 
     def run(n: int) -> float:
         t0 = time.perf_counter()
@@ -483,7 +466,7 @@ def time_decode_step(llm, context: int, calls: int, rounds: int, rng: random.Ran
     blocking = [run(1) for _ in range(min(calls, 3))]
     return {
         "context": context,
-        "program": str(caught["key"]),
+        "program": str(key),
         "first_call_s": first_s,
         "step_s": median(per_step),
         "step_s_rounds": per_step,

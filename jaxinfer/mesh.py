@@ -287,8 +287,7 @@ def place_params(params: Any, cfg: ModelConfig, layout: TPLayout, mesh: Mesh) ->
         if m is None:
             return _put(x, sharding)
         axis, idx = m
-        staged = x if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 else _put(
-            x, _spread(np.shape(x), axis, mesh))
+        staged = _put(x, _spread(np.shape(x), axis, mesh))
         # One leaf at a time: only one leaf's staging copy is alive, and only one program with
         # collectives is in flight (XLA:CPU's in-process collectives deadlock on several).
         return _permute(axis, sharding)(staged, _put(idx.astype(np.int32), replicated(mesh))).block_until_ready()

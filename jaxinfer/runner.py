@@ -131,6 +131,12 @@ class ModelRunner:
         A token still on device (`TokenRef`: drawn by a step not yet read back) is taken from
         the sampler state's per-slot last token, inside the step: no host round trip.
         """
+        return self._run(*self.decode_inputs(reqs))
+
+    def decode_inputs(self, reqs: Sequence[Request]) -> tuple[ProgramKey, tuple]:
+        """The decode step of ``reqs`` undispatched: its program's key and its host inputs
+        (tokens, from_state, attention and sampling metadata), which follow the runner's
+        params, KV cache and sampler state. Benchmarks time the program on them directly."""
         ps = self.ecfg.page_size
         b = bucket_for(len(reqs), self.ecfg.batch_buckets, "decode batch size")
         pos = np.full((b, 1), -1, np.int32)
@@ -152,7 +158,7 @@ class ModelRunner:
             rows[i] = RowSampling(r.params, r.seed, p + 1, r.slot, is_output=True, banned=r.banned_ids())
         attn = AttentionMetadata(pos, slots, table, kv_lens)
         md = self._sampling(rows, b)
-        return self._run(ProgramKey("decode", b, 1, table.shape[1]), (tokens, from_state, attn, md))
+        return ProgramKey("decode", b, 1, table.shape[1]), (tokens, from_state, attn, md)
 
     def _run(self, key: ProgramKey, host_args: tuple) -> SamplerOutput:
         """Dispatch the program ``key`` on the host inputs; the leader of several processes
