@@ -123,8 +123,13 @@ def _handler():
 
 
 def _prepare_params(cfg: ModelConfig, params: Any, dtype: Optional[str]) -> tuple[Any, str, Any]:
-    """``params`` checked against the family's specs and cast to one dtype; (params, dtype, specs)."""
-    leaves = jax.tree.leaves(params)
+    """``params`` checked against the family's specs and cast to one dtype; (params, dtype, specs).
+
+    Quantized weights (`jaxinfer.quant.QuantizedWeight`) keep their integer and float16 leaves;
+    ``dtype`` is that of the float leaves."""
+    from jaxinfer.quant import is_quantized
+
+    leaves = [x for x in jax.tree.leaves(params, is_leaf=is_quantized) if not is_quantized(x)]
     if dtype is None:
         kinds = sorted({jnp.dtype(x.dtype).name for x in leaves})
         if len(kinds) != 1:
@@ -141,8 +146,8 @@ def _prepare_params(cfg: ModelConfig, params: Any, dtype: Optional[str]) -> tupl
     from jaxinfer.spec import check_tree
 
     check_tree(specs, params)
-    want_dtype = jnp.dtype(dtype)
-    params = jax.tree.map(lambda x: x if jnp.dtype(x.dtype) == want_dtype else x.astype(want_dtype), params)
+    params = jax.tree.map(lambda s, x: x if jnp.dtype(x.dtype) == jnp.dtype(s.dtype) else x.astype(s.dtype),
+                          specs, params, is_leaf=is_spec)
     return params, dtype, specs
 
 
@@ -327,7 +332,7 @@ def _restore_params(path: Path, specs, sharding: Any = None) -> Any:
         return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sh)
 
     leaves, treedef = jax.tree.flatten(target)
-    per_leaf = jax.tree.leaves(shardings, is_leaf=lambda x: x is None or isinstance(x, jax.sharding.Sharding))
+    per_leaf = treedef.flatten_up_to(shardings)  # None: a leaf for host memory
     args = jax.tree.unflatten(treedef, [restore_args(t, sh) for t, sh in zip(leaves, per_leaf)])
     with ocp.Checkpointer(_handler()) as ckptr:
         params = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args))
@@ -406,8 +411,11 @@ def load_converted(
                 f"{path}: parameter {jax.tree_util.keystr(key)} is {x.dtype}{list(x.shape)}, "
                 f"expected {jnp.dtype(s.dtype).name}{list(s.shape)}"
             )
-    if dtype is not None and _dtype_name(dtype) != saved:
-        params = jax.tree.map(lambda x: x.astype(jnp.dtype(_dtype_name(dtype))), params)
+    if dtype is not None and _dtype_name(dtype) != saved:  # the float leaves; quantized weights stay
+        from jaxinfer.quant import is_quantized
+
+        want = jnp.dtype(_dtype_name(dtype))
+        params = jax.tree.map(lambda x: x if is_quantized(x) else x.astype(want), params, is_leaf=is_quantized)
     tokenizer = tokenizer_future.result() if tokenizer_future is not None else None
     return ConvertedModel(cfg, params, generation, tokenizer, manifest, path)
 

@@ -95,6 +95,9 @@ class ModelConfig:
     # -- layout (not the model's math): the fused projections' columns (wqkv, w_gate_up) are laid out
     # shard-major over this many tensor-parallel shards (`jaxinfer.mesh.TPLayout`); 1 = the plain layout
     tp_shards: int = 1
+    # -- storage (not the model's math): the weights' quantization scheme (`jaxinfer.quant.SCHEMES`:
+    # "int8", "int8-g32", "int4-g32", "int4-g64"); "" = float weights
+    quant: str = ""
 
     def __post_init__(self):
         # JSON round trips give lists; a config is a jit static argument, so it must hash.
@@ -225,6 +228,10 @@ class EngineConfig:
     # devices on the "tp" axis; "dp" (data parallel) is a second axis, of size 1 for now.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Weight-only quantization (`jaxinfer.quant`): None (weights in `dtype`), "int8" (per output
+    # channel; GGUF Q8_0 blocks kept) or "int4" (groups of 32 with scale and offset; GGUF Q4_0 and
+    # Q4_1 blocks kept). Activations, norms and the KV cache stay in `dtype`.
+    quantization: Optional[str] = None
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -240,6 +247,8 @@ class EngineConfig:
         if self.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size must be 1 (data parallelism is not supported yet), "
                              f"got {self.data_parallel_size}.")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8, int4 or None, got {self.quantization!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import jax
 
+from jaxinfer import cpu_matmul
 from jaxinfer.attention import start_cpu_kernel_build
 from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
@@ -45,6 +46,7 @@ class LLM:
         *,
         engine_config: Union[None, str, EngineConfig] = None,
         dtype: Optional[str] = None,
+        quantization: Optional[str] = None,
         max_model_len: Optional[int] = None,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
@@ -59,14 +61,18 @@ class LLM:
         from jaxinfer.weights import resolve_model
 
         t0 = time.perf_counter()
+        if quantization is not None:
+            engine_overrides["quantization"] = quantization
         engine = _engine_config(engine_config, dtype, max_model_len, engine_overrides)
         start_cpu_kernel_build()  # overlaps the model load; the runner waits for it
+        cpu_matmul.start_build()
         with progress.stage(f"resolving model {model}") as s:
             source = resolve_model(model)
             s.note(f"{source.format}: {source.path}")
         # The converted-model cache (jaxinfer.model_cache): the first load of a GGUF file or an HF
         # directory converts it and saves the engine's tree; later loads restore it.
-        loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine))
+        loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine),
+                            quantization=engine.quantization)
         progress.say(f"model {source.name}: {loaded.config.describe()}")
         self.model_source = source
         self.model_cache_path = loaded.cache_path
@@ -95,6 +101,10 @@ class LLM:
         """Wrap an in-memory parameter tree (research code, tests with random weights)."""
         self = cls.__new__(cls)
         engine = _engine_config(engine_config, None, None, {})
+        if engine.quantization and not model_config.quant:  # a float tree, quantized here
+            from jaxinfer.quant import quantize_params
+
+            model_config, params = quantize_params(params, model_config, engine.quantization)
         self._setup(model_config, engine, params, tokenizer, generation or GenerationDefaults(), name, **engine_options)
         self.load_time_s = 0.0
         return self
@@ -267,6 +277,7 @@ class LLM:
             "max_model_len": self.max_model_len,
             "vocab_size": c.vocab_size,
             "dtype": e.dtype,
+            "quantization": c.quant or None,
             "page_size": e.page_size,
             "num_pages": e.num_pages,
             "kv_capacity_tokens": (e.num_pages - 1) * e.page_size,

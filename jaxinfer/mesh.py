@@ -54,6 +54,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.quant import QuantizedWeight, is_quantized
 from jaxinfer.spec import ArraySpec, is_spec
 
 DP_AXIS = "dp"
@@ -244,14 +245,44 @@ def load_shardings(cfg: ModelConfig, layout: TPLayout, mesh: Mesh, dtype: Any = 
     maps = _relayouts(cfg, layout)
 
     def pick(path, spec, sharding):
-        return sharding if (_leaf_name(path), len(spec.shape)) not in maps else None
+        rank = 2 if isinstance(path[-1], jax.tree_util.GetAttrKey) else len(spec.shape)
+        return sharding if (_leaf_name(path), rank) not in maps else None
 
     return jax.tree_util.tree_map_with_path(pick, specs, final, is_leaf=is_spec)
 
 
 def _leaf_name(path) -> str:
-    key = path[-1]
-    return str(getattr(key, "key", getattr(key, "name", key)))
+    """The parameter's name (a quantized weight's fields are named by their weight)."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if len(names) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey):
+        return names[-2]
+    return names[-1]
+
+
+def _coarse(idx: np.ndarray, unit: int, what: str) -> np.ndarray:
+    """A row index map in units of ``unit`` rows (int4 byte rows, scale groups): each unit of the
+    laid-out rows must be a whole unit of the original rows, or all padding."""
+    whole = len(idx) % unit == 0
+    if whole:
+        blocks = idx.reshape(-1, unit)
+        first = blocks[:, 0]
+        same = np.where(first[:, None] >= 0, blocks == first[:, None] + np.arange(unit), blocks < 0)
+        whole = same.all() and not (first[first >= 0] % unit).any()
+    if not whole:
+        raise ValueError(f"the tensor-parallel layout splits the {what} of a quantized weight ({unit} rows); "
+                         f"use another tensor_parallel_size or float weights")
+    return np.where(first >= 0, first // unit, -1)
+
+
+def _quantized_maps(axis: int, idx: np.ndarray, w: QuantizedWeight) -> tuple:
+    """The index maps of ``q``, ``scale`` and ``offset`` for a relayout of ``w`` on ``axis``."""
+    if axis == 1:  # columns: the same map for every field
+        return idx, idx
+    q_idx = _coarse(idx, 2, "byte rows") if w.bits == 4 else idx
+    k = w.shape[0]
+    if w.group == k:  # one scale per column: the layout's added rows are zeros, the scale stays
+        return q_idx, None
+    return q_idx, _coarse(idx, w.group, "scale groups")
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,19 +311,35 @@ def place_params(params: Any, cfg: ModelConfig, layout: TPLayout, mesh: Mesh) ->
     """The parameter tree of ``cfg`` (host arrays, device arrays, or restored by `load_shardings`)
     laid out by ``layout`` and placed on ``mesh``, leaf by leaf."""
     maps = _relayouts(cfg, layout)
-    final = param_shardings(layout.config(cfg), mesh, jax.tree.leaves(params)[0].dtype)
+    floats = [x for x in jax.tree.leaves(params, is_leaf=is_quantized) if not is_quantized(x)]
+    final = param_shardings(layout.config(cfg), mesh, floats[0].dtype)
 
-    def place(path, x, sharding):
-        m = maps.get((_leaf_name(path), np.ndim(x)))
-        if m is None:
-            return _put(x, sharding)
-        axis, idx = m
+    def relayout(x, axis, idx, sharding):
         staged = _put(x, _spread(np.shape(x), axis, mesh))
         # One leaf at a time: only one leaf's staging copy is alive, and only one program with
         # collectives is in flight (XLA:CPU's in-process collectives deadlock on several).
         return _permute(axis, sharding)(staged, _put(idx.astype(np.int32), replicated(mesh))).block_until_ready()
 
-    return jax.tree_util.tree_map_with_path(place, params, final)
+    def place(path, x, sharding):
+        m = maps.get((_leaf_name(path), 2 if is_quantized(x) else np.ndim(x)))
+        if is_quantized(x):
+            # the laid-out weight's meta (a per-column scale's group grows with padded rows)
+            if m is None:
+                fields = [_put(a, sh) if a is not None else None
+                          for a, sh in zip((x.q, x.scale, x.offset), (sharding.q, sharding.scale, sharding.offset))]
+            else:
+                axis, idx = m
+                q_idx, s_idx = _quantized_maps(axis, idx, x)
+                fields = [relayout(x.q, axis, q_idx, sharding.q)]
+                for a, sh in ((x.scale, sharding.scale), (x.offset, sharding.offset)):
+                    fields.append(None if a is None else _put(a, sh) if s_idx is None else relayout(a, axis, s_idx, sh))
+            return QuantizedWeight(*fields, sharding.bits, sharding.group)
+        if m is None:
+            return _put(x, sharding)
+        axis, idx = m
+        return relayout(x, axis, idx, sharding)
+
+    return jax.tree_util.tree_map_with_path(place, params, final, is_leaf=is_quantized)
 
 
 def per_device_bytes(tree: Any) -> dict:

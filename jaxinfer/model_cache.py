@@ -138,12 +138,12 @@ def _dtype_name(dtype: Any) -> str:
 READER_VERSION = 2
 
 
-def cache_key(identity: dict, dtype: Any) -> str:
-    blob = json.dumps(
-        {"source": identity, "dtype": _dtype_name(dtype), "format_version": checkpoint.FORMAT_VERSION,
-         "reader_version": READER_VERSION},
-        sort_keys=True,
-    )
+def cache_key(identity: dict, dtype: Any, quantization: Optional[str] = None) -> str:
+    key = {"source": identity, "dtype": _dtype_name(dtype), "format_version": checkpoint.FORMAT_VERSION,
+           "reader_version": READER_VERSION}
+    if quantization:
+        key["quantization"] = quantization
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -155,13 +155,14 @@ def _label(identity: dict) -> str:
 
 
 def entry_path(source: ModelSource, dtype: Any, root: Optional[Path] = None,
-               identity: Optional[dict] = None) -> Optional[Path]:
-    """The cache entry of ``source`` in ``dtype`` (it may not exist yet); None if the cache is off."""
+               identity: Optional[dict] = None, quantization: Optional[str] = None) -> Optional[Path]:
+    """The cache entry of ``source`` in ``dtype`` and ``quantization`` (it may not exist yet); None if
+    the cache is off."""
     root = root if root is not None else cache_dir()
     if root is None:
         return None
     identity = identity if identity is not None else source_identity(source)
-    return root / f"{_label(identity)}-{cache_key(identity, dtype)}"
+    return root / f"{_label(identity)}-{cache_key(identity, dtype, quantization)}"
 
 
 # --------------------------------------------------------------------------- #
@@ -169,31 +170,45 @@ def entry_path(source: ModelSource, dtype: Any, root: Optional[Path] = None,
 # --------------------------------------------------------------------------- #
 
 
-def _convert_in_memory(source: ModelSource, dtype: str) -> LoadedModel:
-    """Parse and dequantize ``source`` (a GGUF parsed once for weights and tokenizer) into the tree."""
+def _convert_in_memory(source: ModelSource, dtype: str, quantization: Optional[str] = None) -> LoadedModel:
+    """Parse ``source`` (a GGUF parsed once for weights and tokenizer) into the tree: dequantized to
+    ``dtype``, or with ``quantization`` its big weights quantized (`jaxinfer.quant`: GGUF blocks of
+    the scheme's format are kept as they are, others are requantized once, here)."""
+    import dataclasses
+
+    from jaxinfer import quant
     from jaxinfer.models import get_family
     from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 
-    with progress.stage(f"converting {source.name} to {dtype}", unit="tensor") as s:
+    what = dtype if quantization is None else f"{quantization} ({dtype} activations)"
+    with progress.stage(f"converting {source.name} to {what}", unit="tensor") as s:
         def on_tensor(total: int) -> None:
             if s.total is None:
                 s.set_total(total)
             s.update()
 
         gguf_file = open_gguf(source.path) if source.format == "gguf" else None
-        loaded = load_model(source, np.float32, gguf_file=gguf_file, on_tensor=on_tensor)
+        loaded = load_model(source, np.float32, gguf_file=gguf_file, on_tensor=on_tensor,
+                            keep_blocks=quantization is not None)
         if gguf_file is not None:
             tokenizer = Tokenizer.from_gguf(source.path, gguf_file=gguf_file)
         else:
             tokenizer = load_tokenizer(source.path)
         family = get_family(loaded.config.architecture)
-        params = family.params_from_hf(loaded.tensors, loaded.config, jnp.dtype(dtype))
+        config = loaded.config
+        if quantization is not None:
+            kinds = {n: t.kind for n, t in loaded.tensors.items() if isinstance(t, quant.Blocks)}
+            head = [k for n, k in kinds.items() if n in quant.HEAD_TENSORS]
+            layers = [k for n, k in kinds.items() if n not in quant.HEAD_TENSORS]
+            config = dataclasses.replace(config, quant=quant.scheme_for(quantization, layers, head))
+            s.note(f"{config.quant}: {quant.describe_sources(loaded.tensors, config.quant)}")
+        params = family.params_from_hf(loaded.tensors, config, jnp.dtype(dtype))
         loaded.tensors.clear()
         del loaded.tensors
         if gguf_file is not None:
             gguf_file.close()
     stats["converted"] += 1
-    return LoadedModel(loaded.config, params, loaded.generation, tokenizer, source)
+    return LoadedModel(config, params, loaded.generation, tokenizer, source)
 
 
 def _source_record(source: ModelSource, identity: dict) -> dict:
@@ -238,20 +253,31 @@ def _warn(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _check_entry(entry: Path, identity: dict, dtype: str) -> dict:
-    """The entry's manifest if it was made from this source in this dtype; CheckpointError if not."""
+def _quant_mode(manifest: dict) -> Optional[str]:
+    """The quantization ("int8", "int4") of a converted model's manifest, None for float weights."""
+    scheme = (manifest.get("model_config") or {}).get("quant") or ""
+    return scheme.split("-")[0] or None
+
+
+def _check_entry(entry: Path, identity: dict, dtype: str, quantization: Optional[str] = None) -> dict:
+    """The entry's manifest if it was made from this source in this dtype and quantization;
+    CheckpointError if not."""
     manifest = checkpoint.read_manifest(entry)
     if manifest.get("dtype") != dtype:
         raise checkpoint.CheckpointError(f"{entry}: holds {manifest.get('dtype')} parameters, expected {dtype}")
+    if _quant_mode(manifest) != quantization:
+        raise checkpoint.CheckpointError(
+            f"{entry}: holds {_quant_mode(manifest) or 'float'} weights, expected {quantization or 'float'}")
     if (manifest.get("source") or {}).get("identity") != identity:
         raise checkpoint.CheckpointError(f"{entry}: was converted from another source (or an older version of it)")
     return manifest
 
 
 def _restore_entry(entry: Path, source: ModelSource, identity: dict, dtype: str,
-                   with_tokenizer: bool = True, placement: Any = None) -> LoadedModel:
-    manifest = _check_entry(entry, identity, dtype)
-    with progress.stage(f"restoring {source.name} ({dtype}) from the model cache"):
+                   with_tokenizer: bool = True, placement: Any = None,
+                   quantization: Optional[str] = None) -> LoadedModel:
+    manifest = _check_entry(entry, identity, dtype, quantization)
+    with progress.stage(f"restoring {source.name} ({quantization or dtype}) from the model cache"):
         m = checkpoint.load_converted(entry, with_tokenizer=with_tokenizer, manifest=manifest, sharding=placement)
     if with_tokenizer and m.tokenizer is not None:
         m.tokenizer.source = str(source.path)
@@ -289,8 +315,9 @@ def _publish(model: LoadedModel, entry: Path, identity: dict, dtype: str) -> Non
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _remove_stale(root: Path, keep: Path, identity: dict, dtype: str) -> None:
-    """Remove entries of older versions of this source (same path and dtype) and dead temporaries."""
+def _remove_stale(root: Path, keep: Path, identity: dict, dtype: str, quantization: Optional[str] = None) -> None:
+    """Remove entries of older versions of this source (same path, dtype and quantization) and dead
+    temporaries."""
     now = time.time()
     prefix = keep.name.rsplit("-", 1)[0] + "-"
     try:
@@ -312,7 +339,8 @@ def _remove_stale(root: Path, keep: Path, identity: dict, dtype: str) -> None:
         try:
             manifest = json.loads((d / checkpoint.MANIFEST).read_text())
             src = manifest.get("source") or {}
-            if src.get("path") == identity["path"] and manifest.get("dtype") == dtype:
+            if (src.get("path") == identity["path"] and manifest.get("dtype") == dtype
+                    and _quant_mode(manifest) == quantization):
                 log.info("removing stale model cache entry %s", d)
                 checkpoint.remove_dir(d)
         except (OSError, ValueError, AttributeError):
@@ -323,8 +351,14 @@ def enabled(use_cache: bool = True) -> bool:
     return use_cache and cache_dir() is not None
 
 
-def load(source: ModelSource, dtype: Any, *, use_cache: bool = True, placement: Any = None) -> LoadedModel:
+def load(source: ModelSource, dtype: Any, *, use_cache: bool = True, placement: Any = None,
+         quantization: Optional[str] = None) -> LoadedModel:
     """``source`` as the engine's parameter tree in ``dtype``, with its tokenizer and defaults.
+
+    ``quantization`` ("int8", "int4"): the big weights quantized (`jaxinfer.quant`); a cache
+    entry holds the quantized tree. A converted directory saved with float weights is
+    quantized as it is restored; one saved quantized is restored as it is (asking for another
+    quantization is an error).
 
     A converted directory is restored directly. A GGUF file or a Hugging Face
     directory is restored from the cache when it has an entry for it, else
@@ -332,30 +366,41 @@ def load(source: ModelSource, dtype: Any, *, use_cache: bool = True, placement: 
     a restore puts the parameters (`jaxinfer.checkpoint.load_converted`'s
     ``sharding``); a conversion leaves them in host memory.
     """
+    from jaxinfer import quant
+
     dtype = _dtype_name(dtype)
+    quantization = quant.check_mode(quantization)
     if source.format == "jaxinfer":
-        with progress.stage(f"restoring {source.name} ({dtype})"):
-            m = checkpoint.load_converted(source.path, dtype=dtype, sharding=placement)
+        saved = _quant_mode(checkpoint.read_manifest(source.path))
+        if saved and quantization not in (None, saved):
+            raise ValueError(f"{source.path} holds {saved} weights; it cannot be loaded as {quantization}")
+        requantize = quantization is not None and saved is None
+        with progress.stage(f"restoring {source.name} ({saved or dtype})"):
+            m = checkpoint.load_converted(source.path, dtype=dtype, sharding=None if requantize else placement)
+        config, params = m.config, m.params
+        if requantize:
+            with progress.stage(f"quantizing {source.name} to {quantization}"):
+                config, params = quant.quantize_params(params, config, quantization)
         stats["restored"] += 1
-        return LoadedModel(m.config, m.params, m.generation, m.tokenizer, source, Path(source.path), True)
+        return LoadedModel(config, params, m.generation, m.tokenizer, source, Path(source.path), True)
     root = cache_dir() if use_cache else None
     if root is None:
-        return _convert_in_memory(source, dtype)
+        return _convert_in_memory(source, dtype, quantization)
     identity = source_identity(source)
-    entry = entry_path(source, dtype, root, identity)
+    entry = entry_path(source, dtype, root, identity, quantization)
     if entry.exists():
         try:
-            return _restore_entry(entry, source, identity, dtype, placement=placement)
+            return _restore_entry(entry, source, identity, dtype, placement=placement, quantization=quantization)
         except checkpoint.CheckpointError as e:
             _warn(f"model cache entry {entry} is unusable, rebuilding it: {e}")
             checkpoint.remove_dir(entry)
             stats["rebuilt"] += 1
-    model = _convert_in_memory(source, dtype)
+    model = _convert_in_memory(source, dtype, quantization)
     if jax.process_index() != 0:  # several processes converting at once: process 0 writes the entry
         return model
     try:
         _publish(model, entry, identity, dtype)
-        _remove_stale(root, entry, identity, dtype)
+        _remove_stale(root, entry, identity, dtype, quantization)
     except Exception as e:  # a full disk, a read-only cache: the model is loaded, only the cache is lost
         stats["save_failed"] += 1
         _warn(f"could not write the model cache entry {entry}: {type(e).__name__}: {e}")

@@ -280,7 +280,7 @@ class ProgramTable:
         for part in (
             FORMAT, jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
             getattr(dev.client, "platform_version", ""), sorted(cpu_flags()) if dev.platform == "cpu" else "",
-            repr(r.cfg), repr(self.ecfg), r.reads_row_lengths, r.mesh.devices.shape,
+            repr(r.cfg), repr(self.ecfg), r.reads_row_lengths, r.matmul_kernel, r.mesh.devices.shape,
             [d.id for d in r.mesh.devices.flat], jax.device_count(), jax.process_count(),
             jax.process_index(),
             [(s.shape, str(s.dtype)) for s in jax.tree.leaves(_sds(r.params))],
@@ -356,4 +356,4 @@ def _device_code_digest() -> bytes:
 
 # The modules whose code ends up in a step program (with kernels/ and models/).
 _DEVICE_SOURCES = ("step.py", "sampler.py", "attention.py", "attention_pallas.py", "kv_cache.py", "config.py",
-                   "spec.py", "programs.py", "mesh.py")
+                   "spec.py", "programs.py", "mesh.py", "quant.py", "cpu_matmul.py")

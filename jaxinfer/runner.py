@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxinfer import distributed
+from jaxinfer import cpu_matmul, distributed
 from jaxinfer.attention import AttentionMetadata, prepare_cpu_kernel, reads_row_lengths
 from jaxinfer.buckets import bucket_for, pages_needed
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -67,6 +67,7 @@ class ModelRunner:
         self.one_step_in_flight = self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
         self.warmups_followed = 0  # a follower: warm-up plans of the leader it ran
         prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace
+        self.matmul_kernel = cpu_matmul.prepare()  # likewise the products' kernel (jaxinfer.cpu_matmul)
         self.reads_row_lengths = reads_row_lengths(
             self.cfg.num_heads // self.layout.shards, self.cfg.num_kv_heads // self.layout.shards,
             self.cfg.head_dim, engine_cfg.cache_dtype, engine_cfg.page_size,

@@ -306,7 +306,7 @@ def _owned(x: np.ndarray, dtype: Any, backing: Optional[np.ndarray] = None) -> n
 
 
 def load_model(source: ModelSource, dtype: Any = np.float32, *, gguf_file: Any = None,
-               on_tensor: Optional[Callable[[int], None]] = None) -> LoadedWeights:
+               on_tensor: Optional[Callable[[int], None]] = None, keep_blocks: bool = False) -> LoadedWeights:
     """Read a resolved model's config, defaults and tensors (HF names and layout).
 
     ``dtype``: the numpy dtype of every returned tensor (float32 by default;
@@ -317,7 +317,7 @@ def load_model(source: ModelSource, dtype: Any = np.float32, *, gguf_file: Any =
     """
     dtype = np.dtype(dtype)
     if source.format == "gguf":
-        return _load_gguf(source, dtype, gguf_file, on_tensor)
+        return _load_gguf(source, dtype, gguf_file, on_tensor, keep_blocks)
     if source.format == "hf":
         return _load_hf(source, dtype, on_tensor)
     if source.format == "jaxinfer":
@@ -366,7 +366,10 @@ def gguf_tensor_count(gguf_file) -> int:
 
 
 def _load_gguf(source: ModelSource, dtype: np.dtype, gguf_file=None,
-               on_tensor: Optional[Callable[[int], None]] = None) -> LoadedWeights:
+               on_tensor: Optional[Callable[[int], None]] = None, keep_blocks: bool = False) -> LoadedWeights:
+    """``keep_blocks``: 2-D Q8_0 / Q4_0 / Q4_1 tensors come as `jaxinfer.quant.Blocks` (the file's
+    integers and scales, for a quantized tree), not dequantized."""
+    from jaxinfer import quant
     from jaxinfer.gguf_models import dequantize, read_model
 
     path = Path(source.path)
@@ -377,10 +380,17 @@ def _load_gguf(source: ModelSource, dtype: np.dtype, gguf_file=None,
     backing = reader.buffer
     tensors: dict[str, np.ndarray] = {}
     for read in model.reads:
-        x = dequantize(reader, read.tensor)
-        for name, transform in read.outputs:  # a stack of experts becomes one tensor per expert
-            tensors[name] = _owned(transform(x), dtype, backing=backing)
-        del x
+        t = read.tensor
+        if keep_blocks and t.tensor_type.name in quant.BLOCK_TYPES and len(t.np_shape) == 2:
+            blocks = quant.blocks_from_gguf(np.asarray(reader.tensor_data(t)), t.tensor_type.name, t.np_shape)
+            for name, transform in read.outputs:
+                tensors[name] = blocks.map_rows(lambda a: _owned(transform(a), a.dtype, backing=backing))
+            del blocks
+        else:
+            x = dequantize(reader, t)
+            for name, transform in read.outputs:  # a stack of experts becomes one tensor per expert
+                tensors[name] = _owned(transform(x), dtype, backing=backing)
+            del x
         if on_tensor is not None:
             on_tensor(total)
     del backing

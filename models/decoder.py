@@ -42,9 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import cpu_matmul, quant
 from jaxinfer.attention import AttentionMetadata, paged_attention
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.models import moe
+from jaxinfer.quant import is_quantized
 from jaxinfer.spec import ArraySpec
 
 Params = dict[str, Any]
@@ -91,7 +93,7 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ArraySpec((d, cfg.vocab_size), dtype, ("embed", "vocab"))
-    return specs
+    return quant.quantize_specs(specs, cfg.quant) if cfg.quant else specs
 
 
 def _mlp_norm_name(cfg: ModelConfig) -> str:
@@ -141,16 +143,24 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
     on the devices, each device receiving only its shard.
     """
 
-    def get(name: str) -> np.ndarray:
+    def raw(name: str) -> Any:
         try:
             return tensors[name]
         except KeyError:
             raise ValueError(f"weights are missing tensor {name!r}") from None
 
+    def get(name: str) -> np.ndarray:  # a float tensor (GGUF blocks kept for quantized weights: dequantized)
+        return quant.as_float(raw(name))
+
     host_dtype = np.dtype(jnp.dtype(dtype))
+    scheme, head = quant.Scheme.pair(cfg.quant) if cfg.quant else (None, None)
 
     def put(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x).astype(host_dtype, copy=False)
+
+    def weight(*names: str, s: Any = scheme) -> Any:
+        """HF ``[out, in]`` tensors fused along ``out`` -> our ``[in, out]`` leaf (quantized by ``cfg.quant``)."""
+        return quant.weight_from_hf([raw(n) for n in names], s, put)
 
     layers = []
     for li in range(cfg.num_layers):
@@ -158,8 +168,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
         a = p + "self_attn."
         layer = {
             "attn_norm": put(get(p + "input_layernorm.weight")),
-            "wqkv": put(np.concatenate([get(a + f"{x}_proj.weight") for x in "qkv"], axis=0).T),
-            "wo": put(get(a + "o_proj.weight").T),
+            "wqkv": weight(*[a + f"{x}_proj.weight" for x in "qkv"]),
+            "wo": weight(a + "o_proj.weight"),
             "mlp_norm": put(get(p + _mlp_norm_name(cfg) + ".weight")),
         }
         if cfg.attention_bias:
@@ -173,17 +183,21 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
         if cfg.is_moe_layer(li):
             layer.update(moe.params_from_hf(get, put, cfg, p + "mlp."))
         else:
-            gate_up = np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=0)
-            layer["w_gate_up"] = put(gate_up.T)
-            layer["w_down"] = put(get(p + "mlp.down_proj.weight").T)
+            layer["w_gate_up"] = weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            layer["w_down"] = weight(p + "mlp.down_proj.weight")
         layers.append(layer)
+    embed = raw("model.embed_tokens.weight")
+    if head is not None and head.fits(embed.shape[1]):  # stored [hidden, vocab], as the LM head
+        embed = weight("model.embed_tokens.weight", s=head)
+    else:
+        embed = put(quant.as_float(embed))
     params: Params = {
-        "embed": put(get("model.embed_tokens.weight")),
+        "embed": embed,
         "layers": layers,
         "final_norm": put(get("model.norm.weight")),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = put(get("lm_head.weight").T)
+        params["lm_head"] = weight("lm_head.weight", s=head)
     return params
 
 
@@ -264,8 +278,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
     return out.astype(x.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array, w_contract: int = 0) -> jax.Array:
+def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """x @ w in the weights' dtype, accumulated and returned in float32.
+
+    On CPU, the few-row products of decode go to the native kernel
+    (`jaxinfer.cpu_matmul`) where it takes the weight: float32 or quantized. A quantized
+    weight (`jaxinfer.quant.QuantizedWeight`) is otherwise dequantized to float32 inside
+    the program and multiplied (GPU and TPU fuse the dequantization into the product; on
+    CPU this is prefill's path, where the many rows pay for the float copy).
 
     ``w_contract`` is the axis of ``w`` that meets x's last axis (1 for the tied
     embedding, stored [vocab, hidden]). With float32 weights this is a plain float32
@@ -280,6 +300,11 @@ def matmul(x: jax.Array, w: jax.Array, w_contract: int = 0) -> jax.Array:
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
+    if cpu_matmul.fits(rows, w, w_contract):
+        y = cpu_matmul.matmul(x.reshape(rows, k).astype(jnp.float32), w, w_contract)
+        return y.reshape(*lead, y.shape[-1])
+    if is_quantized(w):
+        w = w.dequantize(jnp.float32)
     x2 = x.reshape(rows, k).astype(w.dtype)
     pad = rows == 1 and w.dtype != jnp.float32
     if pad:
@@ -358,9 +383,14 @@ def forward(
 
     The residual stream is float32 whatever the weights' dtype.
     """
-    x = params["embed"][tokens].astype(jnp.float32)
+    embed = params["embed"]
+    if is_quantized(embed):  # [hidden, vocab]: the tokens' columns
+        x = embed.columns(tokens, jnp.float32)
+    else:
+        x = embed[tokens].astype(jnp.float32)
     if cfg.embed_scale != 1.0:  # in the embeddings' dtype, as transformers rounds it (bfloat16: 50.5, not 50.6)
-        x = x * jnp.asarray(cfg.embed_scale, params["embed"].dtype).astype(jnp.float32)
+        scale_dtype = jnp.float32 if is_quantized(embed) else embed.dtype
+        x = x * jnp.asarray(cfg.embed_scale, scale_dtype).astype(jnp.float32)
     ropes = [(jnp.asarray(f), s) for f, s in layer_ropes(cfg)]
     new_cache = []
     for li, (p, cache_layer) in enumerate(zip(params["layers"], kv_cache)):
@@ -372,7 +402,8 @@ def forward(
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """hidden: [..., hidden_size] -> float32 logits [..., vocab]."""
     if cfg.tie_word_embeddings:
-        out = matmul(hidden, params["embed"], w_contract=1)
+        embed = params["embed"]
+        out = matmul(hidden, embed, w_contract=0 if is_quantized(embed) else 1)
     else:
         out = matmul(hidden, params["lm_head"])
     out = out.astype(jnp.float32)

@@ -417,6 +417,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             version=__version__, stats=stats,
             generation_defaults=generation_defaults_to_proto(llm.generation_defaults),
             tensor_parallel_size=e.tensor_parallel_size,
+            quantization=info["quantization"] or "",
         )
 
     async def GetModelInfo(self, request, context):

@@ -537,3 +537,29 @@ def test_program_cache_reloads_on_a_mesh_smaller_than_the_machine(tmp_path):
     out = subprocess.run([sys.executable, "-c", _RELOAD], capture_output=True, text=True, env=env, timeout=300)
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip() and not ln.lstrip().startswith("@")]
     assert out.returncode == 0 and out.stdout.rstrip().endswith("ok"), "\n".join(lines[-15:])
+
+
+# ---------------------------------------------------------------------------
+# quantized weights (jaxinfer.quant) on a mesh
+
+# head_dim 32: a padded head is one int4 group of 32 rows. 6 heads / 3 KV heads: padded at TP 2,
+# replicated at TP 4; intermediate 96 splits into 24 rows per shard at TP 4 (less than a group:
+# the scales are replicated while the integers are split).
+QPAD = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=3,
+                   head_dim=32, max_position_embeddings=512, name="tp-quant")
+
+
+@pytest.mark.parametrize("mode,tp", [("int4", 2), ("int8", 4), ("int4", 4)])
+def test_quantized_logits_at_every_position_match_tp1(mode, tp):
+    """A quantized tree is laid out and split like a float one: its scales and offsets follow the
+    integers' columns and rows. TP 1 runs the CPU matmul kernel, the mesh XLA's dequantize-and-dot."""
+    from jaxinfer import quant
+
+    cfg, params = quant.quantize_params(tiny_params(QPAD, seed=7), QPAD, mode)
+    tokens = prompt(11, 13, QPAD.vocab_size)
+    want = logits_at_tp(cfg, params, tokens, chunk=5, tp=1)
+    got = logits_at_tp(cfg, params, tokens, chunk=5, tp=tp)
+    scale = np.abs(want).max()
+    assert scale > 1.0
+    err = np.abs(got - want).max()
+    assert err < 1e-4 * scale, f"{mode} at TP {tp}: max |logit difference| {err:.2e}, logits up to {scale:.1f}"

@@ -1,0 +1,219 @@
+"""A native CPU kernel for decode's few-row products ``x @ W`` (XLA FFI), quantized or float32.
+
+Batch-1 decode reads every weight once per token, so a step is bound by memory bandwidth.
+XLA's CPU path for a quantized weight dequantizes it into a float32 copy and then runs its
+dot over that copy (several times the bytes of the weight); its float32 matrix-vector
+product reaches about half the bandwidth. `jaxinfer/kernels/matmul_cpu.cc` reads each
+weight byte once, converts it in registers, and shares output columns with XLA's intra-op
+thread pool. See `benchmarks/matmul_kernel.py` for the figures behind `MAX_ROWS`.
+
+Weights it takes (``y [M, N] float32 = x [M, K] float32 @ W``):
+
+- a `jaxinfer.quant.QuantizedWeight` (int8, or int4 with or without an offset, any group
+  that divides K), contracted over its rows (``w_contract`` 0);
+- a float32 ``[K, N]`` array (``w_contract`` 0), or ``[N, K]`` (``w_contract`` 1: a tied LM
+  head stored ``[vocab, hidden]``).
+
+Use: `start_build` early (a background compile, once per machine, cached on disk), then
+`prepare` before tracing (loads and registers; returns whether the kernel is there). In a
+trace, call `matmul` only where `fits` says so; `fits` never builds, and is False off CPU,
+with ``JAXINFER_CPU_KERNELS=0``, after a failed build, past the row limit, and under a
+multi-device mesh (XLA cannot partition a custom call). `matmul`'s derivatives are those of
+the XLA formula (`xla_matmul`), which computes the same function.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import kernels, mesh
+from jaxinfer.quant import QuantizedWeight
+
+SOURCE = "matmul_cpu.cc"
+TARGET_F32 = "jaxinfer_matmul_f32"
+TARGET_Q = "jaxinfer_matmul_q"
+_SYMBOLS = {TARGET_F32: "JaxinferMatmulF32", TARGET_Q: "JaxinferMatmulQ"}
+
+# The most rows of x the kernel is used for (benchmarks/matmul_kernel.py: up to where it
+# beats XLA's path on SmolLM2's shapes on a 2-core AVX-512 host). Quantized weights: XLA's
+# path dequantizes the whole weight first, so the kernel wins at every few-row size.
+MAX_ROWS = 16
+MAX_ROWS_FLOAT = 16
+
+
+def max_rows(w: Any) -> int:
+    """The row limit for weight ``w`` (`MAX_ROWS` or `MAX_ROWS_FLOAT`)."""
+    return MAX_ROWS if isinstance(w, QuantizedWeight) else MAX_ROWS_FLOAT
+
+
+# ---------------------------------------------------------------------------
+# building
+
+
+def start_build() -> None:
+    """Begin building the kernel in the background (call early at model load, so the
+    once-per-machine compile overlaps reading the weights); `prepare` waits for it."""
+    if jax.default_backend() == "cpu":
+        kernels.build_in_background(SOURCE)
+
+
+def prepare() -> bool:
+    """Build (once per machine, then cached on disk), load and register the kernel.
+
+    Call it before tracing a step. Returns whether the kernel is available; a failed build
+    warns once and callers use XLA's path.
+    """
+    if jax.default_backend() != "cpu" or not kernels.enabled():
+        return False
+    if not kernels.ready(SOURCE) and not kernels.tried(SOURCE):
+        from jaxinfer import progress
+
+        title = "loading the CPU matmul kernel" if kernels.is_built(SOURCE) else (
+            "building the CPU matmul kernel (once per machine)")
+        with progress.stage(title):
+            kernels.load(SOURCE, _SYMBOLS)
+    return kernels.ready(SOURCE)
+
+
+def isa() -> Optional[str]:
+    """The SIMD path the loaded kernel was compiled for ("avx512", "avx2" or "scalar"), or None."""
+    lib = kernels._loaded.get(SOURCE)
+    return None if lib is None else _isa_of(lib)
+
+
+def _isa_of(lib: ctypes.CDLL) -> str:
+    fn = lib.JaxinferMatmulIsa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+_variants: dict = {}  # flags -> (targets {"f32": name, "q": name}, isa)
+
+
+def load_variant(flags: Sequence[str]) -> tuple[dict, str]:
+    """Build the kernel with other compiler flags (e.g. ``["-O3", "-march=native",
+    "-mno-avx512f"]`` for the AVX2 path), load it and register its handlers under their own
+    target names; returns ({"f32": target, "q": target}, isa). For tests and benchmarks:
+    pass the targets to `matmul` (``targets=``). Cached on disk like the default build.
+    Raises RuntimeError when it cannot be built."""
+    flags = tuple(flags)
+    if flags in _variants:
+        return _variants[flags]
+    import jaxlib
+
+    cxx = kernels._compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    src = os.path.join(os.path.dirname(kernels.__file__), SOURCE)
+    with open(src, "rb") as f:
+        text = f.read()
+    full = [*flags, "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(b"\0".join([text, " ".join(full).encode(), cxx.encode(), jaxlib.__version__.encode(),
+                                     kernels._cpu_signature().encode()])).hexdigest()[:16]
+    out_dir = kernels.cache_dir()
+    out = os.path.join(out_dir, f"matmul_cpu-variant-{key}.so")
+    if not os.path.exists(out):
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cxx, *full, f"-I{jax.ffi.include_dir()}", src, "-o", tmp], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed to build {SOURCE} with {' '.join(flags)}:\n{proc.stderr[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(out)
+    targets = {"f32": f"{TARGET_F32}_{key}", "q": f"{TARGET_Q}_{key}"}
+    jax.ffi.register_ffi_target(targets["f32"], jax.ffi.pycapsule(lib.JaxinferMatmulF32), platform="cpu")
+    jax.ffi.register_ffi_target(targets["q"], jax.ffi.pycapsule(lib.JaxinferMatmulQ), platform="cpu")
+    _variants[flags] = (targets, _isa_of(lib))
+    _libs.append(lib)
+    return _variants[flags]
+
+
+_libs: list = []  # variant libraries stay loaded (their handlers are registered)
+
+
+# ---------------------------------------------------------------------------
+# use
+
+
+def _weight_ok(w: Any, w_contract: int) -> bool:
+    if isinstance(w, QuantizedWeight):
+        if w_contract != 0 or w.bits not in (8, 4) or len(w.q.shape) != 2 or len(w.scale.shape) != 2:
+            return False
+        k, n = w.shape
+        group = w.group or k
+        if group <= 0 or k % group or (w.bits == 4 and group % 2):
+            return False
+        qdtype = jnp.int8 if w.bits == 8 else jnp.uint8
+        side_ok = lambda a: a is None or (jnp.dtype(a.dtype) == jnp.float16 and tuple(a.shape) == (k // group, n))  # noqa: E731
+        return jnp.dtype(w.q.dtype) == qdtype and w.scale is not None and side_ok(w.scale) and side_ok(w.offset)
+    shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
+    return (shape is not None and len(shape) == 2 and dtype is not None and jnp.dtype(dtype) == jnp.float32
+            and w_contract in (0, 1))
+
+
+def fits(rows: int, w: Any, w_contract: int = 0) -> bool:
+    """Whether to stage the kernel for ``rows`` rows of x times ``w``: a CPU default backend,
+    the kernel already loaded (this never builds: safe in a trace), at most `max_rows(w)`
+    rows, a weight it takes, and no multi-device mesh being traced under."""
+    return (
+        jax.default_backend() == "cpu"
+        and kernels.enabled()
+        and kernels.ready(SOURCE)
+        and 1 <= rows <= max_rows(w)
+        and _weight_ok(w, w_contract)
+        and mesh.tp_size() == 1
+    )
+
+
+def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
+    """XLA's path for the same product: dequantize (a quantized weight), then dot, in float32."""
+    f32 = jnp.float32
+    if isinstance(w, QuantizedWeight):
+        w, w_contract = w.dequantize(f32), 0
+    dims = (((1,), (w_contract,)), ((), ()))
+    return jax.lax.dot_general(x2.astype(f32), w.astype(f32), dims, preferred_element_type=f32)
+
+
+def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] = None) -> jax.Array:
+    """``x2 [M, K] @ w`` -> ``[M, N]`` float32 by the native kernel (see `fits`).
+
+    ``w``: a `QuantizedWeight` [K, N], or float32 [K, N] (``w_contract`` 0) or [N, K]
+    (``w_contract`` 1). ``targets``: another build's handlers (`load_variant`), for tests.
+    """
+    names = (targets["f32"], targets["q"]) if targets else (TARGET_F32, TARGET_Q)
+    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _kernel_matmul(x2, w, w_contract: int, names: tuple):
+    m, k = x2.shape
+    share = mesh.tp_size() == 1
+    if isinstance(w, QuantizedWeight):
+        n = w.q.shape[1]
+        offset = w.offset if w.offset is not None else jnp.zeros((0, n), jnp.float16)
+        return jax.ffi.ffi_call(names[1], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
+            x2, w.q, w.scale, offset, bits=np.int64(w.bits), group=np.int64(w.group or k), share=share)
+    n = w.shape[1 - w_contract]
+    return jax.ffi.ffi_call(names[0], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
+        x2, w, w_contract=np.int64(w_contract), share=share)
+
+
+@_kernel_matmul.defjvp
+def _kernel_matmul_jvp(w_contract, names, primals, tangents):
+    return jax.jvp(functools.partial(xla_matmul, w_contract=w_contract), primals, tangents)

@@ -1,0 +1,661 @@
+// Few-row matrix products for XLA's CPU backend (XLA FFI handlers): y = x @ W, float32 out.
+//
+// Decode multiplies a handful of activation rows by every weight of the model, once per
+// token, so a step is bound by how fast the weights stream from memory. XLA's CPU path
+// dequantizes a quantized weight into a float32 copy before its dot (several times the
+// bytes), and its float32 matrix-vector product reaches about half the bandwidth. These
+// kernels read each weight byte once, convert it in registers, and keep every row's
+// partial sums in registers.
+//
+// Handlers (jaxinfer/cpu_matmul.py calls them):
+//
+//   JaxinferMatmulF32   x [M, K] f32, w f32: [K, N] (w_contract 0) or [N, K] (w_contract 1,
+//                       a tied LM head stored [vocab, hidden]) -> y [M, N] f32
+//   JaxinferMatmulQ     x [M, K] f32, q, scale, offset -> y [M, N] f32, the weight being a
+//                       jaxinfer.quant.QuantizedWeight:
+//                         bits 8: q int8 [K, N];  bits 4: q uint8 [K/2, N], row 2j in the
+//                         low nibble of byte row j, row 2j+1 in the high one (u in 0..15);
+//                         scale f16 [K/group, N]; offset f16 [K/group, N], or [0, N] for none.
+//                       w[k, n] = scale[k/group, n] * v + offset[k/group, n], where v is the
+//                       int8, or the nibble u (u - 8 when there is no offset).
+//
+// [K, N] layout: a work item is a band of output columns. Inside it, the rows of x are
+// taken in tiles of up to MT rows, and columns in panels of NV vectors; for a block of
+// contraction rows (at most kKBlock, never straddling a scale group) the tile's partial
+// sums are MT x NV vector registers: each weight vector is loaded and converted once and
+// multiplied into every row (x[m, k] broadcast). At the end of a block the sums are scaled
+// by the group's scale vector and added into y (in cache); at the end of a group the offset
+// term offset[g, n] * sum(x[m, group]) is added (sums of x per group are computed once per
+// call). Blocks make consecutive panels of a band read adjacent memory, which the hardware
+// prefetchers follow. Columns past the last whole vector are done by a scalar loop.
+//
+// [N, K] layout (transposed): a work item is a band of weight rows (= output columns);
+// tiles of MT x NT dot products along K, reduced at the end.
+//
+// Work items are shared with XLA's intra-op thread pool (as the attention kernel does):
+// workers take items from an atomic counter, the calling thread works too and then waits
+// for all items to be done.
+//
+// SIMD is chosen at compile time (the build uses -march=native): AVX-512 (16 lanes),
+// AVX2 + FMA + F16C (8 lanes), or a scalar fallback (1 lane), all from the same templates.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// scalar helpers
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;  // man * 2^-24 (0 or subnormal)
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// vector traits: F a vector of L floats
+
+struct Scalar {
+  static constexpr int L = 1;
+  static constexpr int kBudget = 8;  // accumulators a tile may hold
+  using F = float;
+  static F zero() { return 0.f; }
+  static F set1(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F v) { *p = v; }
+  static F add(F a, F b) { return a + b; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return a * b + c; }
+  static F load_i8(const int8_t* p) { return static_cast<float>(*p); }
+  // A byte of two nibbles: `whole` = the byte's value lo + 16 hi, `lo` = the low nibble.
+  static void load_u4(const uint8_t* p, F& whole, F& lo) {
+    whole = static_cast<float>(*p);
+    lo = static_cast<float>(*p & 15);
+  }
+  static F load_h(const uint16_t* p) { return half_to_float(*p); }
+  static float sum(F v) { return v; }
+};
+
+#if defined(__AVX512F__)
+struct Avx512 {
+  static constexpr int L = 16;
+  static constexpr int kBudget = 24;
+  using F = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_u4(const uint8_t* p, F& whole, F& lo) {
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    whole = _mm512_cvtepi32_ps(u);
+    // vpermps reads the low 4 bits of each index: a table lookup gives the low nibble as a float
+    lo = _mm512_permutexvar_ps(u, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static F load_h(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+};
+using Vec = Avx512;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Avx2 {
+  static constexpr int L = 8;
+  static constexpr int kBudget = 12;
+  using F = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_u4(const uint8_t* p, F& whole, F& lo) {
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    whole = _mm256_cvtepi32_ps(u);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15)));
+  }
+  static F load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+using Vec = Avx2;
+#else
+using Vec = Scalar;
+#endif
+
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr const char* kIsa = "avx2";
+#else
+constexpr const char* kIsa = "scalar";
+#endif
+
+constexpr int kMaxTile = Vec::L == 16 ? 16 : (Vec::L == 8 ? 12 : 8);  // rows of x per tile
+#ifndef MM_KBLOCK
+#define MM_KBLOCK 64
+#endif
+#ifndef MM_BAND_UNITS
+#define MM_BAND_UNITS 8
+#endif
+#ifndef MM_ITEMS_PER_THREAD
+#define MM_ITEMS_PER_THREAD 4
+#endif
+constexpr int kKBlock = MM_KBLOCK;  // contraction rows per block (a multiple of 2)
+#ifndef MM_PF_DIST
+#define MM_PF_DIST 64
+#endif
+#ifndef MM_PF_HINT
+#define MM_PF_HINT _MM_HINT_T0
+#endif
+constexpr int kPrefetchRows = MM_PF_DIST;  // rows ahead to prefetch (the next block's; 0: none)
+
+inline void prefetch(const void* p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if constexpr (kPrefetchRows > 0) _mm_prefetch(static_cast<const char*>(p), MM_PF_HINT);
+#else
+  (void)p;
+#endif
+}
+
+// How many vectors wide a panel is for a tile of MT rows: as many as fit the register budget, <= 4.
+constexpr int panel_vectors(int mt) {
+  return 4 * mt <= Vec::kBudget ? 4 : (2 * mt <= Vec::kBudget ? 2 : 1);
+}
+
+// ---------------------------------------------------------------------------
+// the problem
+
+enum Kind { kF32 = 0, kI8 = 1, kU4 = 2 };
+enum OffsetMode { kNoOffset = 0, kOffset = 1, kMinus8 = 2 };  // kMinus8: int4 without offset, v = u - 8
+
+struct Problem {
+  const float* x = nullptr;  // [M, K]
+  // x repacked per tile of rows (tile at row m0 with mt rows: mt * K floats at m0 * K):
+  // [K][mt] (float, int8), or for int4 [K/2][mt][2]: (x[2j] - x[2j+1]/16, x[2j+1]/16), so
+  // that a * lo + b * (lo + 16 hi) = x[2j] lo + x[2j+1] hi.
+  const float* xt = nullptr;
+  const void* w = nullptr;   // f32 [K, N] or [N, K], int8 [K, N], uint8 [K/2, N]
+  const uint16_t* scale = nullptr;   // [G, N] f16
+  const uint16_t* offset = nullptr;  // [G, N] f16 or null
+  const float* xsum = nullptr;       // [M, G]: sums of x over each group (offset modes only)
+  float* y = nullptr;                // [M, N]
+  int64_t m = 0, k = 0, n = 0;
+  int64_t group = 0;  // contraction rows per scale (K for float)
+  int64_t groups = 1;
+  int64_t band = 0;   // columns (rows of a transposed w) per work item
+  int64_t items = 0;
+  int kind = kF32;
+  int offset_mode = kNoOffset;
+  bool transposed = false;
+};
+
+// ---------------------------------------------------------------------------
+// [K, N] layout: one panel (MT rows of x, NV vectors of columns at n) over rows [k0, k1)
+// of one group g; adds scale * sums into y, and the group's offset term when `last`.
+
+template <class V, int MT, int NV, int KIND, int OFF>
+inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k1, int64_t g, bool last) {
+  using F = typename V::F;
+  constexpr int L = V::L;
+  const int64_t N = p.n, K = p.k;
+  const float* xt = p.xt + m0 * K;
+  F acc[MT][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
+
+  if constexpr (KIND == kF32 || KIND == kI8) {
+    for (int64_t k = k0; k < k1; ++k) {
+      F wv[NV];
+      constexpr int kBytes = KIND == kF32 ? 4 : 1;
+#pragma GCC unroll 4
+      for (int line = 0; line < NV * L * kBytes; line += 64)
+        prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        if constexpr (KIND == kF32)
+          wv[v] = V::load(static_cast<const float*>(p.w) + k * N + n + v * L);
+        else
+          wv[v] = V::load_i8(static_cast<const int8_t*>(p.w) + k * N + n + v * L);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F xb = V::set1(xt[k * MT + i]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
+      }
+    }
+  } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high nibble)
+    const uint8_t* q = static_cast<const uint8_t*>(p.w);
+    for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
+      F whole[NV], lo[NV];
+#pragma GCC unroll 4
+      for (int line = 0; line < NV * L; line += 64) prefetch(q + (j + kPrefetchRows / 2) * N + n + line);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, whole[v], lo[v]);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F a = V::set1(xt[(j * MT + i) * 2]);
+        const F b = V::set1(xt[(j * MT + i) * 2 + 1]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, whole[v], V::fma(a, lo[v], acc[i][v]));
+      }
+    }
+  }
+
+  float* y = p.y + m0 * N + n;
+  if constexpr (KIND == kF32) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) V::store(y + i * N + v * L, V::add(V::load(y + i * N + v * L), acc[i][v]));
+  } else {
+    F s[NV], o[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      s[v] = V::load_h(p.scale + g * N + n + v * L);
+      if constexpr (OFF == kOffset) o[v] = V::load_h(p.offset + g * N + n + v * L);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const float xs = OFF != kNoOffset && last ? p.xsum[(m0 + i) * p.groups + g] : 0.f;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        F a = acc[i][v];
+        if constexpr (OFF == kMinus8) {
+          if (last) a = V::add(a, V::set1(-8.f * xs));
+        }
+        F out = V::fma(s[v], a, V::load(y + i * N + v * L));
+        if constexpr (OFF == kOffset) {
+          if (last) out = V::fma(o[v], V::set1(xs), out);
+        }
+        V::store(y + i * N + v * L, out);
+      }
+    }
+  }
+}
+
+// Scalar, for the columns [n0, n1) past the last whole vector: rows [m0, m0 + mt), all of K.
+template <int KIND, int OFF>
+void tail_columns(const Problem& p, int64_t m0, int64_t mt, int64_t n0, int64_t n1) {
+  const int64_t N = p.n, K = p.k;
+  for (int64_t i = m0; i < m0 + mt; ++i) {
+    const float* x = p.x + i * K;
+    for (int64_t n = n0; n < n1; ++n) {
+      float total = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float acc = 0.f;
+        for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) {
+          float v;
+          if constexpr (KIND == kF32)
+            v = static_cast<const float*>(p.w)[k * N + n];
+          else if constexpr (KIND == kI8)
+            v = static_cast<const int8_t*>(p.w)[k * N + n];
+          else {
+            const uint8_t b = static_cast<const uint8_t*>(p.w)[(k / 2) * N + n];
+            v = (k & 1) ? (b >> 4) : (b & 15);
+          }
+          acc += x[k] * v;
+        }
+        if constexpr (KIND == kF32) {
+          total += acc;
+        } else {
+          const float xs = OFF != kNoOffset ? p.xsum[i * p.groups + g] : 0.f;
+          if constexpr (OFF == kMinus8) acc += -8.f * xs;
+          total += half_to_float(p.scale[g * N + n]) * acc;
+          if constexpr (OFF == kOffset) total += half_to_float(p.offset[g * N + n]) * xs;
+        }
+      }
+      p.y[i * N + n] = total;
+    }
+  }
+}
+
+// One tile of MT rows over the band's columns [c0, c1), all of K.
+template <int MT, int KIND, int OFF>
+void tile_kn(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
+  using V = Vec;
+  constexpr int L = V::L;
+  constexpr int NV = panel_vectors(MT);
+  const int64_t N = p.n;
+  for (int i = 0; i < MT; ++i) std::fill(p.y + (m0 + i) * N + c0, p.y + (m0 + i) * N + c1, 0.f);
+  const int64_t vec_end = c0 + (c1 - c0) / L * L;  // columns in whole vectors
+  const int64_t wide_end = c0 + (vec_end - c0) / (NV * L) * (NV * L);
+  const int64_t block = std::min<int64_t>(kKBlock, p.group);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t g0 = g * p.group, g1 = g0 + p.group;
+    for (int64_t k0 = g0; k0 < g1; k0 += block) {
+      const int64_t k1 = std::min(g1, k0 + block);
+      const bool last = k1 == g1;
+      for (int64_t n = c0; n < wide_end; n += NV * L) panel<V, MT, NV, KIND, OFF>(p, m0, n, k0, k1, g, last);
+      for (int64_t n = wide_end; n < vec_end; n += L) panel<V, MT, 1, KIND, OFF>(p, m0, n, k0, k1, g, last);
+    }
+  }
+  if (vec_end < c1) tail_columns<KIND, OFF>(p, m0, MT, vec_end, c1);
+}
+
+template <int KIND, int OFF, int MT = kMaxTile>
+void tile_dispatch(const Problem& p, int64_t m0, int mt, int64_t c0, int64_t c1) {
+  if constexpr (MT >= 1) {
+    if (mt == MT)
+      tile_kn<MT, KIND, OFF>(p, m0, c0, c1);
+    else
+      tile_dispatch<KIND, OFF, MT - 1>(p, m0, mt, c0, c1);
+  }
+}
+
+template <int KIND, int OFF>
+void item_kn(const Problem& p, int64_t item) {
+  const int64_t c0 = item * p.band, c1 = std::min(p.n, c0 + p.band);
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTile) {
+    const int mt = static_cast<int>(std::min<int64_t>(kMaxTile, p.m - m0));
+    tile_dispatch<KIND, OFF>(p, m0, mt, c0, c1);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// [N, K] layout (float32): y[m, n] = sum_k x[m, k] w[n, k]
+
+constexpr int kTileT = 4;  // rows of x per transposed tile
+constexpr int kRowsT = Vec::L == 16 ? 8 : 4;  // weight rows per transposed tile
+
+template <int MT, int NT>
+inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
+  using V = Vec;
+  using F = V::F;
+  constexpr int L = V::L;
+  const int64_t K = p.k;
+  const float* x = p.x + m0 * K;
+  const float* w = static_cast<const float*>(p.w) + n0 * K;
+  F acc[MT][NT];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[i][t] = V::zero();
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    F xv[MT];
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) xv[i] = V::load(x + i * K + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const F wv = V::load(w + t * K + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) acc[i][t] = V::fma(xv[i], wv, acc[i][t]);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int t = 0; t < NT; ++t) {
+      float r = V::sum(acc[i][t]);
+      for (int64_t kk = k; kk < K; ++kk) r += x[i * K + kk] * w[t * K + kk];
+      p.y[(m0 + i) * p.n + n0 + t] = r;
+    }
+}
+
+template <int MT>
+void tile_t(const Problem& p, int64_t m0, int64_t r0, int64_t r1) {
+  constexpr int NT = MT <= 2 ? kRowsT : kRowsT / 2;
+  int64_t r = r0;
+  for (; r + NT <= r1; r += NT) panel_t<MT, NT>(p, m0, r);
+  for (; r < r1; ++r) panel_t<MT, 1>(p, m0, r);
+}
+
+void item_t(const Problem& p, int64_t item) {
+  const int64_t r0 = item * p.band, r1 = std::min(p.n, r0 + p.band);
+  for (int64_t m0 = 0; m0 < p.m; m0 += kTileT) {
+    switch (std::min<int64_t>(kTileT, p.m - m0)) {
+      case 1: tile_t<1>(p, m0, r0, r1); break;
+      case 2: tile_t<2>(p, m0, r0, r1); break;
+      case 3: tile_t<3>(p, m0, r0, r1); break;
+      default: tile_t<4>(p, m0, r0, r1); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// work sharing
+
+void run_item(const Problem& p, int64_t item) {
+  if (p.transposed) return item_t(p, item);
+  switch (p.kind * 3 + p.offset_mode) {
+    case kF32 * 3 + kNoOffset: return item_kn<kF32, kNoOffset>(p, item);
+    case kI8 * 3 + kNoOffset: return item_kn<kI8, kNoOffset>(p, item);
+    case kI8 * 3 + kOffset: return item_kn<kI8, kOffset>(p, item);
+    case kU4 * 3 + kOffset: return item_kn<kU4, kOffset>(p, item);
+    case kU4 * 3 + kMinus8: return item_kn<kU4, kMinus8>(p, item);
+    default: return;
+  }
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void run_items(const Problem& p, Progress& prog) {
+  for (;;) {
+    const int64_t item = prog.next.fetch_add(1);
+    if (item >= p.items) return;
+    run_item(p, item);
+    prog.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Fills `buf` with x repacked per tile (see Problem::xt).
+void pack_x(Problem& p, std::vector<float>& buf) {
+  buf.resize(p.m * p.k);
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTile) {
+    const int64_t mt = std::min<int64_t>(kMaxTile, p.m - m0);
+    float* dst = buf.data() + m0 * p.k;
+    const float* x = p.x + m0 * p.k;
+    if (p.kind == kU4) {
+      for (int64_t j = 0; j < p.k / 2; ++j)
+        for (int64_t i = 0; i < mt; ++i) {
+          const float x0 = x[i * p.k + 2 * j], x1 = x[i * p.k + 2 * j + 1];
+          dst[(j * mt + i) * 2] = x0 - x1 * 0.0625f;
+          dst[(j * mt + i) * 2 + 1] = x1 * 0.0625f;
+        }
+    } else {
+      for (int64_t k = 0; k < p.k; ++k)
+        for (int64_t i = 0; i < mt; ++i) dst[k * mt + i] = x[i * p.k + k];
+    }
+  }
+  p.xt = buf.data();
+}
+
+// Splits the output columns into items, then runs them on the calling thread and up to
+// `pool.num_threads() - 1` pool threads. `unit`: the column granularity of a band.
+void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t weight_bytes) {
+  const int64_t threads = share ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  // A product this small is done before a pool thread wakes up.
+  const bool alone = threads == 1 || weight_bytes * std::max<int64_t>(1, p.m) < (64 << 10);
+  const int64_t units = (p.n + unit - 1) / unit;
+  // Bands of at most 8 units, and about 4 per thread when there are enough columns.
+  const int64_t per = alone ? std::min<int64_t>(units, MM_BAND_UNITS)
+                            : std::max<int64_t>(1, std::min<int64_t>(MM_BAND_UNITS, units / (MM_ITEMS_PER_THREAD * threads)));
+  p.band = per * unit;
+  p.items = (p.n + p.band - 1) / p.band;
+  auto prog = std::make_shared<Progress>();
+  const int64_t helpers = alone ? 0 : std::min<int64_t>(threads, p.items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    // `p` is copied; its pointers are used only while items remain, i.e. before we return.
+    pool.Schedule([prog, p] { run_items(p, *prog); });
+  }
+  run_items(p, *prog);
+  while (prog->done.load(std::memory_order_acquire) < p.items) std::this_thread::yield();
+}
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, int64_t w_contract,
+                    bool share, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("cpu matmul: x, w and y must be 2-D; got x " + dims_str(xd) + ", w " +
+                                       dims_str(wd) + ", y " + dims_str(yd));
+  if (w_contract != 0 && w_contract != 1)
+    return ffi::Error::InvalidArgument("cpu matmul: w_contract must be 0 or 1, got " + std::to_string(w_contract));
+  Problem p;
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = wd[1 - w_contract];
+  if (wd[w_contract] != p.k)
+    return ffi::Error::InvalidArgument("cpu matmul: x " + dims_str(xd) + " and w " + dims_str(wd) +
+                                       " do not agree on the contraction (w_contract " + std::to_string(w_contract) +
+                                       ")");
+  if (yd[0] != p.m || yd[1] != p.n)
+    return ffi::Error::InvalidArgument("cpu matmul: y " + dims_str(yd) + " should be [" + std::to_string(p.m) + ", " +
+                                       std::to_string(p.n) + "]");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.x = x.typed_data();
+  p.w = w.typed_data();
+  p.y = y->typed_data();
+  p.kind = kF32;
+  p.group = std::max<int64_t>(1, p.k);
+  p.groups = p.k == 0 ? 0 : 1;
+  p.transposed = w_contract == 1;
+  std::vector<float> xt;
+  if (!p.transposed) pack_x(p, xt);
+  run(pool, share, p, p.transposed ? kRowsT : 4 * Vec::L, p.k * p.n * 4);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
+                   ffi::Buffer<ffi::F16> offset, int64_t bits, int64_t group, bool share,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || od.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: x, q, scale, offset and y must be 2-D; got x " +
+                                       dims_str(xd) + ", q " + dims_str(qd) + ", scale " + dims_str(sd) +
+                                       ", offset " + dims_str(od) + ", y " + dims_str(yd));
+  if (bits != 8 && bits != 4)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: bits must be 8 or 4, got " + std::to_string(bits));
+  const auto want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (q.element_type() != want)
+    return ffi::Error::InvalidArgument(std::string("cpu quantized matmul: q must be ") +
+                                       (bits == 8 ? "int8" : "uint8 (two int4 per byte)") + " for bits " +
+                                       std::to_string(bits));
+  Problem p;
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = qd[1];
+  const int64_t q_rows = bits == 8 ? p.k : p.k / 2;
+  if (qd[0] != q_rows || (bits == 4 && p.k % 2 != 0))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: x " + dims_str(xd) + " and q " + dims_str(qd) +
+                                       " do not agree on the contraction (q has K" + (bits == 4 ? "/2" : "") +
+                                       " rows for bits " + std::to_string(bits) + ")");
+  if (group <= 0 || p.k % group != 0 || (bits == 4 && group % 2 != 0))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: group " + std::to_string(group) +
+                                       " must be positive, divide K = " + std::to_string(p.k) +
+                                       (bits == 4 ? " and be even" : ""));
+  p.group = group;
+  p.groups = p.k / group;
+  if (sd[0] != p.groups || sd[1] != p.n)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: scale " + dims_str(sd) + " should be [" +
+                                       std::to_string(p.groups) + ", " + std::to_string(p.n) + "] (K / group, N)");
+  const bool has_offset = od[0] != 0;
+  if (has_offset && (od[0] != p.groups || od[1] != p.n))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: offset " + dims_str(od) + " should be [" +
+                                       std::to_string(p.groups) + ", " + std::to_string(p.n) +
+                                       "] (K / group, N), or [0, N] for none");
+  if (yd[0] != p.m || yd[1] != p.n)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: y " + dims_str(yd) + " should be [" +
+                                       std::to_string(p.m) + ", " + std::to_string(p.n) + "]");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.kind = bits == 8 ? kI8 : kU4;
+  p.offset_mode = has_offset ? kOffset : (bits == 4 ? kMinus8 : kNoOffset);
+  p.x = x.typed_data();
+  p.w = q.untyped_data();
+  p.scale = scale.typed_data();
+  p.offset = has_offset ? offset.typed_data() : nullptr;
+  p.y = y->typed_data();
+  std::vector<float> xsum;
+  if (p.offset_mode != kNoOffset) {
+    xsum.assign(p.m * p.groups, 0.f);
+    for (int64_t i = 0; i < p.m; ++i)
+      for (int64_t g = 0; g < p.groups; ++g) {
+        const float* xr = p.x + i * p.k + g * group;
+        float s = 0.f;
+        for (int64_t k = 0; k < group; ++k) s += xr[k];
+        xsum[i * p.groups + g] = s;
+      }
+    p.xsum = xsum.data();
+  }
+  std::vector<float> xt;
+  pack_x(p, xt);
+  run(pool, share, p, 4 * Vec::L, q_rows * p.n + 2 * (sd[0] + od[0]) * p.n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" const char* JaxinferMatmulIsa() { return kIsa; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulF32, MatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
+                                  .Attr<int64_t>("w_contract")   // the axis of w that meets x's K
+                                  .Attr<bool>("share")           // share the items with the intra-op pool
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulQ, MatmulQ,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // q int8 [K, N] or uint8 [K/2, N]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scale [K/group, N]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // offset [K/group, N] or [0, N]
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("share")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -1,0 +1,134 @@
+"""Quantized weights (jaxinfer.quant): the format, GGUF blocks kept exactly, and models that compute
+the function of their dequantized weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY, TINY_ENGINE, tiny_params
+from jaxinfer import kv_cache, quant
+from jaxinfer.attention import AttentionMetadata
+from jaxinfer.config import EngineConfig
+from jaxinfer.models import decoder
+from jaxinfer.spec import abstract, check_tree
+
+fwd = jax.jit(decoder.forward, static_argnums=1)
+logits_fn = jax.jit(decoder.logits, static_argnums=1)
+
+
+def all_logits(params, cfg, seq, page_size=4):
+    n = len(seq)
+    eng = EngineConfig(page_size=page_size, num_pages=n // page_size + 2)
+    cache = kv_cache.init_cache(cfg, eng)
+    pos = np.arange(n, dtype=np.int32)[None]
+    table = np.arange(1, 1 + -(-n // page_size), dtype=np.int32)[None]
+    attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, page_size), table, np.array([n], np.int32))
+    h, _ = fwd(params, cfg, jnp.asarray([seq], jnp.int32), cache, attn)
+    return np.asarray(logits_fn(params, cfg, h[0]))
+
+
+def dequantized_tree(params):
+    """The float tree a quantized tree stands for (embeddings back to [vocab, hidden])."""
+    def f(x):
+        return jnp.asarray(quant.dequantize_host(jax.tree.map(np.asarray, x))) if quant.is_quantized(x) else x
+
+    out = jax.tree.map(f, params, is_leaf=quant.is_quantized)
+    if quant.is_quantized(params["embed"]):
+        out["embed"] = out["embed"].T
+    return out
+
+
+@pytest.mark.parametrize("name", quant.SCHEMES)
+def test_quantize_round_trip_error_is_within_half_a_step(name):
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(128, 40)).astype(np.float32)
+    w[:, 3] = 0.0  # an all-zero column: scale 0, exact zeros
+    s = quant.Scheme.parse(name)
+    qw = quant.quantize(w, s)
+    back = quant.dequantize_host(qw)
+    g = s.group_of(128)
+    step = np.repeat(qw.scale.astype(np.float32), g, axis=0)
+    # round to nearest against float16-rounded scales: within half a step (plus the offset's rounding)
+    slack = 0.5 * step + (np.abs(np.repeat(qw.offset.astype(np.float32), g, axis=0)) * 2**-10 if s.offset else 0)
+    assert np.all(np.abs(back - w) <= slack + 1e-6)
+    assert np.all(back[:, 3] == 0)
+    assert qw.q.dtype == (np.uint8 if s.bits == 4 else np.int8)
+    assert qw.q.shape == ((64 if s.bits == 4 else 128), 40)
+    # the jitted dequantization is the host one
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x.dequantize())(qw)), back)
+
+
+def test_int4_packing_is_two_rows_per_byte():
+    v = np.arange(8 * 3).reshape(8, 3) % 16
+    q = quant.pack(v, 4)
+    assert q.shape == (4, 3)
+    np.testing.assert_array_equal(q[1, 2] & 15, v[2, 2])
+    np.testing.assert_array_equal(q[1, 2] >> 4, v[3, 2])
+
+
+@pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
+def test_gguf_blocks_decode_as_gguf_does(kind):
+    import gguf
+
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(6, 64)).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, kind)
+    raw = gguf.quants.quantize(w, t)
+    b = quant.blocks_from_gguf(raw, kind, (6, 64))
+    np.testing.assert_array_equal(b.dequantize(), gguf.quants.dequantize(raw, t).reshape(6, 64))
+    # kept in the matching scheme, the weight is exactly the file's
+    scheme = quant.Scheme.parse("int8-g32" if kind == "Q8_0" else "int4-g32")
+    leaf = quant.weight_from_hf([b], scheme, None)
+    np.testing.assert_array_equal(quant.dequantize_host(leaf), b.dequantize().T)
+
+
+@pytest.mark.parametrize("mode", quant.MODES)
+def test_quantized_model_computes_its_dequantized_weights(mode):
+    cfg, params = quant.quantize_params(tiny_params(), TINY, mode)
+    assert cfg.quant == quant.default_scheme(mode)
+    assert params["lm_head"].bits == 8  # the head stays 8-bit under int4
+    assert params["layers"][0]["wqkv"].bits == (8 if mode == "int8" else 4)
+    specs = decoder.param_specs(cfg)
+    check_tree(specs, params)
+    assert jax.tree.structure(abstract(specs)) == jax.tree.structure(jax.tree.map(lambda x: 0, params))
+    seq = np.random.default_rng(3).integers(0, TINY.vocab_size, 11).tolist()
+    got = all_logits(params, cfg, seq)
+    want = all_logits(dequantized_tree(params), TINY, seq)
+    np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max())
+
+
+def test_quantized_llm_generates_and_reports_its_quantization():
+    import jaxinfer
+
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE.replace(quantization="int8"))
+    try:
+        assert llm.info()["quantization"] == "int8"
+        out = llm.generate([[1, 2, 3, 4, 5]], jaxinfer.SamplingParams(max_tokens=6, temperature=0.0))[0]
+        assert len(out.outputs[0].token_ids) == 6
+    finally:
+        llm.close()
+
+
+def test_bad_quantization_is_refused_by_name():
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quantization must be"):
+        quant.check_mode("fp8")
+
+
+def test_a_layout_that_would_split_a_quantization_group_is_refused():
+    from jaxinfer import mesh
+
+    w = quant.quantize(np.ones((64, 4), np.float32), quant.Scheme.parse("int4-g32"))
+    rows = np.concatenate([np.arange(16), -np.ones(16, int), np.arange(16, 64), -np.ones(16, int)])  # a pad mid-group
+    with pytest.raises(ValueError, match="splits the scale groups of a quantized weight"):
+        mesh._quantized_maps(0, rows, w)
+    aligned = np.concatenate([np.arange(32), -np.ones(32, int), np.arange(32, 64)])
+    q_idx, s_idx = mesh._quantized_maps(0, aligned, w)
+    np.testing.assert_array_equal(s_idx, [0, -1, 1])
+    np.testing.assert_array_equal(q_idx, np.concatenate([np.arange(16), -np.ones(16, int), np.arange(16, 32)]))
