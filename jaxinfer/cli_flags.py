@@ -107,7 +107,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, warmup: Optional[str] = None
                    help="cap the context length (prompt + output), in tokens (default: the model's, as far as the "
                    "KV cache holds it)")
     g.add_argument("--dtype", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    g.add_argument("--quantization", "-q", choices=("int8", "int4"),
+    g.add_argument("--quantization", choices=("int8", "int4"),
                    help="weight-only quantization: int8 (per output channel; a GGUF's Q8_0 blocks are kept) or int4 "
                    "(groups of 32 with scale and offset; Q4_0/Q4_1 blocks are kept); default: weights in --dtype")
     g.add_argument("--max-num-seqs", type=positive_int, metavar="N",

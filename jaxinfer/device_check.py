@@ -993,6 +993,24 @@ def main(argv: Optional[list] = None) -> int:
     sections["bandwidth"] = time.perf_counter() - t0
     devices = getattr(engine, "tensor_parallel_size", 1) or 1
 
+    # quantized products: is a float copy of the weight materialised? (GPU/TPU must fuse it)
+    t0 = time.perf_counter()
+    results["quantized"] = []
+    side = 1024 if quick else 4096
+    for scheme in ("int8", "int4-g32"):
+        for rows in (1, 64):
+            try:
+                from jaxinfer.quant import float_copy_check
+
+                r = float_copy_check(side, side, rows, scheme)
+            except Exception as e:
+                r = {"scheme": scheme, "rows": rows, "error": f"{type(e).__name__}: {e}"}
+                problems.append(f"quantized {scheme}")
+            results["quantized"].append(r)
+            if backend in ("gpu", "tpu") and not r.get("fused", True):
+                problems.append(f"{scheme} x {rows} rows materialises a float weight")
+    sections["quantized"] = time.perf_counter() - t0
+
     # 3 + 4. models
     if args.models is not None:
         names = [m.strip() for m in args.models.split(",") if m.strip() and m.strip() != "none"]
@@ -1068,12 +1086,25 @@ def main(argv: Optional[list] = None) -> int:
     results["total_s"] = time.perf_counter() - t_start
     results["ok"] = not problems
     results["problems"] = ", ".join(problems)
-    table = format_table(results)
+    table = format_table(results) + "\n" + format_quantized(results.get("quantized", []))
     results["table"] = table
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(table, flush=True)
     return 0 if results["ok"] else 1
+
+
+def format_quantized(rows: list) -> str:
+    """The quantized-product lines: the compiled program's temporary memory against a float copy."""
+    lines = ["quantized weight x rows   temp MiB  float copy MiB  float copy?"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['scheme']:9s} x {r['rows']:<4d}      {r['error']}")
+            continue
+        how = "no (native kernel)" if r["custom_call"] else "no (fused)" if r["fused"] else "yes"
+        lines.append(f"{r['scheme']:9s} x {r['rows']:<4d}  {r['temp_bytes'] / 2**20:9.1f}  {r['float_copy_bytes'] / 2**20:14.1f}"
+                     f"  {how}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

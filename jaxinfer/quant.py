@@ -416,3 +416,23 @@ def quantize_params(params: Any, cfg: Any, mode: str) -> tuple[Any, Any]:
     e = params["embed"]
     out["embed"] = quantize(np.asarray(e, np.float32).T, head) if head.fits(e.shape[1]) else e
     return dataclasses.replace(cfg, quant=name), out
+
+
+def float_copy_check(k: int, n: int, rows: int, name: str) -> dict:
+    """Compile one product of ``rows`` float32 rows with a random ``[k, n]`` weight quantized by
+    ``name`` on the default device, the way a step does (`jaxinfer.models.decoder.matmul`), and
+    report the compiled program's temporary memory: a program that materialises a float copy of
+    the weight needs at least ``4 k n`` bytes of it (GPU and TPU should fuse the dequantization
+    into the product: ``fused``; XLA's CPU backend does not, which is why decode's products there
+    go to `jaxinfer.cpu_matmul`)."""
+    from jaxinfer.models.decoder import matmul
+
+    w = quantize(np.random.default_rng(0).normal(size=(k, n)).astype(np.float32), Scheme.parse(name))
+    w = jax.tree.map(jnp.asarray, w)
+    x = jnp.ones((rows, k), jnp.float32)
+    compiled = jax.jit(matmul).lower(x, w).compile()
+    mem = compiled.memory_analysis()
+    temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else -1
+    float_bytes = 4 * k * n
+    return {"scheme": name, "k": k, "n": n, "rows": rows, "temp_bytes": temp, "float_copy_bytes": float_bytes,
+            "fused": 0 <= temp < float_bytes // 2, "custom_call": "custom_call" in compiled.as_text()}

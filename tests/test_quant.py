@@ -132,3 +132,16 @@ def test_a_layout_that_would_split_a_quantization_group_is_refused():
     q_idx, s_idx = mesh._quantized_maps(0, aligned, w)
     np.testing.assert_array_equal(s_idx, [0, -1, 1])
     np.testing.assert_array_equal(q_idx, np.concatenate([np.arange(16), -np.ones(16, int), np.arange(16, 32)]))
+
+
+def test_float_copy_check_sees_a_materialised_weight():
+    """The check device_check runs on GPU/TPU (where the dequantization must fuse into the dot): on
+    CPU, XLA's path for many rows does build the float weight, and it sees it; decode's few rows
+    go to the native kernel, which never does."""
+    from jaxinfer import cpu_matmul
+
+    many = quant.float_copy_check(256, 256, 64, "int4-g32")
+    assert not many["fused"] and many["temp_bytes"] >= many["float_copy_bytes"] and not many["custom_call"]
+    if cpu_matmul.prepare():
+        few = quant.float_copy_check(256, 256, 1, "int8")
+        assert few["custom_call"] and few["fused"]
