@@ -44,11 +44,15 @@ TARGET_F32 = "jaxinfer_matmul_f32"
 TARGET_Q = "jaxinfer_matmul_q"
 _SYMBOLS = {TARGET_F32: "JaxinferMatmulF32", TARGET_Q: "JaxinferMatmulQ"}
 
-# The most rows of x the kernel is used for (benchmarks/matmul_kernel.py: up to where it
-# beats XLA's path on SmolLM2's shapes on a 2-core AVX-512 host). Quantized weights: XLA's
-# path dequantizes the whole weight first, so the kernel wins at every few-row size.
-MAX_ROWS = 16
-MAX_ROWS_FLOAT = 16
+# The most rows of x the kernel is used for, from benchmarks/matmul_kernel.py (SmolLM2-135M's
+# 30 layers and LM head chained, a 2-core AVX-512 host). Quantized weights: XLA's path
+# dequantizes every weight into a float32 copy first; the kernel was 12-27x faster at 1 row,
+# 7-8x at 16, 3.5-4.5x at 48, and still 2.9x at 64 (the most measured; 64 rows are left to
+# XLA's path, which tests/test_quant.py takes as prefill's). Float32: 1.0x at 1 row (both
+# near the bandwidth floor), 1.2-1.7x from 2 to 48 rows, 1.1-1.3x at 64, where XLA's blocked
+# GEMM catches up.
+MAX_ROWS = 48
+MAX_ROWS_FLOAT = 48
 
 
 def max_rows(w: Any) -> int:
@@ -160,7 +164,9 @@ def _weight_ok(w: Any, w_contract: int) -> bool:
         if group <= 0 or k % group or (w.bits == 4 and group % 2):
             return False
         qdtype = jnp.int8 if w.bits == 8 else jnp.uint8
-        side_ok = lambda a: a is None or (jnp.dtype(a.dtype) == jnp.float16 and tuple(a.shape) == (k // group, n))  # noqa: E731
+        def side_ok(a) -> bool:
+            return a is None or (jnp.dtype(a.dtype) == jnp.float16 and tuple(a.shape) == (k // group, n))
+
         return jnp.dtype(w.q.dtype) == qdtype and w.scale is not None and side_ok(w.scale) and side_ok(w.offset)
     shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
     return (shape is not None and len(shape) == 2 and dtype is not None and jnp.dtype(dtype) == jnp.float32
@@ -190,20 +196,24 @@ def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     return jax.lax.dot_general(x2.astype(f32), w.astype(f32), dims, preferred_element_type=f32)
 
 
-def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] = None) -> jax.Array:
+def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] = None,
+           share: Optional[bool] = None) -> jax.Array:
     """``x2 [M, K] @ w`` -> ``[M, N]`` float32 by the native kernel (see `fits`).
 
     ``w``: a `QuantizedWeight` [K, N], or float32 [K, N] (``w_contract`` 0) or [N, K]
     (``w_contract`` 1). ``targets``: another build's handlers (`load_variant`), for tests.
+    ``share``: whether to share the work with XLA's intra-op threads (default: unless a
+    multi-device mesh is being traced under); False measures one thread, in benchmarks.
     """
     names = (targets["f32"], targets["q"]) if targets else (TARGET_F32, TARGET_Q)
-    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names)
+    if share is None:
+        share = mesh.tp_size() == 1
+    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names, bool(share))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _kernel_matmul(x2, w, w_contract: int, names: tuple):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool):
     m, k = x2.shape
-    share = mesh.tp_size() == 1
     if isinstance(w, QuantizedWeight):
         n = w.q.shape[1]
         offset = w.offset if w.offset is not None else jnp.zeros((0, n), jnp.float16)
@@ -215,5 +225,5 @@ def _kernel_matmul(x2, w, w_contract: int, names: tuple):
 
 
 @_kernel_matmul.defjvp
-def _kernel_matmul_jvp(w_contract, names, primals, tangents):
+def _kernel_matmul_jvp(w_contract, names, share, primals, tangents):
     return jax.jvp(functools.partial(xla_matmul, w_contract=w_contract), primals, tangents)

@@ -140,7 +140,7 @@ def test_float_copy_check_sees_a_materialised_weight():
     go to the native kernel, which never does."""
     from jaxinfer import cpu_matmul
 
-    many = quant.float_copy_check(256, 256, 64, "int4-g32")
+    many = quant.float_copy_check(256, 256, cpu_matmul.MAX_ROWS + 16, "int4-g32")
     assert not many["fused"] and many["temp_bytes"] >= many["float_copy_bytes"] and not many["custom_call"]
     if cpu_matmul.prepare():
         few = quant.float_copy_check(256, 256, 1, "int8")

@@ -19,15 +19,18 @@
 //                       w[k, n] = scale[k/group, n] * v + offset[k/group, n], where v is the
 //                       int8, or the nibble u (u - 8 when there is no offset).
 //
-// [K, N] layout: a work item is a band of output columns. Inside it, the rows of x are
-// taken in tiles of up to MT rows, and columns in panels of NV vectors; for a block of
-// contraction rows (at most kKBlock, never straddling a scale group) the tile's partial
-// sums are MT x NV vector registers: each weight vector is loaded and converted once and
-// multiplied into every row (x[m, k] broadcast). At the end of a block the sums are scaled
-// by the group's scale vector and added into y (in cache); at the end of a group the offset
-// term offset[g, n] * sum(x[m, group]) is added (sums of x per group are computed once per
-// call). Blocks make consecutive panels of a band read adjacent memory, which the hardware
-// prefetchers follow. Columns past the last whole vector are done by a scalar loop.
+// [K, N] layout: a work item is a band of output columns (at most 16 x 4 vectors; the
+// bands split evenly over the threads). Inside it, the rows of x are taken in tiles of up
+// to kMaxTile rows, and columns in panels of NV vectors; for a block of kKBlock contraction
+// rows (never straddling a scale group) the tile's partial sums are MT x NV vector
+// registers: each weight vector is loaded and converted once and multiplied into every row
+// (x, repacked per tile at the start of a call, broadcast from one pointer). At the end of
+// a block the sums are scaled by the group's scale vector and added into y (in cache); at
+// the end of a group the offset term offset[g, n] * sum(x[m, group]) is added (the sums of
+// x per group are computed once per call; int4 without an offset is offset -8 * scale).
+// Each panel prefetches its next block. Columns past the last whole vector are done by a
+// scalar loop. int4 bytes are converted whole (lo + 16 hi) and by their low nibble only,
+// with x repacked so that two multiply-adds give x[2j] lo + x[2j+1] hi (see Problem::xt).
 //
 // [N, K] layout (transposed): a work item is a band of weight rows (= output columns);
 // tiles of MT x NT dot products along K, reduced at the end.
@@ -173,31 +176,17 @@ constexpr const char* kIsa = "scalar";
 #endif
 
 constexpr int kMaxTile = Vec::L == 16 ? 16 : (Vec::L == 8 ? 12 : 8);  // rows of x per tile
-#ifndef MM_KBLOCK
-#define MM_KBLOCK 64
-#endif
-#ifndef MM_BAND_UNITS
-#define MM_BAND_UNITS 8
-#endif
-#ifndef MM_ITEMS_PER_THREAD
-#define MM_ITEMS_PER_THREAD 4
-#endif
-constexpr int kKBlock = MM_KBLOCK;  // contraction rows per block (a multiple of 2)
-#ifndef MM_PF_DIST
-#define MM_PF_DIST 64
-#endif
-#ifndef MM_PF_HINT
-#define MM_PF_HINT _MM_HINT_T0
-#endif
-constexpr int kPrefetchRows = MM_PF_DIST;  // rows ahead to prefetch (the next block's; 0: none)
+// Contraction rows per block (a multiple of 2). Prefetching the next block of a panel while
+// this one is summed gives the quantized panels (one cache line or less a row) memory-level
+// parallelism that the hardware prefetchers do not: measured single-threaded on cold int8 /
+// int4 weights, 2-3x the GB/s of no prefetching; float32 rows (4 lines a panel) stream well
+// without it at one row of x, and take it from 2 rows on.
+constexpr int kKBlock = 32;
+constexpr int kPrefetchRows = 32;
+constexpr int64_t kMaxBandUnits = 16;  // a work item's columns, at most, in units of 4 vectors
 
-inline void prefetch(const void* p) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  if constexpr (kPrefetchRows > 0) _mm_prefetch(static_cast<const char*>(p), MM_PF_HINT);
-#else
-  (void)p;
-#endif
-}
+// A hint only: an address past the weight's end (the last block's lookahead) is harmless.
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 // How many vectors wide a panel is for a tile of MT rows: as many as fit the register budget, <= 4.
 constexpr int panel_vectors(int mt) {
@@ -248,12 +237,15 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
     for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
 
   if constexpr (KIND == kF32 || KIND == kI8) {
+    // One row streams well on the hardware prefetchers alone (float32 rows are 4 lines a panel).
+    const bool pf = KIND != kF32 || p.m > 1;
     for (int64_t k = k0; k < k1; ++k) {
       F wv[NV];
       constexpr int kBytes = KIND == kF32 ? 4 : 1;
+      if (KIND != kF32 || pf)
 #pragma GCC unroll 4
-      for (int line = 0; line < NV * L * kBytes; line += 64)
-        prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
+        for (int line = 0; line < NV * L * kBytes; line += 64)
+          prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         if constexpr (KIND == kF32)
@@ -399,8 +391,10 @@ void item_kn(const Problem& p, int64_t item) {
 // ---------------------------------------------------------------------------
 // [N, K] layout (float32): y[m, n] = sum_k x[m, k] w[n, k]
 
-constexpr int kTileT = 4;  // rows of x per transposed tile
-constexpr int kRowsT = Vec::L == 16 ? 8 : 4;  // weight rows per transposed tile
+// A transposed tile: kTileT rows of x by kRowsT weight rows, kTileT * kRowsT accumulators
+// (measured on AVX-512, 1 to 16 rows: 4 x 6 beats 2 x 8, 3 x 8 and 4 x 4).
+constexpr int kTileT = Vec::L == 16 ? 4 : 2;
+constexpr int kRowsT = Vec::L == 16 ? 6 : 4;
 
 template <int MT, int NT>
 inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
@@ -437,7 +431,7 @@ inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
 
 template <int MT>
 void tile_t(const Problem& p, int64_t m0, int64_t r0, int64_t r1) {
-  constexpr int NT = MT <= 2 ? kRowsT : kRowsT / 2;
+  constexpr int NT = kRowsT;
   int64_t r = r0;
   for (; r + NT <= r1; r += NT) panel_t<MT, NT>(p, m0, r);
   for (; r < r1; ++r) panel_t<MT, 1>(p, m0, r);
@@ -446,12 +440,15 @@ void tile_t(const Problem& p, int64_t m0, int64_t r0, int64_t r1) {
 void item_t(const Problem& p, int64_t item) {
   const int64_t r0 = item * p.band, r1 = std::min(p.n, r0 + p.band);
   for (int64_t m0 = 0; m0 < p.m; m0 += kTileT) {
-    switch (std::min<int64_t>(kTileT, p.m - m0)) {
-      case 1: tile_t<1>(p, m0, r0, r1); break;
-      case 2: tile_t<2>(p, m0, r0, r1); break;
-      case 3: tile_t<3>(p, m0, r0, r1); break;
-      default: tile_t<4>(p, m0, r0, r1); break;
-    }
+    const int64_t mt = std::min<int64_t>(kTileT, p.m - m0);
+    if (mt == 1)
+      tile_t<1>(p, m0, r0, r1);
+    else if (mt == 2 || kTileT == 2)
+      tile_t<2>(p, m0, r0, r1);
+    else if (mt == 3)
+      tile_t<3>(p, m0, r0, r1);
+    else
+      tile_t<kTileT>(p, m0, r0, r1);
   }
 }
 
@@ -484,6 +481,12 @@ void run_items(const Problem& p, Progress& prog) {
   }
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 // Fills `buf` with x repacked per tile (see Problem::xt).
 void pack_x(Problem& p, std::vector<float>& buf) {
   buf.resize(p.m * p.k);
@@ -513,9 +516,15 @@ void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t we
   // A product this small is done before a pool thread wakes up.
   const bool alone = threads == 1 || weight_bytes * std::max<int64_t>(1, p.m) < (64 << 10);
   const int64_t units = (p.n + unit - 1) / unit;
-  // Bands of at most 8 units, and about 4 per thread when there are enough columns.
-  const int64_t per = alone ? std::min<int64_t>(units, MM_BAND_UNITS)
-                            : std::max<int64_t>(1, std::min<int64_t>(MM_BAND_UNITS, units / (MM_ITEMS_PER_THREAD * threads)));
+  // Wide bands stream better (a band's rows are read left to right); as few items as keep a
+  // band within kMaxBandUnits, in a multiple of the thread count so that threads get equal shares.
+  int64_t per = std::min<int64_t>(units, kMaxBandUnits);
+  if (!alone) {
+    for (int64_t c = 1;; ++c) {
+      per = (units + threads * c - 1) / (threads * c);
+      if (per <= kMaxBandUnits) break;
+    }
+  }
   p.band = per * unit;
   p.items = (p.n + p.band - 1) / p.band;
   auto prog = std::make_shared<Progress>();
@@ -525,7 +534,14 @@ void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t we
     pool.Schedule([prog, p] { run_items(p, *prog); });
   }
   run_items(p, *prog);
-  while (prog->done.load(std::memory_order_acquire) < p.items) std::this_thread::yield();
+  // Items are even, so the others finish soon: spin briefly (a yield is a system call, and
+  // there are ~120 of these calls a decode step), then yield to whoever holds the core.
+  for (int spin = 0; prog->done.load(std::memory_order_acquire) < p.items; ++spin) {
+    if (spin < 2000)
+      cpu_relax();
+    else
+      std::this_thread::yield();
+  }
 }
 
 std::string dims_str(ffi::Span<const int64_t> d) {

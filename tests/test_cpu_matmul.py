@@ -1,0 +1,192 @@
+"""The native CPU matmul kernel (`jaxinfer.cpu_matmul`) against a float64 numpy reference.
+
+Every weight form it takes (int8 per channel and in groups of 32, int8 with an offset, int4
+with an offset in groups of 32 and 64, int4 without an offset, float32 [K, N] and transposed [N, K]), every row
+count of one tile and several up to the limit (AVX-512 tiles are 16 rows, AVX2 ones 12), column
+counts that are not a multiple of the vector width, under jit. The AVX2 and scalar builds of
+the same source (compiled with AVX-512 or AVX2 turned off) are checked the same way, so a
+host with only AVX2 runs tested code. Errors name what is wrong; `fits` says no where the
+kernel must not be staged. Tolerances are relative to sum |x| |w| (the accumulation order
+differs from numpy's).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import cpu_matmul, kernels, quant
+from jaxinfer.config import cpu_flags
+from jaxinfer.quant import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.prepare(), reason="native CPU matmul kernel unavailable")
+
+SCHEMES = ("int8", "int8-g32", "int8-off", "int4-g32", "int4-g64", "int4-sym", "f32", "f32T")
+TOL = 2e-6
+
+
+def make_weight(rng, scheme: str, k: int, n: int):
+    """(the weight as the kernel takes it, w_contract, its float64 [K, N] value)."""
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if scheme == "f32":
+        return jnp.asarray(w), 0, w.astype(np.float64)
+    if scheme == "f32T":
+        return jnp.asarray(np.ascontiguousarray(w.T)), 1, w.astype(np.float64)
+    if scheme == "int4-sym":  # int4 without an offset: v = u - 8, groups of 32
+        u = rng.integers(0, 16, (k, n))
+        scale = (rng.random((k // 32, n)) * 0.1 + 0.01).astype(np.float16)
+        qw = QuantizedWeight(quant.pack(u, 4), scale, None, 4, 32)
+    elif scheme == "int8-off":  # the format allows an offset with int8 too (no scheme makes one)
+        v = rng.integers(-128, 128, (k, n))
+        scale = (rng.random((k // 64, n)) * 0.1 + 0.01).astype(np.float16)
+        offset = rng.standard_normal((k // 64, n)).astype(np.float16)
+        qw = QuantizedWeight(quant.pack(v, 8), scale, offset, 8, 64)
+    else:
+        qw = quant.quantize(w, quant.Scheme.parse(scheme))
+    ref = quant.dequantize_host(qw).astype(np.float64)
+    return jax.tree.map(jnp.asarray, qw), 0, ref
+
+
+def check(y, x, ref, tol=TOL):
+    x = np.asarray(x, np.float64)
+    bound = np.abs(x) @ np.abs(ref)
+    err = np.abs(np.asarray(y, np.float64) - x @ ref)
+    assert y.shape == (x.shape[0], ref.shape[1]) and y.dtype == np.float32
+    assert np.all(err <= tol * bound + 1e-30), float(np.max(err / (bound + 1e-30)))
+
+
+@functools.lru_cache(maxsize=None)
+def cases(k: int, n: int):
+    rng = np.random.default_rng(k * 1000 + n)
+    return {s: make_weight(rng, s, k, n) for s in SCHEMES}
+
+
+def run_all(rows: int, shapes, targets=None) -> None:
+    """One jitted program with every scheme and shape at ``rows`` rows, checked."""
+    ws = {(s, k, n): cases(k, n)[s] for k, n in shapes for s in SCHEMES}
+    rng = np.random.default_rng(rows)
+    xs = {k: jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32)) for k, _ in shapes}
+
+    @jax.jit
+    def f(xs, weights):
+        return {key: cpu_matmul.matmul(xs[key[1]], w, ws[key][1], targets=targets) for key, w in weights.items()}
+
+    out = f(xs, {key: v[0] for key, v in ws.items()})
+    for key, y in out.items():
+        check(np.asarray(y), xs[key[1]], ws[key][2])
+
+
+SHAPES = ((64, 100), (576, 49))
+
+
+# Every tile size (AVX-512 tiles are 16 rows, AVX2 12), then several tiles up to the limit.
+ROWS = sorted({*range(1, 17), 17, 24, 31, 33, cpu_matmul.MAX_ROWS_FLOAT, cpu_matmul.MAX_ROWS - 1, cpu_matmul.MAX_ROWS})
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_every_scheme_and_row_count(rows):
+    shapes = SHAPES if rows in (1, 2, 5, 16, cpu_matmul.MAX_ROWS) else SHAPES[:1]
+    run_all(rows, shapes)
+
+
+def test_wide_and_threaded():
+    """Shapes large enough to be shared with the pool threads, several bands and a tail."""
+    run_all(3, ((576, 1000),))
+    run_all(1, ((1536, 200),))
+
+
+def test_eager_and_x_dtype():
+    w, _, ref = cases(64, 100)["int4-g32"]
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    check(np.asarray(cpu_matmul.matmul(jnp.asarray(x), w)), x, ref)
+    y = cpu_matmul.matmul(jnp.asarray(x, jnp.bfloat16), w)  # x is taken as float32
+    check(np.asarray(y), np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)), ref)
+
+
+def test_jvp_matches_xla():
+    w, wc, _ = cases(64, 100)["int8-g32"]
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32))
+    loss = lambda fn: jax.grad(lambda x: jnp.sum(jnp.sin(fn(x, w, wc))))(x)  # noqa: E731
+    np.testing.assert_allclose(loss(cpu_matmul.matmul), loss(cpu_matmul.xla_matmul), rtol=1e-4, atol=1e-5)
+
+
+def _variant(flags, isa, required):
+    if not required <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(required - cpu_flags())}")
+    try:
+        targets, got = cpu_matmul.load_variant(flags)
+    except RuntimeError as e:
+        pytest.skip(f"cannot build the variant: {e}")
+    assert got == isa
+    return targets
+
+
+@pytest.mark.parametrize("name", ["avx2", "scalar"])
+def test_other_builds(name):
+    """The AVX2 path (8 lanes, 12-row tiles) and the scalar fallback, against the reference."""
+    if name == "avx2":
+        targets = _variant(["-O3", "-march=native", "-mno-avx512f", "-fopenmp-simd"], "avx2", {"avx2", "fma", "f16c"})
+        rows = (1, 5, 12, 13, 25, cpu_matmul.MAX_ROWS)
+    else:
+        targets = _variant(["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma"], "scalar", set())
+        rows = (1, 9, cpu_matmul.MAX_ROWS)
+    for m in rows:
+        run_all(m, SHAPES, targets=targets)
+
+
+def _raises(match, fn):
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(fn())
+
+
+def test_errors_name_the_problem():
+    f32 = jnp.float32
+    x = jnp.ones((2, 64), f32)
+    call = lambda target, shape, *args, **attrs: jax.ffi.ffi_call(  # noqa: E731
+        target, jax.ShapeDtypeStruct(shape, f32))(*args, **attrs)
+    share = dict(share=True)
+    _raises(r"INVALID_ARGUMENT.*do not agree on the contraction",
+            lambda: call(cpu_matmul.TARGET_F32, (2, 8), x, jnp.ones((63, 8), f32), w_contract=np.int64(0), **share))
+    _raises(r"w_contract must be 0 or 1",
+            lambda: call(cpu_matmul.TARGET_F32, (2, 8), x, jnp.ones((64, 8), f32), w_contract=np.int64(2), **share))
+    q8, s = jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float16)
+    none = jnp.zeros((0, 8), jnp.float16)
+    qattrs = lambda bits, group: dict(bits=np.int64(bits), group=np.int64(group), **share)  # noqa: E731
+    _raises(r"scale \[3, 8\] should be \[2, 8\]",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, jnp.ones((3, 8), jnp.float16), none, **qattrs(8, 32)))
+    _raises(r"group 48 must be positive, divide K = 64",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, s, none, **qattrs(8, 48)))
+    _raises(r"q must be uint8",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, s, none, **qattrs(4, 32)))
+    _raises(r"x \[2, 64\] and q \[64, 8\] do not agree",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, jnp.ones((64, 8), jnp.uint8), s, none, **qattrs(4, 32)))
+    _raises(r"offset \[1, 8\] should be \[2, 8\]",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, s, jnp.ones((1, 8), jnp.float16), **qattrs(8, 32)))
+    _raises(r"y \[2, 9\] should be \[2, 8\]",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 9), x, q8, s, none, **qattrs(8, 32)))
+
+
+def test_fits(monkeypatch):
+    qw = cases(64, 100)["int4-g32"][0]
+    f = jnp.ones((64, 100), jnp.float32)
+    assert cpu_matmul.fits(1, qw) and cpu_matmul.fits(cpu_matmul.MAX_ROWS, qw)
+    assert cpu_matmul.fits(1, f) and cpu_matmul.fits(1, f, 1)
+    assert not cpu_matmul.fits(cpu_matmul.MAX_ROWS + 1, qw)
+    assert not cpu_matmul.fits(cpu_matmul.MAX_ROWS_FLOAT + 1, f)
+    assert not cpu_matmul.fits(1, qw, 1)  # quantized weights contract over their rows only
+    assert not cpu_matmul.fits(1, f.astype(jnp.bfloat16))
+    assert not cpu_matmul.fits(1, jnp.ones((2, 64, 100), jnp.float32))
+    odd = QuantizedWeight(qw.q, qw.scale, qw.offset, 4, 48)  # a group that does not divide K
+    assert not cpu_matmul.fits(1, odd)
+    monkeypatch.setenv("JAXINFER_CPU_KERNELS", "0")
+    assert not cpu_matmul.fits(1, qw) and not cpu_matmul.prepare()
+
+
+def test_fits_false_without_the_kernel(monkeypatch):
+    """A failed build (or a kernel never loaded) leaves `fits` False: callers take XLA's path."""
+    monkeypatch.setitem(kernels._loaded, cpu_matmul.SOURCE, None)
+    assert not cpu_matmul.fits(1, jnp.ones((64, 100), jnp.float32))
