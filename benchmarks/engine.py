@@ -367,10 +367,12 @@ def steady_window(llm, b: int, prompt_len: int, ids: Ids, skip: int, window: int
     }
 
 
-def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
+def matmul_times(cfg, batches, repeats: int = 15, dtype="float32", quantization=None) -> dict:
     """ms of the model's matmul shapes at each batch size (jitted, blocking), per layer and for the head.
 
-    Through the model's own `matmul` (weights in `dtype`, float32 accumulation)."""
+    Through the model's own `matmul` (weights in `dtype`, float32 accumulation; quantized by
+    `cfg.quant` when ``quantization`` is given, the head as the model stores it then)."""
+    from jaxinfer import quant
     from jaxinfer.models.decoder import matmul
 
     d, f = cfg.hidden_size, cfg.intermediate_size
@@ -381,8 +383,16 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
               "head": ((d, cfg.vocab_size), 0), "head_tied": ((cfg.vocab_size, d), 1)}
     mm = jax.jit(matmul, static_argnames="w_contract")
     out = {}
+    layers, head = quant.Scheme.pair(cfg.quant) if quantization else (None, None)
     for name, (shape, contract) in shapes.items():
         w = (jnp.ones(shape, jnp.float32) * 0.01).astype(dtype)
+        if layers is not None:  # the head is stored [vocab, hidden] when quantized (jaxinfer.quant)
+            if name == "head":
+                continue
+            if name == "head_tied":
+                w = jax.tree.map(jnp.asarray, quant.quantize(np.asarray(w, np.float32), head, axis=1))
+            else:
+                w = jax.tree.map(jnp.asarray, quant.quantize(np.asarray(w, np.float32), layers))
         row = {}
         for b in batches:
             x = jnp.ones((b, shape[contract]), jnp.float32)
@@ -391,7 +401,8 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32") -> dict:
             row[str(b)] = 1e3 * median(timed(run, repeats))
         out[name] = {"shape": list(shape), "ms": row}
     per_layer = {str(b): sum(out[k]["ms"][str(b)] for k in ("qkv", "o", "gate_up", "down")) for b in batches}
-    out["model_ms"] = {str(b): cfg.num_layers * per_layer[str(b)] + out["head"]["ms"][str(b)] for b in batches}
+    head_ms = out["head_tied" if (cfg.tie_word_embeddings or quantization) else "head"]["ms"]
+    out["model_ms"] = {str(b): cfg.num_layers * per_layer[str(b)] + head_ms[str(b)] for b in batches}
     return out
 
 
@@ -453,7 +464,8 @@ def bench_host(llm, a, ids: Ids, log) -> dict:
         res["step_alone_ms"][str(b)] = {"direct": 1e3 * median(direct[b]), "runner": 1e3 * median(runner[b])}
         bench.close()
     log("[4] the model's matmuls at each batch size")
-    res["matmuls"] = matmul_times(llm.model_config, a.step_batches, dtype=llm.engine_config.dtype)
+    res["matmuls"] = matmul_times(llm.model_config, a.step_batches, dtype=llm.engine_config.dtype,
+                                  quantization=llm.engine_config.quantization)
     res["attention"] = attention_times(llm.model_config, llm.engine_config, a.step_batches, context)
     return res
 
@@ -532,7 +544,7 @@ def report(res: dict) -> str:
     L = []
     s = res["system"]
     L.append(
-        f"jaxinfer engine benchmark — {res['model']} ({res['dtype']} weights, {res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} "
+        f"jaxinfer engine benchmark — {res['model']} ({res.get('quantization') or res['dtype']} weights, {res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} "
         f"(max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}); "
         f"{s['cpus']} CPUs, jax {s['jax']} on {s['backend']}"
     )
@@ -654,6 +666,8 @@ def report(res: dict) -> str:
             + ", ".join(f"b{b} {res['num_layers'] * at[str(b)]:.2f} ms" for b in hs["step_alone_ms"])
         )
         for name in ("qkv", "o", "gate_up", "down", "head", "head_tied"):
+            if name not in mm:
+                continue
             v = mm[name]
             L.append(
                 f"     {name:<8} {str(v['shape']):<13} " + ", ".join(f"b{b} {x:.3f} ms" for b, x in v["ms"].items())
@@ -698,6 +712,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine-config", default=None, help="engine preset (default: this backend's)")
     p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"), help="weights' dtype (default: the preset's)")
+    p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="quantized weights (jaxinfer.quant)")
     p.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     p.add_argument("--rounds", type=int, default=None, help="measured rounds per figure (default 3, --quick 2)")
     p.add_argument("--batch", type=int, default=32)
@@ -737,11 +752,12 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
     sections = a.only or SECTIONS
-    llm = jaxinfer.LLM(a.model, engine_config=a.engine_config, dtype=a.dtype)
+    llm = jaxinfer.LLM(a.model, engine_config=a.engine_config, dtype=a.dtype, quantization=a.quantization)
     e = llm.engine_config
     res: dict = {
         "model": llm.model_name,
         "dtype": e.dtype,
+        "quantization": e.quantization,
         "kv_cache_dtype": e.cache_dtype,
         "engine_config": e.name,
         "max_num_seqs": e.max_num_seqs,

@@ -333,7 +333,7 @@ def place_params(params: Any, cfg: ModelConfig, layout: TPLayout, mesh: Mesh) ->
                 fields = [relayout(x.q, axis, q_idx, sharding.q)]
                 for a, sh in ((x.scale, sharding.scale), (x.offset, sharding.offset)):
                     fields.append(None if a is None else _put(a, sh) if s_idx is None else relayout(a, axis, s_idx, sh))
-            return QuantizedWeight(*fields, sharding.bits, sharding.group)
+            return dataclasses.replace(sharding, q=fields[0], scale=fields[1], offset=fields[2])
         if m is None:
             return _put(x, sharding)
         axis, idx = m

@@ -31,9 +31,12 @@ embeddings and the LM head are the weights a 4-bit rounding hurts most (SmolLM2 
 head drifted from its float32 answers from the first tokens).
 
 Quantized leaves: the attention and MLP projections (``wqkv``, ``wo``, ``w_gate_up``,
-``w_down``), the LM head, and the token embeddings, which are stored ``[hidden, vocab]``
-(the LM head's layout, so a tied head reads them as any other product; a lookup dequantizes
-the columns of its tokens). Norms, biases, routers and experts stay float. A weight whose
+``w_down``), the token embeddings and the LM head. The head's weights are stored the other
+way round, ``[vocab, hidden]`` with groups along the hidden axis (``axis`` 1: GGUF's own row
+blocks, kept as they are): as ``[hidden, vocab]`` a band of output columns would read one
+memory page per row (rows 49152 bytes apart for SmolLM2), and the CPU kernel reached half the
+bandwidth on it; as rows it streams. A lookup dequantizes its tokens' rows, and the tied head
+contracts the same rows. Norms, biases, routers and experts stay float. A weight whose
 contraction size the group does not divide stays float too.
 """
 
@@ -106,11 +109,15 @@ class QuantizedWeight:
     offset: Any
     bits: int = dataclasses.field(metadata=dict(static=True), default=8)
     group: int = dataclasses.field(metadata=dict(static=True), default=0)
+    axis: int = dataclasses.field(metadata=dict(static=True), default=0)  # the axis groups (and nibbles) run along
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows = self.q.shape[0] * (2 if self.bits == 4 else 1)
-        return (rows, self.q.shape[1])
+        """The float matrix's shape as stored: ``[K, N]``, or ``[N, K]`` when ``axis`` is 1."""
+        r, c = self.q.shape
+        if self.bits == 4:
+            return (2 * r, c) if self.axis == 0 else (r, 2 * c)
+        return (r, c)
 
     @property
     def nbytes(self) -> int:
@@ -118,14 +125,15 @@ class QuantizedWeight:
                    if x is not None)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        """The float ``[K, N]`` matrix (under jit, XLA fuses this into its consumer where it can)."""
-        return _dequantize(jnp, self.q, self.scale, self.offset, self.bits, self.group).astype(dtype)
+        """The float matrix as stored (under jit, XLA fuses this into its consumer where it can)."""
+        return _dequantize_axis(jnp, self.q, self.scale, self.offset, self.bits, self.group, self.axis).astype(dtype)
 
-    def columns(self, idx: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-        """Columns ``idx`` (any shape) of the float matrix, as ``[*idx.shape, K]`` (an embedding lookup)."""
-        take = lambda a: None if a is None else jnp.take(a, idx.reshape(-1), axis=1)  # noqa: E731
-        w = _dequantize(jnp, take(self.q), take(self.scale), take(self.offset), self.bits, self.group)
-        return w.T.reshape(*idx.shape, -1).astype(dtype)
+    def lookup(self, idx: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+        """Embedding rows ``idx`` (any shape) as ``[*idx.shape, hidden]``: the rows of a ``[vocab, hidden]``
+        weight (``axis`` 1), the columns of a ``[hidden, vocab]`` one."""
+        take = lambda a: None if a is None else jnp.take(a, idx.reshape(-1), axis=1 - self.axis)  # noqa: E731
+        w = _dequantize_axis(jnp, take(self.q), take(self.scale), take(self.offset), self.bits, self.group, self.axis)
+        return (w if self.axis == 1 else w.T).reshape(*idx.shape, -1).astype(dtype)
 
 
 def is_quantized(x: Any) -> bool:
@@ -151,32 +159,40 @@ def _dequantize(xp, q, scale, offset, bits: int, group: int):
     return w.reshape(k, n)
 
 
+def _dequantize_axis(xp, q, scale, offset, bits: int, group: int, axis: int):
+    if axis == 0:
+        return _dequantize(xp, q, scale, offset, bits, group)
+    return _dequantize(xp, q.T, scale.T, None if offset is None else offset.T, bits, group).T
+
+
 def dequantize_host(w: QuantizedWeight) -> np.ndarray:
-    """``w`` (numpy leaves) as a float32 numpy matrix."""
-    return _dequantize(np, np.asarray(w.q), np.asarray(w.scale), None if w.offset is None else np.asarray(w.offset),
-                       w.bits, w.group)
+    """``w`` (numpy leaves) as a float32 numpy matrix, as stored."""
+    return _dequantize_axis(np, np.asarray(w.q), np.asarray(w.scale),
+                            None if w.offset is None else np.asarray(w.offset), w.bits, w.group, w.axis)
 
 
 # ---------------------------------------------------------------------------
 # specs
 
 
-def leaf_spec(spec: ArraySpec, scheme: Scheme) -> Any:
-    """The spec of a ``[K, N]`` weight leaf under ``scheme``: a `QuantizedWeight` of specs, or
-    ``spec`` itself when the scheme does not fit its contraction size."""
-    k, n = spec.shape
+def leaf_spec(spec: ArraySpec, scheme: Scheme, axis: int = 0) -> Any:
+    """The spec of a weight leaf contracted over ``axis`` (``[K, N]``, or ``[N, K]`` for axis 1) under
+    ``scheme``: a `QuantizedWeight` of specs, or ``spec`` itself when the scheme does not fit K."""
+    k, n = spec.shape[axis], spec.shape[1 - axis]
     if not scheme.fits(k):
         return spec
     g = scheme.group_of(k)
-    rows = k // 2 if scheme.bits == 4 else k
+    qk = k // 2 if scheme.bits == 4 else k
     qdtype = jnp.uint8 if scheme.bits == 4 else jnp.int8
-    side = ArraySpec((k // g, n), jnp.float16, spec.axes, init="ones")
+    q_shape, side_shape = ((qk, n), (k // g, n)) if axis == 0 else ((n, qk), (n, k // g))
+    side = ArraySpec(side_shape, jnp.float16, spec.axes, init="ones")
     return QuantizedWeight(
-        ArraySpec((rows, n), qdtype, spec.axes, init="zeros"),
+        ArraySpec(q_shape, qdtype, spec.axes, init="zeros"),
         side,
         side if scheme.offset else None,
         scheme.bits,
         g,
+        axis,
     )
 
 
@@ -188,13 +204,12 @@ def quantize_specs(specs: dict, name: str) -> dict:
         return {k: leaf_spec(v, scheme) if k in QUANTIZED_LEAVES and len(v.shape) == 2 else v for k, v in d.items()}
 
     out = {k: v for k, v in specs.items() if k not in ("layers", "embed")}
-    if "lm_head" in out:
-        out["lm_head"] = leaf_spec(out["lm_head"], head)
+    if "lm_head" in out:  # [hidden, vocab] -> [vocab, hidden], when quantized
+        h = out["lm_head"]
+        if head.fits(h.shape[0]):
+            out["lm_head"] = leaf_spec(ArraySpec(h.shape[::-1], h.dtype, h.axes[::-1]), head, axis=1)
     out["layers"] = [layer(x) for x in specs["layers"]]
-    e = specs["embed"]  # [vocab, hidden] -> [hidden, vocab], when quantized
-    out["embed"] = e
-    if head.fits(e.shape[1]):
-        out["embed"] = leaf_spec(ArraySpec((e.shape[1], e.shape[0]), e.dtype, (e.axes[1], e.axes[0])), head)
+    out["embed"] = leaf_spec(specs["embed"], head, axis=1)  # [vocab, hidden]
     return out
 
 
@@ -202,13 +217,18 @@ def quantize_specs(specs: dict, name: str) -> dict:
 # quantizing on the host
 
 
-def quantize(w: np.ndarray, scheme: Scheme) -> QuantizedWeight:
-    """A float ``[K, N]`` numpy matrix -> `QuantizedWeight` (numpy leaves), round to nearest.
+def quantize(w: np.ndarray, scheme: Scheme, axis: int = 0) -> QuantizedWeight:
+    """A float ``[K, N]`` numpy matrix (``[N, K]`` with ``axis`` 1) -> `QuantizedWeight` (numpy leaves),
+    round to nearest.
 
     Symmetric (int8): scale = max |w| / 127 per group. With an offset (int4): offset = the
     group's minimum, scale = (max - min) / 15. Scales and offsets are rounded to float16
     first, and the integers computed against the rounded values.
     """
+    if axis == 1:
+        t = quantize(np.asarray(w).T, scheme)
+        return QuantizedWeight(*[None if a is None else np.ascontiguousarray(a.T) for a in (t.q, t.scale, t.offset)],
+                               t.bits, t.group, 1)
     w = np.asarray(w, np.float32)
     k, n = w.shape
     g = scheme.group_of(k)
@@ -310,27 +330,32 @@ def as_float(x: Any) -> np.ndarray:
     return x.dequantize() if isinstance(x, Blocks) else x
 
 
-def weight_from_hf(parts: Sequence[Any], scheme: Optional[Scheme], put) -> Any:
-    """HF-oriented ``[out_i, in]`` parts (numpy or `Blocks`) -> our ``[in, sum out_i]`` leaf.
+def weight_from_hf(parts: Sequence[Any], scheme: Optional[Scheme], put, axis: int = 0) -> Any:
+    """HF-oriented ``[out_i, in]`` parts (numpy or `Blocks`) -> our ``[in, sum out_i]`` leaf, or with
+    ``axis`` 1 (quantized only) a ``[sum out_i, in]`` one in the HF orientation (the head's).
 
     Float weights (``scheme`` None) go through ``put`` (the tree's dtype). Blocks whose
-    format is the scheme's are transposed and packed as they are, with no float round trip;
-    Q4_0 blocks become the int4 scheme exactly (offset -8 d). Anything else is dequantized
-    and quantized once, here.
+    format is the scheme's are packed as they are, with no float round trip; Q4_0 blocks
+    become the int4 scheme exactly (offset -8 d). Anything else is dequantized and
+    quantized once, here.
     """
     k = parts[0].shape[-1]
     if scheme is None or not scheme.fits(k):
+        if axis == 1:
+            raise ValueError(f"a [out, {k}] weight does not take the quantization {scheme}")
         return put(np.concatenate([as_float(p) for p in parts], axis=0).T)
     if all(isinstance(p, Blocks) for p in parts) and scheme.group == 32:
         kept = [_match(p, scheme) for p in parts]
         if all(x is not None for x in kept):
-            values = np.concatenate([x.values for x in kept], axis=0).T
-            scale = np.ascontiguousarray(np.concatenate([x.scale for x in kept], axis=0).T)
-            offset = None
-            if scheme.offset:
-                offset = np.ascontiguousarray(np.concatenate([x.offset for x in kept], axis=0).T)
-            return QuantizedWeight(pack(values.astype(np.int32), scheme.bits), scale, offset, scheme.bits, 32)
-    return quantize(np.concatenate([as_float(p) for p in parts], axis=0).T, scheme)
+            fields = [np.concatenate([x.values for x in kept], axis=0), np.concatenate([x.scale for x in kept], axis=0),
+                      np.concatenate([x.offset for x in kept], axis=0) if scheme.offset else None]
+            if axis == 0:
+                fields = [None if a is None else a.T for a in fields]
+            q = pack(fields[0].astype(np.int32), scheme.bits) if axis == 0 else pack(fields[0].T, scheme.bits).T
+            side = [None if a is None else np.ascontiguousarray(a) for a in fields[1:]]
+            return QuantizedWeight(np.ascontiguousarray(q), side[0], side[1], scheme.bits, 32, axis)
+    w = np.concatenate([as_float(p) for p in parts], axis=0)
+    return quantize(w.T, scheme) if axis == 0 else quantize(w, scheme, axis=1)
 
 
 def _match(b: Blocks, scheme: Scheme) -> Optional[Blocks]:
@@ -410,11 +435,11 @@ def quantize_params(params: Any, cfg: Any, mode: str) -> tuple[Any, Any]:
         return {k: weight(v) if k in QUANTIZED_LEAVES and np.ndim(v) == 2 else v for k, v in d.items()}
 
     out = {k: v for k, v in params.items() if k not in ("layers", "embed")}
-    if "lm_head" in out:
-        out["lm_head"] = weight(out["lm_head"], head)
+    if "lm_head" in out and head.fits(out["lm_head"].shape[0]):  # [hidden, vocab] -> [vocab, hidden]
+        out["lm_head"] = quantize(np.asarray(out["lm_head"], np.float32).T, head, axis=1)
     out["layers"] = [layer(x) for x in params["layers"]]
     e = params["embed"]
-    out["embed"] = quantize(np.asarray(e, np.float32).T, head) if head.fits(e.shape[1]) else e
+    out["embed"] = quantize(np.asarray(e, np.float32), head, axis=1) if head.fits(e.shape[1]) else e
     return dataclasses.replace(cfg, quant=name), out
 
 

@@ -158,9 +158,17 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
     def put(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x).astype(host_dtype, copy=False)
 
-    def weight(*names: str, s: Any = scheme) -> Any:
+    def weight(*names: str) -> Any:
         """HF ``[out, in]`` tensors fused along ``out`` -> our ``[in, out]`` leaf (quantized by ``cfg.quant``)."""
-        return quant.weight_from_hf([raw(n) for n in names], s, put)
+        return quant.weight_from_hf([raw(n) for n in names], scheme, put)
+
+    def head_weight(name: str, float_layout) -> Any:
+        """The embeddings or the LM head: quantized in the HF orientation ``[vocab, hidden]`` (`jaxinfer.quant`),
+        else float in ``float_layout``."""
+        w = raw(name)
+        if head is not None and head.fits(w.shape[1]):
+            return quant.weight_from_hf([w], head, put, axis=1)
+        return put(float_layout(quant.as_float(w)))
 
     layers = []
     for li in range(cfg.num_layers):
@@ -186,18 +194,13 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
             layer["w_gate_up"] = weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
             layer["w_down"] = weight(p + "mlp.down_proj.weight")
         layers.append(layer)
-    embed = raw("model.embed_tokens.weight")
-    if head is not None and head.fits(embed.shape[1]):  # stored [hidden, vocab], as the LM head
-        embed = weight("model.embed_tokens.weight", s=head)
-    else:
-        embed = put(quant.as_float(embed))
     params: Params = {
-        "embed": embed,
+        "embed": head_weight("model.embed_tokens.weight", lambda w: w),
         "layers": layers,
         "final_norm": put(get("model.norm.weight")),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = weight("lm_head.weight", s=head)
+        params["lm_head"] = head_weight("lm_head.weight", lambda w: w.T)
     return params
 
 
@@ -384,8 +387,8 @@ def forward(
     The residual stream is float32 whatever the weights' dtype.
     """
     embed = params["embed"]
-    if is_quantized(embed):  # [hidden, vocab]: the tokens' columns
-        x = embed.columns(tokens, jnp.float32)
+    if is_quantized(embed):
+        x = embed.lookup(tokens, jnp.float32)
     else:
         x = embed[tokens].astype(jnp.float32)
     if cfg.embed_scale != 1.0:  # in the embeddings' dtype, as transformers rounds it (bfloat16: 50.5, not 50.6)
@@ -402,10 +405,10 @@ def forward(
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """hidden: [..., hidden_size] -> float32 logits [..., vocab]."""
     if cfg.tie_word_embeddings:
-        embed = params["embed"]
-        out = matmul(hidden, embed, w_contract=0 if is_quantized(embed) else 1)
+        out = matmul(hidden, params["embed"], w_contract=1)
     else:
-        out = matmul(hidden, params["lm_head"])
+        head = params["lm_head"]  # quantized: [vocab, hidden] (jaxinfer.quant)
+        out = matmul(hidden, head, w_contract=1 if is_quantized(head) else 0)
     out = out.astype(jnp.float32)
     if cfg.final_logit_softcap:
         out = jnp.tanh(out / cfg.final_logit_softcap) * cfg.final_logit_softcap

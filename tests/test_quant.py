@@ -33,13 +33,13 @@ def all_logits(params, cfg, seq, page_size=4):
 
 
 def dequantized_tree(params):
-    """The float tree a quantized tree stands for (embeddings back to [vocab, hidden])."""
+    """The float tree a quantized tree stands for (the LM head back to [hidden, vocab])."""
     def f(x):
         return jnp.asarray(quant.dequantize_host(jax.tree.map(np.asarray, x))) if quant.is_quantized(x) else x
 
     out = jax.tree.map(f, params, is_leaf=quant.is_quantized)
-    if quant.is_quantized(params["embed"]):
-        out["embed"] = out["embed"].T
+    if quant.is_quantized(params.get("lm_head")):  # stored [vocab, hidden] when quantized
+        out["lm_head"] = out["lm_head"].T
     return out
 
 
@@ -145,3 +145,23 @@ def test_float_copy_check_sees_a_materialised_weight():
     if cpu_matmul.prepare():
         few = quant.float_copy_check(256, 256, 1, "int8")
         assert few["custom_call"] and few["fused"]
+
+
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32"])
+def test_head_layout_rows_lookup_and_product(name):
+    """The head's layout (axis 1, [vocab, hidden], groups along hidden): a lookup gives the rows,
+    a product contracts them, and both are the dequantized matrix's."""
+    from jaxinfer.models.decoder import matmul
+
+    rng = np.random.default_rng(4)
+    e = rng.normal(size=(50, 64)).astype(np.float32)
+    w = quant.quantize(e, quant.Scheme.parse(name), axis=1)
+    assert w.axis == 1 and w.shape == (50, 64) and w.q.shape[0] == 50
+    back = quant.dequantize_host(w)
+    np.testing.assert_array_equal(back, quant.dequantize_host(quant.quantize(e.T, quant.Scheme.parse(name))).T)
+    wj = jax.tree.map(jnp.asarray, w)
+    idx = jnp.asarray([[3, 49], [0, 7]])
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, i: a.lookup(i))(wj, idx)), back[np.asarray(idx)])
+    x = rng.normal(size=(3, 64)).astype(np.float32)
+    y = np.asarray(jax.jit(lambda a, b: matmul(a, b, w_contract=1))(jnp.asarray(x), wj))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ back.T.astype(np.float64), atol=2e-5 * np.abs(x).sum())
