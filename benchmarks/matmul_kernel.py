@@ -8,6 +8,10 @@ Prints:
 * M = 1, one product at a time (one jitted call each, so a call's dispatch, ~10-20 us, is
   in both columns; small weights stay in cache between calls): time, GB/s of weight bytes,
   and the fraction of the bandwidth floor (weight bytes / bandwidth) reached;
+* the int8 LM head, cold (a round over distinct copies larger than the last-level cache),
+  per M: the [H, V] layout (`QuantizedWeight` as the layers store it: each row of a column
+  band 48 KB from the next) against the transposed [V, H] one (``axis`` 1, GGUF's row
+  blocks: each band one contiguous run), both by the kernel, and XLA on the [V, H] one;
 * the whole model chained in one jitted call (30 layers of wqkv, wo, w_gate_up, w_down,
   then the LM head, each a distinct weight, so the weights stream from memory as in a
   decode step): time per step and fraction of the floor, for M = 1 and then per M, the
@@ -50,7 +54,16 @@ SHAPES = {  # name: (K, N)
 KINDS = ("int8", "int4", "f32")  # int8: per output channel; int4: groups of 32 with an offset
 
 
+def axis1_weight(q, scale, group):
+    """An int8 weight stored [N, K] with groups along K (QuantizedWeight.axis 1, the quantized LM head's layout)."""
+    return QuantizedWeight(q, scale, None, 8, group, axis=1)
+
+
 def make_weight(rng, kind: str, k: int, n: int, transposed: bool = False):
+    if kind == "int8" and transposed:  # [N, K], one scale per row (the axis-1 layout)
+        q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+        scale = (rng.random((n, 1)) * 0.02 / np.sqrt(k)).astype(np.float16)
+        return axis1_weight(jnp.asarray(q), jnp.asarray(scale), k)
     if kind == "f32":
         w = (rng.standard_normal((n, k) if transposed else (k, n), np.float32) / np.sqrt(k)).astype(np.float32)
         return jnp.asarray(w)
@@ -111,7 +124,9 @@ def single_products(rng, bw: float, repeats: int) -> None:
           f"{'XLA us':>9} {'GB/s':>6} {'floor':>11} | {'speed-up':>8}")
     cases = [(name, k, n, 0) for name, (k, n) in SHAPES.items()] + [("lm_head", HIDDEN, VOCAB, 0)]
     for kind in KINDS:
-        for name, k, n, wc in cases + ([("lm_head (tied, [V, H])", HIDDEN, VOCAB, 1)] if kind == "f32" else []):
+        extra = {"f32": [("lm_head (tied, [V, H])", HIDDEN, VOCAB, 1)],
+                 "int8": [("lm_head [V, H] axis 1", HIDDEN, VOCAB, 1)]}.get(kind, [])
+        for name, k, n, wc in cases + extra:
             w = make_weight(rng, kind, k, n, transposed=wc == 1)
             x = jnp.asarray(rng.standard_normal((1, k), np.float32))
             b = nbytes(w)
@@ -125,6 +140,40 @@ def single_products(rng, bw: float, repeats: int) -> None:
             print(f"{name:<22} {kind:<5} {b / 1e6:7.2f} {floor * 1e6:9.1f} | {kt * 1e6:9.1f} {b / kt / 1e9:6.1f} "
                   f"{floor / kt:5.2f}/{floor / kb:5.2f} | {xt * 1e6:9.1f} {b / xt / 1e9:6.1f} "
                   f"{floor / xt:5.2f}/{floor / xb:5.2f} | {xt / kt:7.2f}x")
+
+
+def head_layouts(rng, bw: float, repeats: int, rows: list, cache_mb: int = 300) -> None:
+    print(f"\nThe int8 LM head [{HIDDEN}, {VOCAB}], per-column scales, cold: each round calls every one of "
+          f"enough distinct copies to pass {cache_mb} MB")
+    print("us per product: median / best round; floor: the floor's share of the median / best round")
+    print(f"{'M':>3} {'MB':>6} {'floor us':>9} | {'[H, V] kernel':>17} {'floor':>11} | {'[V, H] kernel':>17} "
+          f"{'floor':>11} | {'[V, H] XLA':>17} {'floor':>11} | {'[V,H] vs [H,V]':>14} {'vs XLA':>7}")
+    kn0 = make_weight(rng, "int8", HIDDEN, VOCAB)
+    nk0 = make_weight(rng, "int8", HIDDEN, VOCAB, transposed=True)
+    copies = max(2, -(-cache_mb * 2**20 // nbytes(nk0)))
+    # copies: the same values in distinct buffers (what is timed is the read, not the values)
+    kn = [kn0] + [jax.tree.map(lambda a: a + 0 if a.dtype == jnp.int8 else a * 1, kn0) for _ in range(copies - 1)]
+    nk = [nk0] + [jax.tree.map(lambda a: a + 0 if a.dtype == jnp.int8 else a * 1, nk0) for _ in range(copies - 1)]
+    b = nbytes(nk0)
+    floor = b / bw / 1e9
+    # XLA's time is its dequantized float32 copy (4x the bytes, written then read), cold or not:
+    # two copies, one round (its rounds are ~30x the kernel's)
+    paths = {"kn": (jax.jit(product("kernel", 0)), kn), "nk": (jax.jit(product("kernel", 1)), nk),
+             "xla": (jax.jit(product("xla", 1)), nk[:2])}
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, HIDDEN), np.float32))
+
+        def round_of(f, ws):
+            return lambda: [f(x, w).block_until_ready() for w in ws]
+
+        res = {}
+        for name, (f, ws) in paths.items():  # seconds per product
+            med, best = timed(round_of(f, ws), repeats if name != "xla" else 1)
+            res[name] = (med / len(ws), best / len(ws))
+        cols = " | ".join(f"{res[p][0] * 1e6:8.1f}/{res[p][1] * 1e6:8.1f} "
+                          f"{floor / res[p][0]:5.2f}/{floor / res[p][1]:5.2f}" for p in paths)
+        print(f"{m:3d} {b / 1e6:6.1f} {floor * 1e6:9.1f} | {cols} | {res['kn'][0] / res['nk'][0]:13.2f}x "
+              f"{res['xla'][0] / res['nk'][0]:6.2f}x")
 
 
 def model_weights(rng, kind: str) -> tuple[list, object, int]:
@@ -179,6 +228,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=None, help="row counts for the chained sweep")
     ap.add_argument("--quick", action="store_true", help="3 repeats; rows 1 2 4 8 16")
     ap.add_argument("--no-single", action="store_true", help="skip the one-product table")
+    ap.add_argument("--no-chained", action="store_true", help="skip the whole-model table")
+    ap.add_argument("--head-rows", type=int, nargs="*", default=None, help="row counts for the cold LM head table")
     a = ap.parse_args()
     repeats = 3 if a.quick else a.repeats
     rows = a.rows or ([1, 2, 4, 8, 16] if a.quick else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
@@ -195,7 +246,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if not a.no_single:
         single_products(rng, bw, repeats)
-    chained(rng, bw, repeats, rows)
+    head_layouts(rng, bw, repeats, a.head_rows or ([1, 16] if a.quick else [1, 2, 4, 8, 16, 32, 48]))
+    if not a.no_chained:
+        chained(rng, bw, repeats, rows)
 
 
 if __name__ == "__main__":

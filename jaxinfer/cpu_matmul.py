@@ -11,6 +11,9 @@ Weights it takes (``y [M, N] float32 = x [M, K] float32 @ W``):
 
 - a `jaxinfer.quant.QuantizedWeight` (int8, or int4 with or without an offset, any group
   that divides K), contracted over its rows (``w_contract`` 0);
+- a `QuantizedWeight` stored transposed, ``[N, K]`` with groups along its rows (``axis`` 1,
+  GGUF's row blocks: a tied LM head), int8 without an offset only, contracted over its
+  columns (``w_contract`` 1): q ``int8 [N, K]``, scale ``float16 [N, K / group]``;
 - a float32 ``[K, N]`` array (``w_contract`` 0), or ``[N, K]`` (``w_contract`` 1: a tied LM
   head stored ``[vocab, hidden]``).
 
@@ -155,9 +158,28 @@ _libs: list = []  # variant libraries stay loaded (their handlers are registered
 # use
 
 
+def _axis(w: QuantizedWeight) -> int:
+    """The axis a quantized weight's groups run along (0: [K, N]; 1: [N, K])."""
+    return w.axis
+
+
+def _transposed_ok(w: QuantizedWeight, w_contract: int) -> bool:
+    """An ``axis`` 1 weight the kernel takes: int8 ``[N, K]``, no offset, contracted over axis 1."""
+    if w_contract != 1 or w.bits != 8 or w.offset is not None or w.scale is None:
+        return False
+    if len(w.q.shape) != 2 or len(w.scale.shape) != 2:
+        return False
+    n, k = w.q.shape
+    group = w.group or k
+    return (group > 0 and k % group == 0 and jnp.dtype(w.q.dtype) == jnp.int8
+            and jnp.dtype(w.scale.dtype) == jnp.float16 and tuple(w.scale.shape) == (n, k // group))
+
+
 def _weight_ok(w: Any, w_contract: int) -> bool:
     if isinstance(w, QuantizedWeight):
-        if w_contract != 0 or w.bits not in (8, 4) or len(w.q.shape) != 2 or len(w.scale.shape) != 2:
+        if _axis(w) == 1:
+            return _transposed_ok(w, w_contract)
+        if _axis(w) != 0 or w_contract != 0 or w.bits not in (8, 4) or len(w.q.shape) != 2 or len(w.scale.shape) != 2:
             return False
         k, n = w.shape
         group = w.group or k
@@ -190,8 +212,13 @@ def fits(rows: int, w: Any, w_contract: int = 0) -> bool:
 def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """XLA's path for the same product: dequantize (a quantized weight), then dot, in float32."""
     f32 = jnp.float32
-    if isinstance(w, QuantizedWeight):
-        w, w_contract = w.dequantize(f32), 0
+    if isinstance(w, QuantizedWeight) and _axis(w) == 1 and w.bits == 8 and w.offset is None:
+        n, k = w.q.shape  # [N, K], scale [N, K / group]
+        group = w.group or k
+        deq = w.q.astype(f32).reshape(n, k // group, group) * w.scale.astype(f32)[:, :, None]
+        w, w_contract = deq.reshape(n, k), 1
+    elif isinstance(w, QuantizedWeight):
+        w, w_contract = w.dequantize(f32), (w_contract if _axis(w) == 1 else 0)
     dims = (((1,), (w_contract,)), ((), ()))
     return jax.lax.dot_general(x2.astype(f32), w.astype(f32), dims, preferred_element_type=f32)
 
@@ -200,8 +227,9 @@ def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] =
            share: Optional[bool] = None) -> jax.Array:
     """``x2 [M, K] @ w`` -> ``[M, N]`` float32 by the native kernel (see `fits`).
 
-    ``w``: a `QuantizedWeight` [K, N], or float32 [K, N] (``w_contract`` 0) or [N, K]
-    (``w_contract`` 1). ``targets``: another build's handlers (`load_variant`), for tests.
+    ``w``: a `QuantizedWeight` [K, N] (``w_contract`` 0) or int8 [N, K] (``axis`` 1,
+    ``w_contract`` 1), or float32 [K, N] (``w_contract`` 0) or [N, K] (``w_contract`` 1).
+    ``targets``: another build's handlers (`load_variant`), for tests.
     ``share``: whether to share the work with XLA's intra-op threads (default: unless a
     multi-device mesh is being traced under); False measures one thread, in benchmarks.
     """
@@ -215,10 +243,12 @@ def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] =
 def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool):
     m, k = x2.shape
     if isinstance(w, QuantizedWeight):
-        n = w.q.shape[1]
+        qc = 1 if _axis(w) == 1 else 0  # the axis of q that meets x's K
+        n = w.q.shape[1 - qc]
         offset = w.offset if w.offset is not None else jnp.zeros((0, n), jnp.float16)
         return jax.ffi.ffi_call(names[1], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
-            x2, w.q, w.scale, offset, bits=np.int64(w.bits), group=np.int64(w.group or k), share=share)
+            x2, w.q, w.scale, offset, bits=np.int64(w.bits), group=np.int64(w.group or k), w_contract=np.int64(qc),
+            share=share)
     n = w.shape[1 - w_contract]
     return jax.ffi.ffi_call(names[0], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
         x2, w, w_contract=np.int64(w_contract), share=share)

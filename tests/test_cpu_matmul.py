@@ -5,7 +5,9 @@ with an offset in groups of 32 and 64, int4 without an offset, float32 [K, N] an
 count of one tile and several up to the limit (AVX-512 tiles are 16 rows, AVX2 ones 12), column
 counts that are not a multiple of the vector width, under jit. The AVX2 and scalar builds of
 the same source (compiled with AVX-512 or AVX2 turned off) are checked the same way, so a
-host with only AVX2 runs tested code. Errors name what is wrong; `fits` says no where the
+host with only AVX2 runs tested code. The transposed int8 layout (``axis`` 1: q [N, K], scale
+[N, K / group], GGUF's row blocks) is checked on all three builds over row counts, groups of
+32, per row, and groups that are not a multiple of the vector width. Errors name what is wrong; `fits` says no where the
 kernel must not be staged. Tolerances are relative to sum |x| |w| (the accumulation order
 differs from numpy's).
 """
@@ -57,6 +59,61 @@ def check(y, x, ref, tol=TOL):
     err = np.abs(np.asarray(y, np.float64) - x @ ref)
     assert y.shape == (x.shape[0], ref.shape[1]) and y.dtype == np.float32
     assert np.all(err <= tol * bound + 1e-30), float(np.max(err / (bound + 1e-30)))
+
+
+def axis1_weight(q, scale, offset, bits, group):
+    """A weight stored [N, K] with groups along K (QuantizedWeight.axis 1, the quantized LM head's layout)."""
+    return QuantizedWeight(q, scale, offset, bits, group, axis=1)
+
+
+def make_transposed(rng, k: int, n: int, group: int):
+    """An int8 [N, K] weight in groups of ``group`` along K, and its float64 [K, N] value."""
+    q = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    scale = (rng.random((n, k // group)) * 0.1 + 0.01).astype(np.float16)
+    ref = (q.astype(np.float64).reshape(n, k // group, group) * scale.astype(np.float64)[:, :, None]).reshape(n, k)
+    return axis1_weight(jnp.asarray(q), jnp.asarray(scale), None, 8, group), ref.T
+
+
+# (K, N, group): groups of 32 and per row (0: K), N not a multiple of the vector width or of the
+# tile's weight rows, K not a multiple of the vector width (72, per row), groups of 8 and 24
+# (not a multiple of AVX-512's 16 lanes: the scalar loop there), wide enough to share (1000).
+T_CASES = ((64, 100, 32), (64, 49, 0), (576, 49, 32), (576, 100, 0), (72, 37, 0), (64, 50, 8), (576, 29, 24))
+
+
+@functools.lru_cache(maxsize=None)
+def transposed_cases():
+    rng = np.random.default_rng(7)
+    return {c: make_transposed(rng, c[0], c[1], c[2] or c[0]) for c in T_CASES}
+
+
+def run_transposed(rows_list, targets=None, cases_=None) -> None:
+    ws = cases_ or transposed_cases()
+    for rows in rows_list:
+        rng = np.random.default_rng(100 + rows)
+        xs = {k: jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32)) for k, _, _ in ws}
+        f = jax.jit(lambda xs, weights: {c: cpu_matmul.matmul(xs[c[0]], w, 1, targets=targets)
+                                         for c, w in weights.items()})
+        out = f(xs, {c: v[0] for c, v in ws.items()})
+        for c, y in out.items():
+            check(np.asarray(y), xs[c[0]], ws[c][1])
+
+
+T_ROWS = (*range(1, 17), 17, 33, cpu_matmul.MAX_ROWS)
+
+
+def test_transposed_int8():
+    run_transposed(T_ROWS)
+    rng = np.random.default_rng(8)
+    run_transposed((1, 3), cases_={(576, 1000, 32): make_transposed(rng, 576, 1000, 32),
+                                   (1536, 200, 0): make_transposed(rng, 1536, 200, 1536)})
+
+
+def test_transposed_int8_matches_xla_and_jvp():
+    w, ref = transposed_cases()[(64, 100, 32)]
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 64)).astype(np.float32))
+    check(np.asarray(cpu_matmul.xla_matmul(x, w, 1)), x, ref)
+    loss = lambda fn: jax.grad(lambda x: jnp.sum(jnp.sin(fn(x, w, 1))))(x)  # noqa: E731
+    np.testing.assert_allclose(loss(cpu_matmul.matmul), loss(cpu_matmul.xla_matmul), rtol=1e-4, atol=1e-5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,6 +193,7 @@ def test_other_builds(name):
         rows = (1, 9, cpu_matmul.MAX_ROWS)
     for m in rows:
         run_all(m, SHAPES, targets=targets)
+    run_transposed(T_ROWS if name == "avx2" else (1, 2, 3, 5, 9, cpu_matmul.MAX_ROWS), targets=targets)
 
 
 def _raises(match, fn):
@@ -155,7 +213,8 @@ def test_errors_name_the_problem():
             lambda: call(cpu_matmul.TARGET_F32, (2, 8), x, jnp.ones((64, 8), f32), w_contract=np.int64(2), **share))
     q8, s = jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float16)
     none = jnp.zeros((0, 8), jnp.float16)
-    qattrs = lambda bits, group: dict(bits=np.int64(bits), group=np.int64(group), **share)  # noqa: E731
+    def qattrs(bits, group, wc=0):
+        return dict(bits=np.int64(bits), group=np.int64(group), w_contract=np.int64(wc), **share)
     _raises(r"scale \[3, 8\] should be \[2, 8\]",
             lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, jnp.ones((3, 8), jnp.float16), none, **qattrs(8, 32)))
     _raises(r"group 48 must be positive, divide K = 64",
@@ -168,6 +227,23 @@ def test_errors_name_the_problem():
             lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, s, jnp.ones((1, 8), jnp.float16), **qattrs(8, 32)))
     _raises(r"y \[2, 9\] should be \[2, 8\]",
             lambda: call(cpu_matmul.TARGET_Q, (2, 9), x, q8, s, none, **qattrs(8, 32)))
+    # the transposed int8 layout: q [N, K], scale [N, K / group], no offset
+    qt, st = jnp.ones((8, 64), jnp.int8), jnp.ones((8, 2), jnp.float16)
+    _raises(r"x \[2, 64\] and q \[8, 63\] do not agree.*\[N, K\]",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, jnp.ones((8, 63), jnp.int8), st, none, **qattrs(8, 32, 1)))
+    _raises(r"scale \[2, 8\] should be \[8, 2\] \(N, K / group\)",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, qt, s, none, **qattrs(8, 32, 1)))
+    _raises(r"takes no offset",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, qt, st, jnp.ones((8, 2), jnp.float16), **qattrs(8, 32, 1)))
+    _raises(r"int8 q \(bits 8\) only",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, jnp.ones((8, 32), jnp.uint8), st, none, **qattrs(4, 32, 1)))
+    _raises(r"y \[2, 9\] should be \[2, 8\]",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 9), x, qt, st, none, **qattrs(8, 32, 1)))
+    _raises(r"w_contract must be 0 or 1",
+            lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, qt, st, none, **qattrs(8, 32, 2)))
+    # through matmul: a weight whose K does not match x
+    wt, _ = transposed_cases()[(64, 100, 32)]
+    _raises(r"do not agree on the contraction", lambda: cpu_matmul.matmul(jnp.ones((2, 576), f32), wt, 1))
 
 
 def test_fits(monkeypatch):
@@ -182,6 +258,14 @@ def test_fits(monkeypatch):
     assert not cpu_matmul.fits(1, jnp.ones((2, 64, 100), jnp.float32))
     odd = QuantizedWeight(qw.q, qw.scale, qw.offset, 4, 48)  # a group that does not divide K
     assert not cpu_matmul.fits(1, odd)
+    # axis 1 ([N, K]): int8 without an offset, contracted over axis 1 only
+    wt, _ = transposed_cases()[(64, 100, 32)]
+    assert cpu_matmul.fits(1, wt, 1) and cpu_matmul.fits(cpu_matmul.MAX_ROWS, wt, 1)
+    assert cpu_matmul.fits(1, transposed_cases()[(64, 49, 0)][0], 1)
+    assert not cpu_matmul.fits(1, wt, 0) and not cpu_matmul.fits(cpu_matmul.MAX_ROWS + 1, wt, 1)
+    assert not cpu_matmul.fits(1, axis1_weight(wt.q, wt.scale, wt.scale, 8, 32), 1)  # an offset
+    assert not cpu_matmul.fits(1, axis1_weight(jnp.ones((100, 32), jnp.uint8), wt.scale, None, 4, 32), 1)  # int4
+    assert not cpu_matmul.fits(1, axis1_weight(wt.q, wt.scale, None, 8, 48), 1)  # 48 does not divide 64
     monkeypatch.setenv("JAXINFER_CPU_KERNELS", "0")
     assert not cpu_matmul.fits(1, qw) and not cpu_matmul.prepare()
 
