@@ -33,7 +33,9 @@ test: setup
 
 # Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers,
 # accelerate). The peer benchmarks live in benchmarks/ (not installed) and run from the repository root;
-# benchmarks/README.md lists them.
+# benchmarks/README.md lists them. The llama.cpp peer (benchmarks.llamacpp_peer, benchmarks.perplexity) needs
+# llama-cpp-python, built from source (~5-9 min on 2 cores), which `make bench` does not install:
+#   CMAKE_ARGS=-DGGML_NATIVE=ON $(BIN)/python -m pip install '.[benchmark]'   (or JAXINFER_LLAMA_PYTHON=...)
 bench: setup
 	$(BIN)/python -m pip install -q torch==2.13.0 'transformers>=4.46' accelerate
 	$(BIN)/python -m benchmarks.core

@@ -1,0 +1,631 @@
+"""llama.cpp as a peer: jaxinfer, llama.cpp and transformers side by side, in one run.
+
+    python -m benchmarks.llamacpp_peer                         # everything, 2 alternating rounds
+    python -m benchmarks.llamacpp_peer --quick                 # short: 8 requests, 32 new tokens
+    python -m benchmarks.llamacpp_peer --systems jax:float32 llama:F32 --rounds 3 --json out.json
+
+(from the repository root: ``benchmarks/`` is not installed with jaxinfer). llama.cpp runs
+through llama-cpp-python in its own interpreter (``benchmarks/llamacpp_worker.py``, a
+subprocess per model file, driven in JSON lines): ``--llama-python PATH`` or
+``JAXINFER_LLAMA_PYTHON``, else ``/work/llamavenv/bin/python`` where that exists, else
+llama.cpp is reported as skipped. transformers is the worker `benchmarks.core` uses
+(``JAXINFER_HF_PYTHON`` / ``--hf-python``). This module imports neither llama_cpp nor torch.
+
+Every system gets the same token ids (`benchmarks.core.make_prompts`: one 128-token
+prompt and ``--batch`` distinct ones), 128 new tokens, greedy, end-of-sequence ignored:
+
+* TTFT of the 128-token prompt (ms);
+* batch-1 decode tokens/s (after the first token);
+* ``--batch`` (32) requests at once, 128 in / 128 out: aggregate output tokens/s over the
+  wall clock (prefill included), and the decode-only rate after every first token.
+  jaxinfer: one `LLM.generate` of all of them (continuous batching). llama.cpp: one
+  context with a KV stream per request, prompts prefilled together and one `llama_decode`
+  per step for every sequence (the low-level ``llama_batch`` API, as its server batches
+  slots); ``--llama-sequential`` runs them one after another instead. transformers:
+  its static batch (``model.generate``).
+
+Systems: jaxinfer float32 / bfloat16 / int8 / int4 (``quantization=``, where `jaxinfer.LLM`
+has it), llama.cpp F32 / BF16 / Q8_0 / Q4_1 (the shipped Q4_1 file and copies
+made from it by `benchmarks.gguf_variants`: the same weights), transformers float32 (the
+Q4_1 file dequantized). jaxinfer runs with the prefix cache off, as llama.cpp's cache is
+cleared before every run. Each round runs every system in turn (the order rotates
+from round to round); a system's figure for a round is the median of ``--repeats`` runs
+and the report gives the median over rounds (`jaxinfer.stats.median`).
+
+The batch-1 floor: every weight byte is read once per decoded token, so bytes of weights /
+measured memory bandwidth (`benchmarks.core.measure_bandwidth`) bounds batch-1 decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import jax
+
+import jaxinfer
+from jaxinfer import step as step_mod
+from jaxinfer.config import cpu_flags
+from jaxinfer.stats import median
+
+from benchmarks.core import HFPeer, common_prefix, find_hf_python, greedy, make_prompts, measure_bandwidth
+from benchmarks.engine import engine_batch_round
+
+WORKER = Path(__file__).with_name("llamacpp_worker.py")
+DEFAULT_LLAMA_PYTHON = "/work/llamavenv/bin/python"
+
+# name -> (weights dtype, quantization)
+JAX_SYSTEMS = {
+    "jax:float32": ("float32", None),
+    "jax:bfloat16": ("bfloat16", None),
+    "jax:int8": ("float32", "int8"),
+    "jax:int4": ("float32", "int4"),
+}
+LLAMA_SYSTEMS = {"llama:F32": "F32", "llama:BF16": "BF16", "llama:Q8_0": "Q8_0", "llama:Q4_1": "Q4_1"}
+HF_SYSTEMS = {"hf:float32": "float32"}
+ALL_SYSTEMS = list(JAX_SYSTEMS) + list(LLAMA_SYSTEMS) + list(HF_SYSTEMS)
+LABELS = {
+    "jax:float32": "jaxinfer float32",
+    "jax:bfloat16": "jaxinfer bfloat16",
+    "jax:int8": "jaxinfer int8",
+    "jax:int4": "jaxinfer int4 (Q4_1 blocks)",
+    "llama:F32": "llama.cpp F32",
+    "llama:BF16": "llama.cpp BF16",
+    "llama:Q8_0": "llama.cpp Q8_0",
+    "llama:Q4_1": "llama.cpp Q4_1",
+    "hf:float32": "transformers float32",
+}
+# precision groups for the floor and the side-by-side checks
+PRECISION = {
+    "jax:float32": "32-bit", "llama:F32": "32-bit", "hf:float32": "32-bit",
+    "jax:bfloat16": "16-bit", "llama:BF16": "16-bit",
+    "jax:int8": "8-bit", "llama:Q8_0": "8-bit",
+    "jax:int4": "4-bit", "llama:Q4_1": "4-bit",
+}
+CPU_FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                   "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm")
+
+
+def has_quantization() -> bool:
+    return "quantization" in inspect.signature(jaxinfer.LLM).parameters
+
+
+def find_llama_python(flag: Optional[str]) -> tuple:
+    """(interpreter or None, how it was chosen / why skipped)."""
+    if flag:
+        return flag, "--llama-python"
+    env = os.environ.get("JAXINFER_LLAMA_PYTHON")
+    if env:
+        return env, "JAXINFER_LLAMA_PYTHON"
+    if os.path.exists(DEFAULT_LLAMA_PYTHON):
+        return DEFAULT_LLAMA_PYTHON, "default"
+    return None, (
+        "skipped: no llama-cpp-python interpreter; pass --llama-python or set JAXINFER_LLAMA_PYTHON "
+        "(a Python with llama-cpp-python, e.g. pip install '.[benchmark]')"
+    )
+
+
+class Worker:
+    """A subprocess in JSON lines (llamacpp_worker.py): setup line, then one line per command."""
+
+    def __init__(self, python: str, script: Path, setup: dict, threads: int, name: str = "worker"):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name.replace(':', '_')}_", suffix=".log", delete=False)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(
+            [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
+        self.info = self.send(json.dumps(setup))
+
+    def send(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            self.log.flush()
+            self.log.seek(0)
+            tail = self.log.read()[-3000:]
+            raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()}):\n{tail}")
+        out = json.loads(reply)
+        if "error" in out:
+            raise RuntimeError(f"{self.name}: {out['error']}")
+        return out
+
+    def round(self) -> dict:
+        return self.send("round")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+# --------------------------------------------------------------------------- #
+# The systems
+# --------------------------------------------------------------------------- #
+
+
+class JaxSystem:
+    kind = "jaxinfer"
+
+    def __init__(self, name: str, model: str, dtype: str, quantization: Optional[str], a):
+        self.name = name
+        kw = {"quantization": quantization} if quantization else {}
+        # the prefix cache off: every run prefills its whole prompt, as llama.cpp's (cleared) cache does
+        self.llm = jaxinfer.LLM(model, dtype=dtype, enable_prefix_caching=False, **kw)
+        self.n, self.repeats, self.batch_repeats = a.decode_tokens, a.repeats, a.batch_repeats
+        self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.llm.runner.params))
+        self.info = {"load_s": self.llm.load_time_s, "dtype": self.llm.engine_config.dtype,
+                     "quantization": quantization, "weight_bytes": self.weight_bytes}
+
+    def set_prompts(self, prompt, batch_prompts) -> None:
+        self.prompt, self.batch_prompts = prompt, batch_prompts
+
+    def _ttft(self) -> float:
+        return self.llm.generate([self.prompt], greedy(1))[0].metrics.ttft_s
+
+    def _decode(self) -> tuple:
+        out = self.llm.generate([self.prompt], greedy(self.n))[0]
+        return out.metrics.tpot_s, list(out.outputs[0].token_ids), out.metrics.cached_tokens
+
+    def warm(self) -> None:
+        c0 = step_mod.compiled_count()
+        t0 = time.perf_counter()
+        self._ttft()
+        self._decode()
+        engine_batch_round(self.llm, self.batch_prompts, self.n)
+        self.info["warmup_s"] = time.perf_counter() - t0
+        self.info["programs_compiled_in_warmup"] = step_mod.compiled_count() - c0
+        self.info["recompiles_in_rounds"] = 0
+
+    def round(self) -> dict:
+        c0 = step_mod.compiled_count()
+        k = self.repeats
+        ttft = [self._ttft() for _ in range(k)]
+        dec = [self._decode() for _ in range(k)]
+        bat = [engine_batch_round(self.llm, self.batch_prompts, self.n) for _ in range(self.batch_repeats)]
+        self.info["recompiles_in_rounds"] += step_mod.compiled_count() - c0
+        return {
+            "ttft_s": median(ttft),
+            "tpot_s": median([d[0] for d in dec]),
+            "batch_e2e_tok_s": median([b["e2e_tok_s"] for b in bat]),
+            "batch_decode_tok_s": median([b["decode_tok_s"] for b in bat]),
+            "batch_wall_s": median([b["wall_s"] for b in bat]),
+            "batch_all_first_s": median([b["all_first_tokens_s"] for b in bat]),
+            "cached_tokens": sum(d[2] for d in dec) + sum(b["cached_tokens"] for b in bat),
+            "ttft_samples_s": ttft,
+            "tpot_samples_s": [d[0] for d in dec],
+            "batch_e2e_samples": [b["e2e_tok_s"] for b in bat],
+            "tokens": dec[-1][1],
+            "batch_tokens_first": bat[-1]["tokens_first"],
+        }
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class LlamaSystem:
+    kind = "llama.cpp"
+
+    def __init__(self, name: str, python: str, path: Path, prompt, batch_prompts, a):
+        self.name = name
+        setup = {
+            "mode": "bench", "model": str(path), "threads": a.threads, "prompt": list(prompt),
+            "batch_prompts": [list(p) for p in batch_prompts], "decode_tokens": a.decode_tokens,
+            "repeats": a.repeats, "batch_repeats": a.batch_repeats, "parallel": not a.llama_sequential,
+        }
+        self.worker = Worker(python, WORKER, setup, a.threads, name)
+        self.info = dict(self.worker.info, path=str(path))
+        self.weight_bytes = self.info["model_bytes"]
+
+    def warm(self) -> None:
+        pass  # the worker warms up before it answers its setup line
+
+    def round(self) -> dict:
+        return self.worker.round()
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class HFSystem:
+    kind = "transformers"
+
+    def __init__(self, name: str, python: str, model_path: str, prompt, batch_prompts, a):
+        self.name = name
+        self.repeats = a.batch_repeats  # its worker times the batch-1 and the batch figures together
+        self.peer = HFPeer(python, model_path, a.threads, "sdpa", prompt, batch_prompts, a.decode_tokens)
+        self.info = self.peer.info
+        self.weight_bytes = self.info.get("param_bytes")
+
+    def warm(self) -> None:
+        pass  # HFPeer's setup runs a warm-up round
+
+    def round(self) -> dict:
+        rs = [self.peer.round() for _ in range(self.repeats)]
+        ttft = [min(r["ttft_manual_s"], r["ttft_generate_s"]) for r in rs]
+        tpot = [min(r["tpot_manual_s"], r["tpot_generate_s"]) for r in rs]
+        return {
+            "ttft_s": median(ttft),
+            "tpot_s": median(tpot),
+            "batch_e2e_tok_s": median([r["batch_e2e_tok_s"] for r in rs]),
+            "batch_decode_tok_s": median([r["batch_decode_tok_s"] for r in rs]),
+            "batch_wall_s": median([r["batch_generate_s"] for r in rs]),
+            "ttft_samples_s": ttft,
+            "tpot_samples_s": tpot,
+            "batch_e2e_samples": [r["batch_e2e_tok_s"] for r in rs],
+            "tokens": rs[-1]["tokens_manual"],
+            "batch_tokens_first": rs[-1]["batch_tokens_first"],
+        }
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+
+
+def fmt(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def targets(res: dict) -> list:
+    s = res["summary"]
+    out = []
+
+    def get(name, key):
+        return (s.get(name) or {}).get(key)
+
+    def add(name, name_a, name_b, key, need, value_fmt, lower_better=False):
+        a, b = get(name_a, key), get(name_b, key)
+        if a is None or b is None:
+            missing = [LABELS[n] for n, v in ((name_a, a), (name_b, b)) if v is None]
+            out.append({"name": name, "verdict": "n/a", "value": f"not measured: {', '.join(missing)}"})
+            return
+        ratio = (b / a) if lower_better else (a / b)
+        out.append({"name": name, "verdict": "PASS" if ratio >= need else "FAIL", "ratio": ratio,
+                    "value": value_fmt.format(a=a, b=b, r=ratio)})
+
+    for name_a, name_b, label in (("jax:float32", "llama:F32", "batch-1 decode: jaxinfer float32 >= llama.cpp F32"),
+                                  ("jax:int8", "llama:Q8_0", "batch-1 decode: jaxinfer int8 >= llama.cpp Q8_0"),
+                                  ("jax:int4", "llama:Q4_1", "batch-1 decode: jaxinfer int4 >= llama.cpp Q4_1")):
+        add(label, name_a, name_b, "decode_tok_s", 1.0, "{a:.1f} vs {b:.1f} tok/s ({r:.2f}x)")
+    b = res["batch"]
+    seq = " (llama.cpp sequential)" if res["llama_batch_mode"] == "sequential" else ""
+    add(f"{b} concurrent: jaxinfer float32 >= 1.5x llama.cpp F32{seq}", "jax:float32", "llama:F32",
+        "batch_e2e_tok_s", 1.5, "{a:.1f} vs {b:.1f} tok/s ({r:.2f}x)")
+    add(f"{b} concurrent: jaxinfer float32 >= 2.5x transformers float32", "jax:float32", "hf:float32",
+        "batch_e2e_tok_s", 2.5, "{a:.1f} vs {b:.1f} tok/s ({r:.2f}x)")
+    add(f"TTFT({res['prompt_len']}): jaxinfer float32 <= llama.cpp F32", "jax:float32", "llama:F32",
+        "ttft_ms", 1.0, "{a:.1f} vs {b:.1f} ms ({r:.2f}x)", lower_better=True)
+    return out
+
+
+def report(res: dict) -> str:
+    L = []
+    sysi = res["system"]
+    L.append(
+        f"llama.cpp peer benchmark — {res['model']}; {sysi['cpus']} CPUs ({sysi['cpu_model']}), jax {sysi['jax']} on "
+        f"{sysi['backend']}; {res['threads']} threads for llama.cpp and torch; {res['batch']} prompts of "
+        f"{res['prompt_len']} tokens, {res['decode_tokens']} new tokens, greedy, EOS ignored; medians of "
+        f"{res['repeats']} runs per round ({res['batch_repeats']} of the concurrent batch), {res['rounds']} alternating rounds"
+    )
+    L.append(f"load average at start {sysi['loadavg_start']}, at end {sysi.get('loadavg_end')}")
+    L.append(f"CPU flags: {' '.join(sysi['cpu_flags']) or '(unknown)'}")
+    if res.get("llama_system_info"):
+        L.append(f"llama.cpp {res.get('llama_version')}: {res['llama_system_info']}")
+    bw = res["bandwidth"]
+    L.append(
+        f"memory bandwidth (512 MiB float32): jitted sum {bw['jax_sum_gbs']:.1f} GB/s, jitted matvec "
+        f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write); the floor uses "
+        f"{res['bandwidth_gbs']:.1f} GB/s"
+    )
+    for line in res.get("notes", []):
+        L.append(f"note: {line}")
+    L.append("")
+    L.append("batch-1 floor (weight bytes read per token / bandwidth):")
+    for name, f in res["floors"].items():
+        L.append(f"  {LABELS[name]:<30} {f['weight_bytes'] / 1e6:>7.1f} MB -> {f['floor_ms']:>6.2f} ms/token = {f['floor_tok_s']:>6.1f} tok/s")
+    L.append("")
+    w = 30
+    bl = f"{res['batch']} conc e2e"
+    L.append(
+        f"{'system':<{w}} {'TTFT ms':>9} {'b1 tok/s':>9} {'floor %':>8} {bl:>12} {'decode-only':>12} {'vs F32':>7}"
+    )
+    L.append("-" * (w + 63))
+    s = res["summary"]
+    ref = (s.get("llama:F32") or {}).get("batch_e2e_tok_s")
+    for name in res["systems"]:
+        v = s.get(name)
+        if v is None:
+            L.append(f"{LABELS[name]:<{w}} {res['skipped'].get(name, 'skipped')}")
+            continue
+        fl = res["floors"].get(name)
+        frac = 100 * v["decode_tok_s"] / fl["floor_tok_s"] if fl else None
+        rel = f"{v['batch_e2e_tok_s'] / ref:.2f}x" if ref else "-"
+        L.append(
+            f"{LABELS[name]:<{w}} {fmt(v['ttft_ms']):>9} {fmt(v['decode_tok_s']):>9} {fmt(frac, '.0f'):>8} "
+            f"{fmt(v['batch_e2e_tok_s']):>12} {fmt(v['batch_decode_tok_s']):>12} {rel:>7}"
+        )
+    L.append("")
+    L.append(
+        f"{res['batch']} concurrent: e2e = all output tokens / wall clock of the whole batch (prefill included); "
+        f"decode-only = tokens after each request's first / time after all first tokens. 'vs F32' = e2e / llama.cpp F32's."
+    )
+    if res["llama_batch_mode"] == "sequential":
+        L.append("llama.cpp's batch ran its requests SEQUENTIALLY (--llama-sequential): one after another, not batched.")
+    elif any(n.startswith("llama:") for n in s):
+        L.append(
+            "llama.cpp's batch: one context, a KV stream per request (n_seq_max = batch), prompts prefilled together "
+            "in 2048-token batches, then one llama_decode per step for all sequences (low-level llama_batch API)."
+        )
+    L.append("per-round figures (TTFT ms / batch-1 tok/s / concurrent e2e tok/s):")
+    for name in res["systems"]:
+        rs = res["rounds_by_system"].get(name)
+        if rs:
+            L.append(
+                f"  {LABELS[name]:<30} "
+                + "  ".join(f"{1e3 * r['ttft_s']:.1f}/{1 / r['tpot_s']:.1f}/{r['batch_e2e_tok_s']:.1f}" for r in rs)
+            )
+    agree = res.get("agreement", {})
+    if agree:
+        L.append(
+            f"greedy tokens, batch 1, agreeing with {LABELS[res['agreement_ref']]} for the first k of "
+            f"{res['decode_tokens']}: " + ", ".join(f"{LABELS[k]} {v}" for k, v in agree.items())
+        )
+    for name, info in res["infos"].items():
+        if name.startswith("jax:"):
+            L.append(
+                f"{LABELS[name]}: load {info['load_s']:.1f} s, warm-up {info.get('warmup_s', 0):.1f} s "
+                f"({info.get('programs_compiled_in_warmup')} programs), {info.get('recompiles_in_rounds')} compiled during the rounds"
+            )
+        elif name.startswith("llama:"):
+            L.append(f"{LABELS[name]}: {Path(info['path']).name}, {info['model_bytes'] / 1e6:.1f} MB, load {info['load_s']:.2f} s")
+        elif name.startswith("hf:"):
+            v = info.get("versions", {})
+            L.append(f"{LABELS[name]}: {info.get('attn')} attention, {info.get('threads')} threads, torch {v.get('torch')}, "
+                     f"transformers {v.get('transformers')}")
+    L.append("")
+    L.append("targets:")
+    for t in res["targets"]:
+        L.append(f"  [{t['verdict']:<4}] {t['name']}: {t['value']}")
+    return "\n".join(L)
+
+
+# --------------------------------------------------------------------------- #
+# Main
+# --------------------------------------------------------------------------- #
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp_peer", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS, metavar="SYSTEM",
+                   help=f"which to run (default all): {' '.join(ALL_SYSTEMS)}")
+    p.add_argument("--skip", nargs="+", default=[], choices=ALL_SYSTEMS, metavar="SYSTEM", help="leave these out")
+    p.add_argument("--quick", action="store_true", help="short: 8 requests, 32 new tokens, 1 run per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of TTFT and batch-1 decode per round (default 3, --quick 1)")
+    p.add_argument("--batch-repeats", type=int, default=None,
+                   help="runs of the concurrent batch per round (default: --repeats); transformers' worker times "
+                        "all its figures together, so it runs this many times")
+    p.add_argument("--batch", type=int, default=None, help="concurrent requests (default 32, --quick 8)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=None, help="new tokens (default 128, --quick 32)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp and torch threads (default: the cores)")
+    p.add_argument("--llama-python", default=None, help="interpreter with llama-cpp-python")
+    p.add_argument("--llama-sequential", action="store_true",
+                   help="run llama.cpp's concurrent requests one after another instead of batched")
+    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers (+ gguf)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--json", default=None, help="also write every figure as JSON to this file")
+    a = p.parse_args(argv)
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    a.batch_repeats = a.batch_repeats or a.repeats
+    a.batch = a.batch or (8 if a.quick else 32)
+    a.decode_tokens = a.decode_tokens or (32 if a.quick else 128)
+    if a.decode_tokens < 2:
+        p.error("--decode-tokens must be at least 2")
+    systems = a.systems or ALL_SYSTEMS
+    a.systems = [s for s in ALL_SYSTEMS if s in systems and s not in a.skip]
+    return a
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    flags = cpu_flags()
+    res: dict = {
+        "model": a.model, "batch": a.batch, "prompt_len": a.prompt_len, "decode_tokens": a.decode_tokens,
+        "repeats": a.repeats, "batch_repeats": a.batch_repeats, "rounds": a.rounds, "threads": a.threads, "systems": a.systems,
+        "llama_batch_mode": "sequential" if a.llama_sequential else "parallel",
+        "skipped": {}, "notes": [], "infos": {},
+        "system": {
+            "cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+            "jax": jax.__version__, "backend": jax.default_backend(),
+            "cpu_flags": [f for f in CPU_FLAGS_SHOWN if f in flags],
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
+    log("measuring memory bandwidth")
+    res["bandwidth"] = bw = measure_bandwidth()
+    res["bandwidth_gbs"] = max(bw["jax_sum_gbs"], bw["jax_matvec_gbs"])
+
+    systems: dict = {}
+    rounds: dict = {}
+    quant_ok = has_quantization()
+    prompt = batch_prompts = None
+    try:
+        # jaxinfer first: its tokenizer makes the prompts every system gets
+        for name in [s for s in a.systems if s in JAX_SYSTEMS]:
+            dtype, quant = JAX_SYSTEMS[name]
+            if quant and not quant_ok:
+                res["skipped"][name] = "skipped: jaxinfer.LLM has no quantization= argument yet"
+                log(f"{name} {res['skipped'][name]}")
+                continue
+            log(f"loading {name} (dtype={dtype}, quantization={quant})")
+            try:
+                sysm = JaxSystem(name, a.model, dtype, quant, a)
+            except Exception as e:
+                res["skipped"][name] = f"failed to load: {type(e).__name__}: {e}"
+                log(f"{name} {res['skipped'][name]}")
+                continue
+            if prompt is None:
+                prompt, batch_prompts = make_prompts(sysm.llm, a.prompt_len, a.batch)
+            sysm.set_prompts(prompt, batch_prompts)
+            systems[name] = sysm
+        if prompt is None:  # no jaxinfer system: a float32 engine just for the tokenizer
+            tmp = jaxinfer.LLM(a.model, dtype="float32")
+            prompt, batch_prompts = make_prompts(tmp, a.prompt_len, a.batch)
+            tmp.close()
+            del tmp
+        res["prompt_ids"] = list(prompt)
+
+        from jaxinfer.weights import resolve_model
+
+        src = Path(resolve_model(a.model).path)
+        llama_names = [s for s in a.systems if s in LLAMA_SYSTEMS]
+        if llama_names:
+            py, why = (None, "skipped (--no-llama)") if a.no_llama else find_llama_python(a.llama_python)
+            res["llama_python"] = py or why
+            if not py or src.suffix != ".gguf":
+                why = why if not py else f"skipped: {src} is not a GGUF file"
+                for n in llama_names:
+                    res["skipped"][n] = why
+                log(f"llama.cpp {why}")
+            else:
+                from benchmarks import gguf_variants
+
+                for name in llama_names:
+                    t = LLAMA_SYSTEMS[name]
+                    try:
+                        path = gguf_variants.variants(src, [t], log=log)[t]
+                        log(f"starting {name} ({path.name}; load + warm-up)")
+                        systems[name] = LlamaSystem(name, py, path, prompt, batch_prompts, a)
+                    except Exception as e:
+                        res["skipped"][name] = f"failed: {e}"
+                        log(f"{name} {res['skipped'][name]}")
+        hf_names = [s for s in a.systems if s in HF_SYSTEMS]
+        if hf_names:
+            py, why = (None, "skipped (--no-hf)") if a.no_hf else find_hf_python(a.hf_python)
+            res["transformers_python"] = py or why
+            for name in hf_names:
+                if not py:
+                    res["skipped"][name] = why
+                    log(f"transformers {why}")
+                    continue
+                log(f"starting {name} ({py}; load + a warm-up round)")
+                try:
+                    systems[name] = HFSystem(name, py, str(src), prompt, batch_prompts, a)
+                except Exception as e:
+                    res["skipped"][name] = f"failed: {e}"
+                    log(f"{name} {res['skipped'][name]}")
+
+        for name, sysm in systems.items():
+            res["infos"][name] = sysm.info  # the same dict: what warm() and the rounds add shows up
+            if sysm.kind == "jaxinfer":
+                log(f"warm-up {name}: one run of each figure (compiles its shapes)")
+                sysm.warm()
+
+        rounds.update({n: [] for n in systems})
+        order = list(systems)
+        for i in range(a.rounds):
+            k = i % len(order) if order else 0
+            for name in order[k:] + order[:k]:  # rotate, so no system always goes first
+                if name not in systems:
+                    continue
+                log(f"round {i + 1}/{a.rounds}: {name}")
+                try:
+                    rounds[name].append(systems[name].round())
+                except Exception as e:
+                    res["skipped"][name] = f"failed in round {i + 1}: {e}"
+                    log(f"{name} {res['skipped'][name]}")
+                    systems.pop(name).close()
+        res["system"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        for name, info in res["infos"].items():
+            if name.startswith("llama:") and "llama_system_info" not in res:
+                res["llama_system_info"] = info.get("system_info")
+                res["llama_version"] = info.get("version")
+    finally:
+        for sysm in systems.values():
+            try:
+                sysm.close()
+            except Exception:
+                pass
+
+    summary, floors = {}, {}
+    for name in a.systems:
+        rs = rounds.get(name)
+        if not rs:
+            continue
+        summary[name] = {
+            "ttft_ms": 1e3 * median([r["ttft_s"] for r in rs]),
+            "decode_tok_s": 1 / median([r["tpot_s"] for r in rs]),
+            "batch_e2e_tok_s": median([r["batch_e2e_tok_s"] for r in rs]),
+            "batch_decode_tok_s": median([r["batch_decode_tok_s"] for r in rs]),
+        }
+        info = res["infos"].get(name, {})
+        wb = info.get("weight_bytes") or info.get("model_bytes") or info.get("param_bytes")
+        if wb:
+            floor_s = wb / (res["bandwidth_gbs"] * 1e9)
+            floors[name] = {"weight_bytes": wb, "floor_ms": 1e3 * floor_s, "floor_tok_s": 1 / floor_s}
+    res["summary"], res["floors"] = summary, floors
+    res["rounds_by_system"] = {n: rs for n, rs in rounds.items() if rs}
+    ref = "llama:F32" if "llama:F32" in res["rounds_by_system"] else next(iter(res["rounds_by_system"]), None)
+    if ref:
+        res["agreement_ref"] = ref
+        base = res["rounds_by_system"][ref][-1]["tokens"]
+        res["agreement"] = {n: common_prefix(rs[-1]["tokens"], base) for n, rs in res["rounds_by_system"].items() if n != ref}
+    if any(s in JAX_SYSTEMS and JAX_SYSTEMS[s][1] for s in a.systems) and not quant_ok:
+        res["notes"].append("jaxinfer int8 / int4 rows skipped: jaxinfer.LLM has no quantization= argument in this checkout")
+    cached = {n: sum(r.get("cached_tokens", 0) for r in rs) for n, rs in res["rounds_by_system"].items() if n in JAX_SYSTEMS}
+    if any(cached.values()):
+        res["notes"].append(f"prefix-cache hits during the rounds (should be none): {cached}")
+    busy = max(res["system"]["loadavg_start"][0], res["system"]["loadavg_end"][0] if res["system"].get("loadavg_end") else 0)
+    if busy > 0.5 * (os.cpu_count() or 1):
+        res["notes"].append(
+            f"the machine was busy (1-minute load average up to {busy:.1f} on {os.cpu_count()} CPUs): every figure is "
+            "unreliable, llama.cpp's most (its OpenMP threads spin-wait for each other)"
+        )
+    res["targets"] = targets(res)
+    res["wall_s"] = time.perf_counter() - t_start
+    print(report(res))
+    print(f"\n(total {res['wall_s']:.0f} s)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2, default=str))
+        print(f"figures written to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
