@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -310,31 +311,27 @@ def find_hf_python(flag: Optional[str]) -> tuple:
     )
 
 
-class HFPeer:
-    """The transformers worker process (hf_peer.py), driven one JSON line per round."""
+class Worker:
+    """A peer's worker process, driven in JSON lines: a setup line, then one line per command
+    (hf_peer.py here; llamacpp_worker.py for `benchmarks.llamacpp_peer`). An ``{"error": ...}``
+    reply, or the process exiting, raises RuntimeError with the worker's stderr tail."""
 
-    def __init__(self, python: str, model_path: str, threads: int, attn: str, prompt, batch_prompts, n: int):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="hf_peer_", suffix=".log", delete=False)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    def __init__(self, python: str, script, setup: dict, threads: int, name: str = "worker",
+                 env: Optional[dict] = None):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}_", suffix=".log",
+                                               delete=False)
         self.proc = subprocess.Popen(
-            [python, str(HF_PEER)],
+            [python, str(script)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
-            env=env,
+            env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})),
         )
-        setup = {
-            "model": model_path,
-            "threads": threads,
-            "attn": attn,
-            "prompt": list(prompt),
-            "batch_prompts": [list(p) for p in batch_prompts],
-            "decode_tokens": n,
-        }
-        self.info = self._send(json.dumps(setup))
+        self.info = self.send(json.dumps(setup))
 
-    def _send(self, line: str) -> dict:
+    def send(self, line: str) -> dict:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
@@ -342,11 +339,14 @@ class HFPeer:
             self.log.flush()
             self.log.seek(0)
             tail = self.log.read()[-3000:]
-            raise RuntimeError(f"the transformers worker exited (rc={self.proc.poll()}):\n{tail}")
-        return json.loads(reply)
+            raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()}):\n{tail}")
+        out = json.loads(reply)
+        if "error" in out:
+            raise RuntimeError(f"{self.name}: {out['error']}")
+        return out
 
     def round(self) -> dict:
-        return self._send("round")
+        return self.send("round")
 
     def close(self) -> None:
         try:
@@ -357,6 +357,22 @@ class HFPeer:
             self.proc.kill()
         self.log.close()
         os.unlink(self.log.name)
+
+
+class HFPeer(Worker):
+    """The transformers worker process (hf_peer.py), driven one JSON line per round."""
+
+    def __init__(self, python: str, model_path: str, threads: int, attn: str, prompt, batch_prompts, n: int):
+        setup = {
+            "model": model_path,
+            "threads": threads,
+            "attn": attn,
+            "prompt": list(prompt),
+            "batch_prompts": [list(p) for p in batch_prompts],
+            "decode_tokens": n,
+        }
+        super().__init__(python, HF_PEER, setup, threads, "the transformers worker",
+                         env={"TOKENIZERS_PARALLELISM": "false"})
 
 
 # --------------------------------------------------------------------------- #

@@ -51,7 +51,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.weights import resolve_model
 
-from benchmarks.core import HF_PEER, HFPeer, StepBench, common_prefix, find_hf_python, timed
+from benchmarks.core import HF_PEER, StepBench, Worker, common_prefix, find_hf_python, timed
 
 
 def greedy(n: int) -> SamplingParams:
@@ -123,18 +123,10 @@ def ceiling(cfg, gflops: float, n_req: int, prompt_len: int, out_len: int) -> di
 # --------------------------------------------------------------------------- #
 
 
-class BatchPeer(HFPeer):
+class BatchPeer(Worker):
     """The transformers worker in ``"batch"`` mode: only the static batch is timed each round."""
 
     def __init__(self, python: str, model_path: str, threads: int, attn: str, batch_prompts, n: int, dtype: str):
-        import subprocess
-        import tempfile
-
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="hf_peer_", suffix=".log", delete=False)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen(
-            [python, str(HF_PEER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
         setup = {
             "model": model_path,
             "threads": threads,
@@ -144,9 +136,8 @@ class BatchPeer(HFPeer):
             "batch_prompts": [list(p) for p in batch_prompts],
             "decode_tokens": n,
         }
-        self.info = self._send(json.dumps(setup))
-        if "error" in self.info:
-            raise RuntimeError(self.info["error"])
+        super().__init__(python, HF_PEER, setup, threads, "the transformers worker",
+                         env={"TOKENIZERS_PARALLELISM": "false"})
 
 
 def engine_batch_round(llm, prompts: list, n: int) -> dict:

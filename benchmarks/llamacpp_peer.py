@@ -43,9 +43,7 @@ import inspect
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -57,7 +55,7 @@ from jaxinfer import step as step_mod
 from jaxinfer.config import cpu_flags
 from jaxinfer.stats import median
 
-from benchmarks.core import HFPeer, common_prefix, find_hf_python, greedy, make_prompts, measure_bandwidth
+from benchmarks.core import HFPeer, Worker, common_prefix, find_hf_python, greedy, make_prompts, measure_bandwidth
 from benchmarks.engine import engine_batch_round
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
@@ -112,46 +110,6 @@ def find_llama_python(flag: Optional[str]) -> tuple:
         "skipped: no llama-cpp-python interpreter; pass --llama-python or set JAXINFER_LLAMA_PYTHON "
         "(a Python with llama-cpp-python, e.g. pip install '.[benchmark]')"
     )
-
-
-class Worker:
-    """A subprocess in JSON lines (llamacpp_worker.py): setup line, then one line per command."""
-
-    def __init__(self, python: str, script: Path, setup: dict, threads: int, name: str = "worker"):
-        self.name = name
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name.replace(':', '_')}_", suffix=".log", delete=False)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen(
-            [python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
-        self.info = self.send(json.dumps(setup))
-
-    def send(self, line: str) -> dict:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        if not reply:
-            self.log.flush()
-            self.log.seek(0)
-            tail = self.log.read()[-3000:]
-            raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()}):\n{tail}")
-        out = json.loads(reply)
-        if "error" in out:
-            raise RuntimeError(f"{self.name}: {out['error']}")
-        return out
-
-    def round(self) -> dict:
-        return self.send("round")
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=30)
-        except Exception:
-            self.proc.kill()
-        self.log.close()
-        os.unlink(self.log.name)
 
 
 # --------------------------------------------------------------------------- #

@@ -3,7 +3,6 @@ the function of their dequantized weights."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,26 +10,11 @@ import numpy as np
 import pytest
 
 from conftest import TINY, TINY_ENGINE, tiny_params
-from jaxinfer import kv_cache, quant
-from jaxinfer.attention import AttentionMetadata
+from test_paged_model import full_logits
+from jaxinfer import quant
 from jaxinfer.config import EngineConfig
 from jaxinfer.models import decoder
 from jaxinfer.spec import abstract, check_tree
-
-fwd = jax.jit(decoder.forward, static_argnums=1)
-logits_fn = jax.jit(decoder.logits, static_argnums=1)
-
-
-def all_logits(params, cfg, seq, page_size=4):
-    n = len(seq)
-    eng = EngineConfig(page_size=page_size, num_pages=n // page_size + 2)
-    cache = kv_cache.init_cache(cfg, eng)
-    pos = np.arange(n, dtype=np.int32)[None]
-    table = np.arange(1, 1 + -(-n // page_size), dtype=np.int32)[None]
-    attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, page_size), table, np.array([n], np.int32))
-    h, _ = fwd(params, cfg, jnp.asarray([seq], jnp.int32), cache, attn)
-    return np.asarray(logits_fn(params, cfg, h[0]))
-
 
 def dequantized_tree(params):
     """The float tree a quantized tree stands for (the LM head back to [hidden, vocab])."""
@@ -97,8 +81,8 @@ def test_quantized_model_computes_its_dequantized_weights(mode):
     check_tree(specs, params)
     assert jax.tree.structure(abstract(specs)) == jax.tree.structure(jax.tree.map(lambda x: 0, params))
     seq = np.random.default_rng(3).integers(0, TINY.vocab_size, 11).tolist()
-    got = all_logits(params, cfg, seq)
-    want = all_logits(dequantized_tree(params), TINY, seq)
+    got = full_logits(params, cfg, seq)
+    want = full_logits(dequantized_tree(params), TINY, seq)
     np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max())
 
 
