@@ -161,23 +161,54 @@ class Engine:
         An aborted request's id is free again as soon as `RequestStream.abort` returns: the
         inbox is ordered, so the engine drops the old request before it adds the new one.
         """
+        return self.submit_group([request])[0]
+
+    def submit_group(self, requests) -> list:
+        """Queue several choices of one prompt (`jaxinfer.LLM.make_requests`); one stream each, in order.
+
+        Every request must have the same prompt token ids. The first is prefilled as usual;
+        the others wait until a running member of the group has computed the prompt's full
+        pages, then fork from it: they take references on those KV pages (no copy, no
+        recompute) and compute only the rest of the prompt (at least its last token, so each
+        draws its own first token with its own seed). Each is otherwise a request of its own:
+        aborting one aborts only it; one that finds no running member to fork from (the
+        others finished, were aborted or preempted) prefills the prompt itself. A request
+        that uses penalties never forks (its token history must be recorded from position 0).
+        """
+        reqs = list(requests)
+        if not reqs:
+            raise ValueError("submit_group needs at least one request.")
         limit = self.runner.max_model_len
-        if len(request.prompt_ids) + request.max_tokens > limit:  # a Request built by hand, not by the processor
-            raise ValueError(
-                f"request {request.request_id!r} needs {len(request.prompt_ids) + request.max_tokens} tokens "
-                f"({len(request.prompt_ids)} prompt + {request.max_tokens} max_tokens), more than max_model_len "
-                f"({limit})."
-            )
-        stream = RequestStream(request.request_id, self)
+        for r in reqs:
+            if r.prompt_ids != reqs[0].prompt_ids:
+                raise ValueError(
+                    f"the requests of a group must have the same prompt: {r.request_id!r} differs from "
+                    f"{reqs[0].request_id!r}."
+                )
+            if len(r.prompt_ids) + r.max_tokens > limit:  # a Request built by hand, not by the processor
+                raise ValueError(
+                    f"request {r.request_id!r} needs {len(r.prompt_ids) + r.max_tokens} tokens "
+                    f"({len(r.prompt_ids)} prompt + {r.max_tokens} max_tokens), more than max_model_len "
+                    f"({limit})."
+                )
+        ids = [r.request_id for r in reqs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"the requests of a group need distinct request ids, got {ids}.")
+        streams = [RequestStream(r.request_id, self) for r in reqs]
         with self._lock:
-            if request.request_id in self._live:
-                raise ValueError(f"request_id {request.request_id!r} is already in use by a running request.")
-            self._live[request.request_id] = stream
-        self._inbox.put(("add", request, stream))
+            for rid in ids:
+                if rid in self._live:
+                    raise ValueError(f"request_id {rid!r} is already in use by a running request.")
+            for rid, stream in zip(ids, streams):
+                self._live[rid] = stream
+        if len(reqs) > 1:
+            for i, r in enumerate(reqs):
+                r.group = reqs
+        self._inbox.put(("add", reqs, streams))
         if self.autostart:
             self._ensure_running()
         self._wake.set()
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
@@ -241,10 +272,11 @@ class Engine:
                 kind, a, b = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._requests[a.request_id] = a
-                self._streams[a.request_id] = b
-                self.scheduler.add(a)
+            if kind == "add":  # a: requests (a group's or one), b: their streams
+                for r, stream in zip(a, b):
+                    self._requests[r.request_id] = r
+                    self._streams[r.request_id] = stream
+                    self.scheduler.add(r)
             elif kind == "abort":  # b: the stream that asked, or None to abort whatever holds the id
                 r = self._requests.get(a)
                 if b is not None and self._streams.get(a) is not b:

@@ -20,9 +20,10 @@ from jaxinfer.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine import Engine, RequestStream
 from jaxinfer.mesh import mesh_placement, placement_report
-from jaxinfer.outputs import StreamDelta
+from jaxinfer.metrics import RequestMetrics
+from jaxinfer.outputs import StreamDelta, merge_choices
 from jaxinfer.processor import InputProcessor, Prompt
-from jaxinfer.request import Request
+from jaxinfer.request import Request, new_request_id
 from jaxinfer.runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
 
@@ -160,12 +161,48 @@ class LLM:
 
         The one front door (`jaxinfer.processor.InputProcessor.process`): the options are its
         keywords (messages, chat_template_kwargs, add_generation_prompt, request_id, priority,
-        metrics, fit_max_tokens). Hand the result to `submit` or `stream_request`.
+        metrics, fit_max_tokens). Hand the result to `submit` or `stream_request`. For
+        ``params.n`` > 1 use `make_requests`.
         """
+        _one_choice(params)
         return self.processor.process(prompt, params, **options)
 
-    def _chat_request(self, messages, params, chat_template_kwargs, add_generation_prompt) -> Request:
-        return self.processor.process(
+    def make_requests(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> list:
+        """One validated `Request` per choice of ``params.n`` (the prompt tokenized once); the
+        options are `make_request`'s. Hand the list to `submit_group`, which prefills the
+        prompt once and forks the other choices from it.
+
+        Choice i has ``choice_index`` i and, when ``params.seed`` is set, samples with
+        ``(seed + i) % 2**32`` (as vLLM does: the choices differ, and each is what a single
+        request with that seed draws); without a seed each draws its own random seed.
+        Request ids: with n == 1 the one request has the given (or a new) id; with n > 1
+        choice i has the id ``f"{id}-{i}"``, and every choice has ``group_id`` == id.
+        """
+        params = self.processor.default_sampling_params() if params is None else params
+        n = params.n if isinstance(params, SamplingParams) else 1
+        if n == 1:
+            return [self.processor.process(prompt, params, **options)]
+        base = options.pop("request_id", None)
+        if base is not None and (not isinstance(base, str) or not base):
+            raise ValueError(f"request_id must be a non-empty string, got {base!r}.")
+        base = base or new_request_id()
+        first = self.processor.process(prompt, params, request_id=f"{base}-0", **options)
+        reqs = [first]
+        m0 = first.metrics
+        for i in range(1, n):
+            sp = params if params.seed is None else params.clone(seed=(params.seed + i) % 2**32)
+            metrics = RequestMetrics(arrival_time=m0.arrival_time, tokenize_s=m0.tokenize_s,
+                                     template_tokens=m0.template_tokens, user_tokens=m0.user_tokens)
+            reqs.append(self.processor.make_request(
+                first.prompt_ids, sp, prompt=first.prompt, metrics=metrics, request_id=f"{base}-{i}",
+                priority=first.priority, fit_max_tokens=options.get("fit_max_tokens", False),
+            ))
+        for i, r in enumerate(reqs):
+            r.choice_index, r.group_id = i, base
+        return reqs
+
+    def _chat_requests(self, messages, params, chat_template_kwargs, add_generation_prompt) -> list:
+        return self.make_requests(
             None, params, messages=messages, chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
         )
@@ -182,7 +219,9 @@ class LLM:
         """Generate for one or many prompts (strings or token-id lists); returns RequestOutputs in order.
 
         All prompts go to the engine at once; it keeps the batch full as requests finish.
-        ``priority`` (lower runs first) matters with ``scheduling_policy="priority"``.
+        ``priority`` (lower runs first) matters with ``scheduling_policy="priority"``. With
+        ``n`` > 1 a prompt's RequestOutput holds n CompletionOutputs (``index`` 0..n-1), its
+        usage counts the prompt once and the completion tokens of every choice.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -195,8 +234,8 @@ class LLM:
         else:
             plist = [sampling_params] * len(prompts)
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority or 0] * len(prompts)
-        reqs = [self.make_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
-        return self._run(reqs)
+        groups = [self.make_requests(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
+        return self._run(groups)
 
     def chat(
         self,
@@ -206,13 +245,17 @@ class LLM:
         chat_template_kwargs: Optional[dict] = None,
         add_generation_prompt: bool = True,
     ) -> list:
-        """Chat with the model's own template: one conversation (a list of messages) or a list of them."""
+        """Chat with the model's own template: one conversation (a list of messages) or a list of them.
+
+        One RequestOutput per conversation; with ``n`` > 1 it holds n choices, as `generate`'s."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        reqs = [self._chat_request(c, sampling_params, chat_template_kwargs, add_generation_prompt) for c in convs]
-        return self._run(reqs)
+        groups = [self._chat_requests(c, sampling_params, chat_template_kwargs, add_generation_prompt) for c in convs]
+        return self._run(groups)
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamDelta]:
-        """Yield `StreamDelta`s (``.text``, ``.token_ids``) as tokens are made; the last has ``.output``."""
+        """Yield `StreamDelta`s (``.text``, ``.token_ids``) as tokens are made; the last has ``.output``.
+
+        One choice: for ``n`` > 1 use `make_requests` and `submit_group` (a stream per choice)."""
         return self.stream_request(self.make_request(prompt, sampling_params))
 
     def stream_chat(
@@ -223,8 +266,9 @@ class LLM:
         chat_template_kwargs: Optional[dict] = None,
         add_generation_prompt: bool = True,
     ) -> Iterator[StreamDelta]:
+        _one_choice(sampling_params)
         return self.stream_request(
-            self._chat_request(messages, sampling_params, chat_template_kwargs, add_generation_prompt)
+            self._chat_requests(messages, sampling_params, chat_template_kwargs, add_generation_prompt)[0]
         )
 
     def stream_request(self, request: Request) -> Iterator[StreamDelta]:
@@ -239,14 +283,24 @@ class LLM:
         """Hand a prepared request to the engine; iterate the returned stream (sync or async)."""
         return self.engine.submit(request)
 
-    def _run(self, reqs: list) -> list:
-        streams = [self.engine.submit(r) for r in reqs]
+    def submit_group(self, requests: Sequence[Request]) -> list:
+        """Hand the choices of one prompt (`make_requests`) to the engine: one stream per request,
+        in order. The prompt is prefilled once; the other choices fork from it, sharing its KV
+        pages (`jaxinfer.engine.Engine.submit_group`)."""
+        return self.engine.submit_group(requests)
+
+    def _run(self, groups: list) -> list:
+        """Run groups of requests (the choices of one prompt each); one RequestOutput per group."""
+        streams: list = []
         try:
-            return [s.result() for s in streams]
+            for g in groups:
+                streams.append(self.engine.submit_group(g))
+            return [merge_choices(g[0].group_id, [s.result() for s in ss]) for g, ss in zip(groups, streams)]
         finally:
-            for s in streams:
-                if s.output is None:
-                    s.abort()
+            for ss in streams:
+                for s in ss:
+                    if s.output is None:
+                        s.abort()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Wait until the engine has no requests and nothing in flight (tests, shutdown)."""
@@ -285,6 +339,14 @@ class LLM:
             "tensor_parallel_size": e.tensor_parallel_size,
             "processes": jax.process_count(),
         }
+
+
+def _one_choice(params) -> None:
+    if isinstance(params, SamplingParams) and params.n > 1:
+        raise ValueError(
+            f"n={params.n} asks for several choices: use LLM.make_requests and LLM.submit_group (a stream "
+            f"per choice), or generate / chat."
+        )
 
 
 def _engine_config(engine_config, dtype, max_model_len, overrides) -> EngineConfig:

@@ -47,13 +47,32 @@ class RequestOutput:
 
     @property
     def usage(self) -> dict:
-        n_out = len(self.outputs[0].token_ids)
+        """Token counts, OpenAI's way: the prompt once, the completion tokens of every choice."""
+        n_out = sum(len(o.token_ids) for o in self.outputs)
         return {
             "prompt_tokens": len(self.prompt_token_ids),
             "cached_tokens": self.metrics.cached_tokens,
             "completion_tokens": n_out,
             "total_tokens": len(self.prompt_token_ids) + n_out,
         }
+
+
+def merge_choices(request_id: str, outputs: list) -> RequestOutput:
+    """One RequestOutput for the choices of one prompt (the outputs of a group's requests, one
+    choice each, in any order): ``outputs`` holds their CompletionOutputs by ``index``, the
+    metrics (queue, TTFT, cached tokens) are choice 0's, which prefilled the prompt."""
+    if len(outputs) == 1 and outputs[0].request_id == request_id:
+        return outputs[0]
+    choices = sorted((c for o in outputs for c in o.outputs), key=lambda c: c.index)
+    first = min(outputs, key=lambda o: o.outputs[0].index)
+    return RequestOutput(
+        request_id=request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=choices,
+        finished=all(o.finished for o in outputs),
+        metrics=first.metrics,
+    )
 
 
 @dataclass

@@ -106,7 +106,7 @@ class InputProcessor:
         if at_least >= self.max_model_len:
             n_bytes = len(text.encode("utf-8", "surrogatepass"))
             raise ValueError(
-                f"The {what} is {n_bytes:,} bytes long. No token of this model stands for more than "
+                f"the {what} is {n_bytes:,} bytes long. No token of this model stands for more than "
                 f"{self.tokenizer.max_bytes_per_token} bytes, so it is at least {at_least:,} tokens, but the model's "
                 f"context length (max_model_len) is {self.max_model_len} tokens, which must also leave room for at "
                 f"least one output token."
@@ -144,7 +144,7 @@ class InputProcessor:
             return self._tokenize_chat(messages, add_generation_prompt, chat_template_kwargs, fit_context)
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("The prompt is empty: it must contain at least one character.")
+                raise ValueError("the prompt is empty: it must contain at least one character.")
             tok = self._need_tokenizer("pass the prompt as token ids.")
             if fit_context:
                 self._check_text_fits(prompt, "prompt")
@@ -226,10 +226,10 @@ class InputProcessor:
         """How many tokens a request of `prompt_len` prompt tokens may generate; raises when it cannot fit."""
         limit = self.max_model_len
         if prompt_len == 0:
-            raise ValueError("The prompt is empty: it must contain at least one token.")
+            raise ValueError("the prompt is empty: it must contain at least one token.")
         if prompt_len >= limit:
             raise ValueError(
-                f"The prompt is {prompt_len} tokens long, but the model's context length (max_model_len) is "
+                f"the prompt is {prompt_len} tokens long, but the model's context length (max_model_len) is "
                 f"{limit} tokens, which must also leave room for at least one output token."
             )
         room = limit - prompt_len

@@ -58,6 +58,12 @@ class Request:
         self.metrics.prompt_tokens = len(self.prompt_ids)
         self.priority = priority
         self.arrival_order = 0
+        # Several choices of one prompt (`SamplingParams.n`, `Engine.submit_group`): the group's
+        # requests (one list shared by all, in choice order; None alone), this one's index in it,
+        # and the id the group answers to (the caller's request id).
+        self.group: Optional[list] = None
+        self.choice_index = 0
+        self.group_id = request_id
         # device-side progress
         self.pages: list = []  # page of each page-sized run of positions; 0 once released behind a window
         self.num_released_pages = 0  # leading entries of `pages` given back (sliding-window models)
@@ -146,6 +152,7 @@ class Request:
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            index=self.choice_index,
         )
         return RequestOutput(
             request_id=self.request_id,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+import math
+import re
+from typing import Mapping, Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5
 MAX_SEED = 2**32 - 1
@@ -19,6 +21,11 @@ MAX_SEED = 2**32 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_BYTES = 256  # UTF-8 bytes of one stop string
 MAX_STOP_TOKEN_IDS = 128
+# logit_bias is a padded per-row array of this many (token id, bias) pairs in every step (data, not a
+# compile key): OpenAI's own limit on the number of entries.
+MAX_LOGIT_BIAS = 300
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| limit, as OpenAI's
+MAX_N = 128  # choices per request (`n`)
 
 
 @dataclass
@@ -39,6 +46,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's meaning: token id -> a bias in [-100, 100] added to that token's logit before sampling
+    # (greedy too). Keys may be digit strings (JSON object keys); they are normalised to ints.
+    logit_bias: Optional[Mapping[int, float]] = None
+    # Choices for one prompt: the engine prefills the prompt once and forks the others from it
+    # (`jaxinfer.LLM.make_requests`); choice i samples with seed + i when a seed is given.
+    n: int = 1
 
     def __post_init__(self):
         if self.stop is None:
@@ -50,6 +63,7 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self._verify()
 
     # -- validation -------------------------------------------------------
@@ -119,6 +133,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
+        if isinstance(self.n, bool) or not isinstance(self.n, int):
+            raise ValueError(f"n must be an integer, got {self.n!r}.")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}.")
 
     def check_against(self, *, vocab_size: Optional[int], max_logprobs: Optional[int]) -> None:
         """Checks that need the model and engine: vocabulary size and logprobs limit (None: not checked)."""
@@ -133,6 +151,12 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids must be smaller than the vocabulary size ({vocab_size}), got {t}.")
+        for t in self.logit_bias or ():
+            if t >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {t} is out of range: token ids must be smaller than the vocabulary "
+                    f"size ({vocab_size})."
+                )
 
     # -- derived ------------------------------------------------------------
 
@@ -148,8 +172,46 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
+
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _normalise_logit_bias(bias) -> Optional[dict]:
+    """``logit_bias`` as {int token id: float bias}, checked; None stays None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token id -> bias, got {type(bias).__name__}.")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.")
+    out: dict = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and _DIGITS.fullmatch(key):
+            tok = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            tok = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}.")
+        if tok in out:
+            raise ValueError(f"logit_bias names token {tok} more than once.")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias value for token {tok} must be a number, got {value!r}.")
+        if not math.isfinite(value):
+            raise ValueError(f"logit_bias value for token {tok} must be finite, got {value}.")
+        if not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
+            raise ValueError(
+                f"logit_bias value for token {tok} must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                f"{MAX_LOGIT_BIAS_VALUE:g}], got {value}."
+            )
+        out[tok] = float(value)
+    return out
 
 
 GREEDY_EPS = _GREEDY_EPS

@@ -107,7 +107,7 @@ def test_logprobs_and_penalties_through_the_engine(tiny_llm):
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
-        ([], SP(), "The prompt is empty"),
+        ([], SP(), "the prompt is empty"),
         ([1, 2, TINY.vocab_size], SP(), f"token ids must be integers in [0, {TINY.vocab_size})"),
         ([1] * 400, SP(max_tokens=1), "context length (max_model_len) is"),
         ([1] * 10, SP(max_tokens=300), "you requested 310 tokens (10 in the prompt, 300 for max_tokens)"),

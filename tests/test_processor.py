@@ -71,7 +71,7 @@ def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing_with_the_limits
 
 def test_a_prompt_just_over_the_context_in_tokens_is_refused_by_its_token_count(proc):
     text = "hello " * MAX_LEN  # few bytes per token: passes the byte check, fails the token count
-    with pytest.raises(ValueError, match=rf"The prompt is \d+ tokens long, but the model's context length"):
+    with pytest.raises(ValueError, match=rf"the prompt is \d+ tokens long, but the model's context length"):
         proc.process(text, SP(max_tokens=4))
 
 
@@ -93,8 +93,8 @@ def test_chat_counts_user_and_template_tokens_and_renders_the_models_template(pr
         (dict(messages=[{"role": "user", "content": "a"}, "hi"]), "messages[1] must be a dict"),
         (dict(messages=[{"role": "user", "content": "a"}], chat_template_kwargs={"messages": []}),
          "chat_template_kwargs may not set messages"),
-        (dict(prompt=""), "The prompt is empty"),
-        (dict(prompt=[]), "The prompt is empty: it must contain at least one token"),
+        (dict(prompt=""), "the prompt is empty"),
+        (dict(prompt=[]), "the prompt is empty: it must contain at least one token"),
         (dict(prompt=[1, -1]), "prompt token id -1 at position 1 is out of range"),
         (dict(prompt=[1, True]), "prompt token id True at position 1"),
         (dict(prompt=b"bytes"), "a prompt is a string or a list of token ids"),

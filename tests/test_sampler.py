@@ -226,6 +226,19 @@ def test_one_program_serves_every_sampler_setting():
         (dict(logprobs=-1), "logprobs must be non-negative, got -1."),
         (dict(stop=[""]), "stop strings must be non-empty strings"),
         (dict(temperature=float("nan")), "temperature must not be NaN"),
+        (dict(n=0), "n must be in [1, 128], got 0."),
+        (dict(n=129), "n must be in [1, 128], got 129."),
+        (dict(n=2.0), "n must be an integer, got 2.0."),
+        (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias may hold at most 300 entries, got 301."),
+        (dict(logit_bias={"12": 101}), "logit_bias value for token 12 must be in [-100, 100], got 101"),
+        (dict(logit_bias={3: -100.5}), "logit_bias value for token 3 must be in [-100, 100], got -100.5"),
+        (dict(logit_bias={"7": float("inf")}), "logit_bias value for token 7 must be finite, got inf"),
+        (dict(logit_bias={"7": float("nan")}), "logit_bias value for token 7 must be finite, got nan"),
+        (dict(logit_bias={"-1": 5}), "logit_bias keys must be token ids (non-negative integers), got '-1'"),
+        (dict(logit_bias={"x1": 5}), "logit_bias keys must be token ids (non-negative integers), got 'x1'"),
+        (dict(logit_bias={"1": 5, 1: 2}), "logit_bias names token 1 more than once"),
+        (dict(logit_bias={1: "5"}), "logit_bias value for token 1 must be a number, got '5'"),
+        (dict(logit_bias=[[1, 5]]), "logit_bias must be a mapping of token id -> bias, got list"),
     ],
 )
 def test_sampling_params_validation_names_field_and_limit(kwargs, message):
@@ -241,6 +254,18 @@ def test_sampling_params_model_limits():
         SamplingParams(logprobs=6).check_against(vocab_size=64, max_logprobs=5)
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="x").stop == ["x"]
+    with pytest.raises(ValueError, match=r"logit_bias token id 64 is out of range: .*vocabulary size \(64\)"):
+        SamplingParams(logit_bias={"64": 1.0}).check_against(vocab_size=64, max_logprobs=5)
+    SamplingParams(logit_bias={"63": 1.0}).check_against(vocab_size=64, max_logprobs=5)
+
+
+def test_logit_bias_keys_from_json_are_normalised_to_token_ids():
+    """JSON object keys arrive as strings: they become ints, with the biases as floats; 300 entries fit."""
+    sp = SamplingParams(logit_bias={"5": 3, 7: -100, "0012": 0.5})
+    assert sp.logit_bias == {5: 3.0, 7: -100.0, 12: 0.5} and sp.has_logit_bias
+    assert all(type(k) is int and type(v) is float for k, v in sp.logit_bias.items())
+    assert len(SamplingParams(logit_bias={i: 100 for i in range(300)}).logit_bias) == 300
+    assert not SamplingParams().has_logit_bias and not SamplingParams(logit_bias={}).has_logit_bias
 
 
 def _filter_reference(logits, sp):
