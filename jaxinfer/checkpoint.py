@@ -167,7 +167,7 @@ def write_model_dir(
     temporary directory and rename it. The manifest is written last, so a
     directory without one is incomplete.
     """
-    path = Path(path)
+    path = Path(path).expanduser().absolute()  # orbax takes absolute paths only
     path.mkdir(parents=True, exist_ok=True)
     params, dtype, specs = _prepare_params(model_config, params, None if dtype is None else _dtype_name(dtype))
     generation = generation or GenerationDefaults()
@@ -375,7 +375,7 @@ def load_converted(
     first device. Raises
     `CheckpointError` for anything missing, corrupt or mismatched.
     """
-    path = Path(path)
+    path = Path(path).expanduser().absolute()  # orbax takes absolute paths only
     manifest = manifest if manifest is not None else read_manifest(path)
     try:
         cfg = _config_from_dict(manifest["model_config"])

@@ -223,7 +223,9 @@ def resolve_model(name_or_path: str) -> ModelSource:
             line = f"{line}: {why}"
         tried.append(line)
     else:
-        p = Path(name).expanduser()
+        # absolute from here on: a relative path means the same file wherever the model is loaded from
+        # (orbax restores only absolute paths, and the model cache keys entries by the source's path)
+        p = Path(name).expanduser().absolute()
         if p.is_file():
             why = _check_gguf_file(p)
             if why is None:
@@ -235,7 +237,7 @@ def resolve_model(name_or_path: str) -> ModelSource:
                 return src
             tried.append(f"directory {p}: {why}")
         else:
-            tried.append(f"path {p.absolute()}: no such file or directory")
+            tried.append(f"path {p}: no such file or directory")
             if _REPO_ID.match(name) and not name.endswith(".gguf"):
                 src, why = _from_hub(name)
                 if src is not None:

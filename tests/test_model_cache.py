@@ -198,7 +198,7 @@ def test_second_load_restores_identical_params_and_tokenizer(tiny_gguf, cache_ro
     assert model_cache.stats["converted"] == 2 and model_cache.stats["saved"] == 1
     assert first.cache_path is not None and first.cache_path.parent == cache_root and not first.from_cache
     second = model_cache.load(src, dtype)
-    assert second.from_cache and second.cache_path == first.cache_path and model_cache.stats["restored"] == 1
+    assert second.from_cache and second.cache_path == first.cache_path and model_cache.stats["restored"] == restored_before + 1
     assert leaves_equal(second.params, direct.params)
     assert jax.tree.leaves(second.params)[0].dtype == jnp.dtype(dtype)
     assert second.config == direct.config and second.generation == direct.generation
@@ -432,6 +432,42 @@ def test_convert_command_then_llm_gives_the_tokens_of_the_source(tiny_gguf, tmp_
     assert "already exists" in capsys.readouterr().err
     assert cli_main(["convert", str(tiny_gguf), str(dst), "--dtype", "bfloat16", "--force", "--quiet"]) == 0
     assert checkpoint.read_manifest(dst)["dtype"] == "bfloat16"
+
+
+def test_relative_paths_work_for_convert_save_model_llm_and_generate(tiny_gguf, tmp_path, cache_root, capsys,
+                                                                     monkeypatch, sp_model):
+    """The README's own example, ``convert SRC ./dir`` then ``--model ./dir``, from another working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    rel_src = os.path.relpath(tiny_gguf, work)  # ../src/tiny.gguf
+    assert cli_main(["convert", rel_src, "./converted", "--dtype", "float32", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == str(work / "converted")
+    cfg = tiny_cfg(sp_vocab(sp_model))
+    saved = jaxinfer.save_model("saved", cfg, research_params(cfg))
+    assert saved == work / "saved" and checkpoint.is_converted_dir(saved)
+    assert leaves_equal(checkpoint.load_converted("saved").params, checkpoint.load_converted(saved).params)
+    assert resolve_model("./converted").path == work / "converted"  # absolute, whatever the spelling
+    prompts = [[1, 5, 9, 33]]
+    with jaxinfer.LLM(str(tiny_gguf), engine_config=TINY_ENGINE, model_cache=False) as direct:
+        want = _ids(direct, prompts)
+    with jaxinfer.LLM("./converted", engine_config=TINY_ENGINE) as converted:
+        assert _ids(converted, prompts) == want
+    with jaxinfer.LLM("saved", engine_config=TINY_ENGINE) as research:
+        assert len(_ids(research, prompts)[0]) == GREEDY.max_tokens
+    # the model cache: a relative GGUF path is the same entry as its absolute one
+    converted_before, restored_before = model_cache.stats["converted"], model_cache.stats["restored"]
+    with jaxinfer.LLM(rel_src, engine_config=TINY_ENGINE) as cached:
+        assert _ids(cached, prompts) == want
+    assert model_cache.stats["converted"] == converted_before + 1 and len(entries(cache_root)) == 1
+    with jaxinfer.LLM(str(tiny_gguf), engine_config=TINY_ENGINE) as again:
+        assert _ids(again, prompts) == want
+    assert model_cache.stats["converted"] == converted_before + 1 and model_cache.stats["restored"] == restored_before + 1
+    # and the command line: generate --model ./converted
+    assert cli_main(["generate", "--model", "./converted", "--engine-config", "cpu", "--max-model-len", "64",
+                     "--max-tokens", "4", "--temperature", "0", "--no-chat", "--quiet", "hello"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.endswith("\n") and out.strip()
 
 
 def test_tokenize_command_uses_the_cached_tokenizer(tiny_gguf, cache_root, capsys):
