@@ -162,7 +162,8 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def num_params(self) -> int:
-        """Parameters in the model (every expert counted)."""
+        """Parameters in the model (every expert counted): the float tree's, however the weights are stored
+        (an int4 tree's packed nibbles, scales and offsets are not parameters of the model)."""
         import math
 
         import jax
@@ -170,7 +171,8 @@ class ModelConfig:
         from jaxinfer.models import get_family
         from jaxinfer.spec import is_spec
 
-        specs = get_family(self.architecture).param_specs(self)
+        logical = dataclasses.replace(self, quant="") if self.quant else self
+        specs = get_family(self.architecture).param_specs(logical)
         return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
 
     def active_params(self) -> int:

@@ -470,6 +470,20 @@ def test_relative_paths_work_for_convert_save_model_llm_and_generate(tiny_gguf, 
     assert err == "" and out.endswith("\n") and out.strip()
 
 
+def test_the_parameter_count_is_the_models_whatever_the_storage(tiny_gguf, cache_root):
+    """int8 and int4 trees hold other leaves (packed nibbles, scales, offsets): the count is the float tree's."""
+    source = resolve_model(str(tiny_gguf))
+    float_model = model_cache.load(source, "float32", use_cache=False)
+    want = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(float_model.params))
+    assert float_model.config.num_params() == want
+    for mode in ("int8", "int4"):
+        m = model_cache.load(source, "float32", use_cache=False, quantization=mode)
+        stored = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(m.params))
+        assert m.config.quant and stored != want  # the storage differs...
+        assert m.config.num_params() == want, mode  # ...the model does not
+        assert m.config.describe() == float_model.config.describe()
+
+
 def test_tokenize_command_uses_the_cached_tokenizer(tiny_gguf, cache_root, capsys):
     assert cli_main(["tokenize", "--model", str(tiny_gguf), "--json", "hello world"]) == 0
     want = json.loads(capsys.readouterr().out)
