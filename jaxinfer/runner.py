@@ -27,6 +27,7 @@ from jaxinfer.outputs import Logprob
 from jaxinfer.programs import ProgramKey, ProgramTable
 from jaxinfer.request import Request, TokenRef
 from jaxinfer.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
+from jaxinfer.sampling_params import MAX_LOGIT_BIAS
 
 
 WARMUP = "warmup"  # a plan that lists programs to compile, not a step
@@ -73,6 +74,7 @@ class ModelRunner:
             self.cfg.head_dim, engine_cfg.cache_dtype, engine_cfg.page_size,
         )
         self.programs = ProgramTable(self)
+        self._neutral_bias: dict = {}  # batch rows -> (bias_ids, bias_values) of no logit_bias, on device
 
     # -- padded inputs ---------------------------------------------------
 
@@ -88,7 +90,18 @@ class ModelRunner:
         return table
 
     def _sampling(self, rows: list, batch: int):
-        return build_metadata(rows, batch, num_slots=self.ecfg.max_num_seqs, max_logprobs=self.ecfg.max_logprobs)
+        return build_metadata(rows, batch, num_slots=self.ecfg.max_num_seqs, max_logprobs=self.ecfg.max_logprobs,
+                              neutral_bias=self._neutral_bias_arrays if self.plans is None else None)
+
+    def _neutral_bias_arrays(self, batch: int) -> tuple:
+        """The logit-bias arrays of a batch where no row has one, placed once per batch bucket:
+        steps without a bias (nearly all) ship no [batch, MAX_LOGIT_BIAS] arrays to the device.
+        (Several processes send host arrays in each step's plan, so they build them instead.)"""
+        got = self._neutral_bias.get(batch)
+        if got is None:
+            host = (np.full((batch, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((batch, MAX_LOGIT_BIAS), np.float32))
+            got = self._neutral_bias[batch] = jax.device_put(host, replicated(self.mesh))
+        return got
 
     # -- steps -------------------------------------------------------------
 

@@ -16,8 +16,13 @@ donated and updated in place by the step, so the host never ships
 vocabulary-sized arrays. The state also keeps each slot's last drawn token,
 so a decode step feeds the previous step's tokens without a host round trip.
 
-Order, as in vLLM: penalties -> banned tokens (min_tokens) -> temperature
--> min-p -> top-k -> top-p -> draw. Logprobs are of the raw model distribution.
+Order, as in vLLM: logit bias -> penalties -> banned tokens (min_tokens) ->
+temperature -> min-p -> top-k -> top-p -> draw (greedy rows take the argmax after
+the bias, penalties and bans). Logprobs are of the raw model distribution.
+
+``logit_bias`` (OpenAI's: token id -> bias added to its logit) is a padded
+per-row list of `MAX_LOGIT_BIAS` (token id, bias) pairs, id -1 for none: data
+of a fixed width, so a request with a bias runs the same program as any other.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.sampling_params import GREEDY_EPS
+from jaxinfer.sampling_params import GREEDY_EPS, MAX_LOGIT_BIAS
 
 NUM_BANNED = 16  # width of the per-row banned-token list (stop ids before min_tokens)
 
@@ -54,6 +59,8 @@ class SamplingMetadata:
     is_output: jax.Array  # [B] bool, the drawn token is an output token (not a mid-prompt chunk)
     prompt_lens: jax.Array  # [B] i32, tokens at or past this position are earlier outputs (recompute)
     want_logprobs: jax.Array  # [B] bool, the row's request asked for logprobs
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] i32, token ids of the row's logit_bias, -1 = none
+    bias_values: jax.Array  # [B, MAX_LOGIT_BIAS] f32, the bias added to each of those logits
     max_logprobs: int = field(default=0, metadata=dict(static=True))
 
     # Stage switches, read from the data on device (padding rows hold neutral values).
@@ -66,6 +73,9 @@ class SamplingMetadata:
     def any_filters(self) -> jax.Array:
         uses = (self.top_k > 0) | (self.top_p < 1.0) | (self.min_p > 0.0)
         return jnp.any(uses & self.sampling_rows())
+
+    def any_bias(self) -> jax.Array:
+        return jnp.any(self.bias_ids >= 0)
 
     def any_penalties(self) -> jax.Array:
         return jnp.any(
@@ -128,6 +138,14 @@ def record_prompt_if_needed(state, tokens, positions, valid, md: "SamplingMetada
         lambda st: st,
         state,
     )
+
+
+def _apply_bias(logits, md: SamplingMetadata):
+    """Add each row's logit_bias to its logits (ids -1, the padding, are dropped)."""
+    b, v = logits.shape
+    ids = jnp.where(md.bias_ids < 0, v, md.bias_ids)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    return logits.at[rows, ids].add(md.bias_values, mode="drop")
 
 
 def _apply_penalties(logits, md: SamplingMetadata, state: SamplerState):
@@ -209,12 +227,13 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tupl
     """logits: [B, V] float32 -> drawn tokens (and top logprobs), updated sampler state.
 
     One program for every mix of settings: each stage below that some rows may
-    not need (penalties, filters, the random draw, logprobs) sits under a
-    `lax.cond` on a flag read from the data, so it costs nothing when no row
+    not need (logit bias, penalties, filters, the random draw, logprobs) sits under
+    a `lax.cond` on a flag read from the data, so it costs nothing when no row
     needs it and never selects another compiled program.
     """
     b, v = logits.shape
     raw = logits
+    logits = jax.lax.cond(md.any_bias(), lambda lg: _apply_bias(lg, md), lambda lg: lg, logits)
     logits = jax.lax.cond(
         md.any_penalties(), lambda lg: _apply_penalties(lg, md, state), lambda lg: lg, logits
     )
@@ -265,11 +284,15 @@ def build_metadata(
     *,
     num_slots: int,
     max_logprobs: int,
+    neutral_bias=None,
 ) -> SamplingMetadata:
     """Pad per-row host values into a `SamplingMetadata` of ``batch_size`` rows.
 
     ``rows`` holds one `RowSampling` (or None for a padding row) per batch row;
     ``max_logprobs`` is the engine's (the width of every step's top-logprobs output).
+    ``neutral_bias(batch_size)``, when given, supplies the (bias_ids, bias_values) of a
+    batch in which no row has a logit_bias (the runner keeps them on device, so such a
+    step ships no [B, MAX_LOGIT_BIAS] arrays); otherwise they are built here.
     """
     f32 = lambda: np.zeros(batch_size, np.float32)  # noqa: E731
     temp, top_p, min_p = f32(), np.ones(batch_size, np.float32), f32()
@@ -282,6 +305,15 @@ def build_metadata(
     is_out = np.zeros(batch_size, np.bool_)
     plens = np.zeros(batch_size, np.int32)
     want_lp = np.zeros(batch_size, np.bool_)
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r is not None and r.params.logit_bias]
+    if biased or neutral_bias is None:
+        bias_ids = np.full((batch_size, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((batch_size, MAX_LOGIT_BIAS), np.float32)
+        for i, bias in biased:
+            bias_ids[i, : len(bias)] = list(bias.keys())
+            bias_values[i, : len(bias)] = list(bias.values())
+    else:
+        bias_ids, bias_values = neutral_bias(batch_size)
     for i, r in enumerate(rows):
         if r is None:
             continue
@@ -309,6 +341,8 @@ def build_metadata(
         is_output=is_out,
         prompt_lens=plens,
         want_logprobs=want_lp,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
         max_logprobs=int(max_logprobs),
     )
 

@@ -245,10 +245,19 @@ def test_async_streams_from_many_tasks(tiny_llm):
         assert toks == tiny_llm.generate([[i + 1, 7, 9]], SP(max_tokens=5, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
 
 
+def random_bias(rng):
+    """No logit_bias (most requests), a few entries, or the full 300 (string keys, as JSON sends them)."""
+    size = [0, 0, 0, 1, 5, 300][int(rng.integers(6))]
+    ids = rng.choice(TINY.vocab_size, size, replace=False)
+    return {str(t): float(rng.uniform(-100, 100)) for t in ids} if size else None
+
+
 def random_params(rng, i: int) -> SamplingParams:
-    """Any mix of the sampler's features: greedy or not, filters, penalties, logprobs, seeds, min_tokens."""
+    """Any mix of the sampler's features: greedy or not, filters, penalties, logprobs, seeds, min_tokens,
+    logit_bias."""
     pick = lambda *xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
     return SP(
+        logit_bias=random_bias(rng),
         max_tokens=int(rng.integers(2, 24)),
         temperature=pick(0.0, 0.0, 0.7, 1.3),
         top_p=pick(1.0, 0.9, 0.5),
@@ -265,8 +274,8 @@ def random_params(rng, i: int) -> SamplingParams:
 
 
 def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
-    """After warm-up, any mix of sampling settings, logprobs counts, prompt lengths, batch sizes
-    and aborts runs programs from the list: the guard counts every lowering in the process, so a
+    """After warm-up, any mix of sampling settings (logit_bias included), logprobs counts, prompt
+    lengths, batch sizes and aborts runs programs from the list: the guard counts every lowering in the process, so a
     stray eager op outside the steps would fail it too."""
     from jaxinfer.compile_cache import compile_count
 
@@ -277,6 +286,7 @@ def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
     before = compile_count()
     rng = np.random.default_rng(5)
     reqs = [llm.make_request(rand_prompt(rng, 1, 90), random_params(rng, i)) for i in range(24)]
+    assert any(r.params.logit_bias for r in reqs) and not all(r.params.logit_bias for r in reqs)
     streams = [llm.submit(r) for r in reqs]
     for s in streams[::5]:  # abort some mid-stream
         next(iter(s))
