@@ -1,7 +1,7 @@
-"""Start-up progress: one line per stage, with its duration, and bars for long stages.
+"""Start-up progress: one line per stage, with its duration, and a live indicator while it runs.
 
 Every stage of a start (resolving the model, converting it, restoring it,
-building the CPU kernel, compiling programs) runs inside `stage(...)`:
+building the CPU kernels, compiling programs) runs inside `stage(...)`:
 
     with progress.stage("converting SmolLM2-135M-Instruct", total=272, unit="tensor") as s:
         for t in tensors:
@@ -13,33 +13,65 @@ What it shows depends on one process-wide setting (`configure`):
 * library default (``show=False``): nothing on stderr; each stage is logged
   through ``logging.getLogger("jaxinfer")`` at INFO when it ends, with its
   duration (and at DEBUG when it starts);
-* CLI (``show=True``): each stage is also one line on stderr, ``jaxinfer:
-  <stage> ... 1.2s``, and a stage with a ``total`` draws a tqdm bar while it
-  runs. The CLI turns this on when stderr is a terminal or ``--verbose`` is
-  given, and ``--quiet`` turns it off.
+* CLI (``show=True``): each stage is also one line on stderr when it ends,
+  ``jaxinfer: <stage> ... 1.2s``. While it runs:
+
+  - on a terminal (``live``), a tqdm line redrawn several times a second: a
+    bar for a stage with a ``total``, a spinner and the time so far for one
+    without (a kernel build, a single compile, a restore), so a long stage
+    never looks like a hang; the line is erased when the stage ends;
+  - elsewhere (a log file, a pipe: ``--verbose``), no redrawn frames, only
+    plain lines: ``jaxinfer: <stage> ...`` once the stage has run for a
+    second, then one every 30 s with the time so far (and the count).
+
+  The CLI turns ``show`` on when stderr is a terminal or ``--verbose`` is
+  given, and ``--quiet`` turns it off; ``live`` follows whether stderr is a
+  terminal unless `configure` says otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
+import threading
 import time
 from typing import Iterator, Optional
 
 log = logging.getLogger("jaxinfer")
 
 _show = False
+_live: Optional[bool] = None  # None: whether stderr is a terminal
+
+SPINNER_DELAY_S = 0.25  # a live indicator appears once a stage has run this long (quick stages never flicker)
+FIRST_LINE_S = 1.0  # not live: the "<stage> ..." line once a stage has run this long
+REPEAT_LINE_S = 30.0  # not live: then a line this often
+_TICK_S = 0.1
 
 
-def configure(show: bool) -> None:
-    """Show stage lines (and bars) on stderr, or only log them."""
-    global _show
+def configure(show: bool, live: Optional[bool] = None) -> None:
+    """Show stage lines on stderr, or only log them; ``live``: redraw an indicator while a stage runs
+    (None: when stderr is a terminal)."""
+    global _show, _live
     _show = bool(show)
+    _live = live
 
 
 def showing() -> bool:
     return _show
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, OSError, ValueError):  # a closed or odd stderr
+        return False
+
+
+def live() -> bool:
+    """Whether running stages are drawn as redrawn lines (shown, on a terminal)."""
+    return _show and (_live if _live is not None else _isatty(sys.stderr))
 
 
 def _line(text: str) -> None:
@@ -50,8 +82,20 @@ def _line(text: str) -> None:
         pass
 
 
+def _terminal_width(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # not a terminal, or no file descriptor
+        return 0
+
+
+def _spinner_frames() -> str:
+    encoding = (getattr(sys.stderr, "encoding", None) or "").lower().replace("-", "")
+    return "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏" if encoding == "utf8" else "|/-\\"
+
+
 class Stage:
-    """A running stage: `update` advances its bar, `note` adds text to its closing line."""
+    """A running stage: `update` advances its count, `note` adds text to its closing line."""
 
     def __init__(self, title: str, total: Optional[int], unit: str):
         self.title = title
@@ -60,32 +104,31 @@ class Stage:
         self.done = 0
         self.detail = ""
         self.t0 = time.perf_counter()
-        self._bar = None
-        if _show and total:
-            self._open_bar()
+        self._bar = None  # the tqdm line (live)
+        self._bar_total: Optional[int] = None  # the total it was opened with (None: a spinner)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: Optional[threading.Thread] = None
+        self._live = live()
+        if _show:
+            self._ticker = threading.Thread(target=self._tick, name="jaxinfer-progress", daemon=True)
+            self._ticker.start()
 
-    def _open_bar(self) -> None:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # tqdm is a dependency; a broken install still starts, without bars
-            return
-        self._bar = tqdm(
-            total=self.total, desc=f"jaxinfer: {self.title}", unit=f" {self.unit}", file=sys.stderr,
-            leave=False, dynamic_ncols=True, mininterval=0.2,
-        )
+    # -- what the stage's code calls ---------------------------------------------------------
 
     def update(self, n: int = 1) -> None:
-        self.done += n
-        if self._bar is not None:
-            self._bar.update(n)
+        with self._lock:
+            self.done += n
+            if self._bar is not None and self._bar_total:
+                self._bar.update(n)
 
     def set_total(self, total: int) -> None:
-        """Give the stage a total once it is known (opens the bar)."""
-        self.total = total
-        if _show and total and self._bar is None:
-            self._open_bar()
-            if self._bar is not None and self.done:
-                self._bar.update(self.done)
+        """Give the stage a total once it is known (a live spinner becomes a bar)."""
+        with self._lock:
+            self.total = total
+            if self._bar is not None and self._bar_total != total:
+                self._close_bar()
+                self._open_bar()
 
     def note(self, text: str) -> None:
         self.detail = text
@@ -94,13 +137,84 @@ class Stage:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _close(self, failed: bool) -> None:
+    # -- the indicator -------------------------------------------------------------------------
+
+    def _count(self) -> str:
+        return f" {self.done}/{self.total} {self.unit}s" if self.total else ""
+
+    def _open_bar(self) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # tqdm is a dependency; a broken install still starts, with plain lines
+            self._live = False
+            return
+        self._bar_total = self.total or None
+        common = dict(file=sys.stderr, leave=False, mininterval=_TICK_S)
+        if _terminal_width(sys.stderr):  # follow the window's width
+            common["dynamic_ncols"] = True
+        else:  # a terminal that reports no size (some containers' pseudo-terminals): tqdm would draw nothing
+            common.update(ncols=80, nrows=24)
+        if self._bar_total:
+            self._bar = tqdm(total=self._bar_total, initial=self.done, desc=f"jaxinfer: {self.title}",
+                             unit=f" {self.unit}", **common)
+            self._bar.start_t -= self.elapsed  # its clock starts with the stage, not with the drawing
+        else:  # no total: an indeterminate line, the spinner and the time so far in its description
+            self._bar = tqdm(total=None, desc=self._spin_text(""), bar_format="{desc}", **common)
+
+    def _spin_text(self, frame: str) -> str:
+        return f"jaxinfer: {self.title} {frame} {self.elapsed:.1f}s" if frame else f"jaxinfer: {self.title} ..."
+
+    def _close_bar(self) -> None:
         if self._bar is not None:
-            self._bar.close()
-        count = f" {self.done}/{self.total} {self.unit}s" if self.total else ""
+            try:
+                self._bar.close()  # leave=False: the line is erased
+            except (OSError, ValueError):
+                pass
+            self._bar = None
+
+    def _tick(self) -> None:
+        """The indicator's thread: redraws the live line, or writes the plain 'still running' lines."""
+        frames = _spinner_frames()
+        if self._live:
+            if self._stop.wait(SPINNER_DELAY_S):
+                return
+            i = 0
+            while True:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    try:
+                        if self._bar is None:
+                            self._open_bar()
+                            if not self._live:  # no tqdm
+                                break
+                        elif not self._bar_total:
+                            self._bar.set_description_str(self._spin_text(frames[i % len(frames)]), refresh=False)
+                        self._bar.refresh()  # the time so far moves even when the count does not
+                    except (OSError, ValueError):  # stderr closed under us: stop drawing
+                        return
+                i += 1
+                if self._stop.wait(_TICK_S):
+                    return
+        # not live: plain lines, the first after a second, then every REPEAT_LINE_S
+        wait = FIRST_LINE_S
+        while not self._stop.wait(wait):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                so_far = f" ({self.elapsed:.0f}s so far)" if self.elapsed >= REPEAT_LINE_S else ""
+                _line(f"{self.title}{self._count()} ...{so_far}")
+            wait = REPEAT_LINE_S
+
+    def _close(self, failed: bool) -> None:
+        with self._lock:
+            self._stop.set()
+            self._close_bar()
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join(timeout=1.0)
         detail = f" ({self.detail})" if self.detail else ""
         status = "failed after" if failed else ""
-        text = f"{self.title}{count}{detail} ... {status + ' ' if status else ''}{self.elapsed:.1f}s"
+        text = f"{self.title}{self._count()}{detail} ... {status + ' ' if status else ''}{self.elapsed:.1f}s"
         log.info(text)
         if _show:
             _line(text)
@@ -108,7 +222,7 @@ class Stage:
 
 @contextlib.contextmanager
 def stage(title: str, total: Optional[int] = None, unit: str = "item") -> Iterator[Stage]:
-    """Run a stage of a start: logged (and shown) with its duration when it ends."""
+    """Run a stage of a start: shown while it runs (when stages are shown), logged with its duration when it ends."""
     log.debug("%s ...", title)
     s = Stage(title, total, unit)
     try:
