@@ -74,6 +74,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     n.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="serve Prometheus metrics (text exposition) at http://HOST:PORT/metrics, on the same host "
                    "as the server (default: off)")
+    h = p.add_argument_group("OpenAI-compatible HTTP API")
+    h.add_argument("--http-port", type=_port, metavar="PORT",
+                   help="also serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, "
+                   "/tokenize, /detokenize, /health, /metrics) on this port of --host, on the same engine "
+                   "(default: off; 0 picks a free one)")
+    h.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name /v1/models lists and requests must use (default: the model's name)")
+    h.add_argument("--allowed-origins", metavar="ORIGINS", type=_origins, default=(),
+                   help="comma-separated origins allowed by CORS, for browser chat UIs ('*' for any; default: none)")
+    h.add_argument("--tool-call-parser", metavar="NAME",
+                   help="how to read tool calls in the model's output: hermes, llama3_json, mistral (default: the "
+                   "format the model's chat template shows, if any)")
+    h.add_argument("--reasoning-parser", metavar="NAME",
+                   help="split the model's reasoning from its answer: qwen3, deepseek_r1 (<think>...</think> -> "
+                   "reasoning_content; default: off)")
     e = add_engine_flags(p, warmup="before accepting requests (default: on; --no-warmup accepts requests at once "
                          "and compiles each program when a request first needs it)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
@@ -83,15 +98,80 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: 10; 0 disables)")
 
 
+def _origins(text: str) -> tuple:
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    if not origins:
+        raise argparse.ArgumentTypeError("give at least one origin, e.g. http://localhost:3000 or '*'")
+    return origins
+
+
 def server_config_from_args(args: argparse.Namespace):
     from jaxinfer.server import ServerConfig, read_auth_token
 
-    return ServerConfig(
+    config = ServerConfig(
         host=args.host, port=args.port, max_waiting=args.max_waiting, grace_period=args.grace_period,
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=read_auth_token(args.auth_token_file),
         max_message_bytes=args.max_message_size, reflection=not args.no_reflection,
-        metrics_port=getattr(args, "metrics_port", None),
+        metrics_port=getattr(args, "metrics_port", None), http_port=getattr(args, "http_port", None),
+        served_model_name=getattr(args, "served_model_name", None),
+        allowed_origins=getattr(args, "allowed_origins", ()) or (),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        access_log=bool(getattr(args, "verbose", False)),
     )
+    _check_parsers(config)
+    return config
+
+
+def _check_parsers(config) -> None:
+    """Unknown parser names fail before the model loads (ValueError naming the choices)."""
+    if config.http_port is None and (config.tool_call_parser or config.reasoning_parser):
+        raise ValueError("--tool-call-parser and --reasoning-parser need --http-port (they shape OpenAI responses).")
+    if config.tool_call_parser:
+        from jaxinfer.server.openai_api.tool_parsers import get_tool_parser
+
+        get_tool_parser(config.tool_call_parser)
+    if config.reasoning_parser:
+        from jaxinfer.server.openai_api.reasoning import get_reasoning_parser
+
+        get_reasoning_parser(config.reasoning_parser)
+
+
+def bind_ports(config) -> object:
+    """Check the gRPC port and bind the HTTP one before the (slow) model load; returns the HTTP socket or None.
+
+    A busy port is an OSError here, in seconds, instead of after loading and compiling.
+    """
+    import socket
+
+    from jaxinfer.server.openai_api.app import bind_socket
+
+    if config.port:
+        probe = bind_socket(config.host, config.port)  # gRPC binds its own socket later: only check it is free
+        probe.close()
+    if config.metrics_port:
+        bind_socket(config.metrics_host or config.host, config.metrics_port).close()
+    if config.http_port is None:
+        return None
+    sock = bind_socket(config.host, config.http_port)
+    if config.port and sock.getsockname()[1] == config.port:
+        sock.close()
+        raise OSError(socket.errno.EADDRINUSE, "--http-port and --port are the same port")
+    return sock
+
+
+def _quiet_third_party(verbose: bool) -> None:
+    """Third-party INFO (absl and orbax at restore, uvicorn at start) stays out of the log unless --verbose."""
+    if verbose:
+        return
+    for name in ("absl", "orbax", "uvicorn", "uvicorn.error", "uvicorn.access", "jax", "jaxlib", "jax._src.xla_bridge"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    except ImportError:  # pragma: no cover - absl comes with orbax
+        pass
 
 
 class _NotProgress(logging.Filter):
@@ -119,6 +199,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
         # e.g. "Unable to initialize backend 'tpu'" from jax._src.xla_bridge on a CPU machine
         for name in ("jax", "jaxlib", "jax._src.xla_bridge"):
             logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet_third_party(bool(getattr(args, "verbose", False)))
     if progress.showing() or getattr(args, "quiet", False):
         logger = logging.getLogger("jaxinfer")
         if not any(isinstance(f, _NotProgress) for f in logger.filters):
@@ -137,6 +218,11 @@ def run_serve(args: argparse.Namespace) -> int:
         check_engine_flags(args)
     except (ValueError, OSError) as e:
         return _err(str(e), 2)
+    try:
+        http_socket = bind_ports(config)
+    except OSError as e:
+        return _err(f"cannot serve on {config.host}: {e.strerror or e} (a port given by --port, --http-port or "
+                    "--metrics-port is in use or not allowed; choose another, or 0 for a free one)", 2)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and config.auth_token):
         log.warning("binding %s without %s: anyone who can reach this address can use the model",
                     config.host, "TLS and a token" if not config.tls_cert and not config.auth_token
@@ -152,8 +238,12 @@ def run_serve(args: argparse.Namespace) -> int:
         llm = LLM(**llm_kwargs(args), scheduling_policy=args.scheduling_policy,
                   log_stats_interval=args.log_stats_interval or None, warmup=args.warmup)
     except ValueError as e:
+        if http_socket is not None:
+            http_socket.close()
         return _err(str(e), 2)
     if distributed.run_as_follower(llm):  # a multi-process run: process 0 serves
+        if http_socket is not None:
+            http_socket.close()
         return 0
 
     def ready(server) -> None:
@@ -163,12 +253,14 @@ def run_serve(args: argparse.Namespace) -> int:
             f"jaxinfer: serving {llm.model_name} on {server.address} ({security}; max_model_len "
             f"{llm.max_model_len}, {e.num_pages - 1} KV pages x {e.page_size}, max_num_seqs {e.max_num_seqs}, "
             f"backend {llm.info()['backend']}"
-            + (f"; metrics at {server.metrics_url}" if server.metrics_url else "") + ") - ready",
+            + (f"; metrics at {server.metrics_url}" if server.metrics_url else "")
+            + (f"; OpenAI-compatible API at {server.http_url}/v1 as {config.served_model_name or llm.model_name!r}"
+               if server.http_url else "") + ") - ready",
             flush=True,
         )
 
     try:
-        serve(llm, config, ready=ready)
+        serve(llm, config, ready=ready, http_socket=http_socket)
     except OSError as e:
         return _err(f"could not serve on {config.address}: {e}", 1)
     finally:
@@ -181,6 +273,22 @@ def run_serve(args: argparse.Namespace) -> int:
 # jaxinfer generate --server
 # --------------------------------------------------------------------------- #
 
+
+
+def server_error_message(address: str, e) -> str:
+    """What a failed call to the server at `address` means, in one line (UNAVAILABLE: nothing answered there)."""
+    import grpc
+
+    if e.code == grpc.StatusCode.UNAVAILABLE and not _server_said_it(e.details):
+        return f"no server answered at {address}: {e.details}"
+    if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the server at {address} did not answer in time: {e.details}"
+    return f"the server at {address} answered {e.code.name}: {e.details}"
+
+
+def _server_said_it(details: str) -> bool:
+    """UNAVAILABLE from our own server (shutting down) rather than from the channel (no connection)."""
+    return "shutting down" in details or "the server was stopped" in details or "shut down" in details
 
 
 def server_summary(final) -> dict:
@@ -245,7 +353,7 @@ def generate_via_server(args: argparse.Namespace) -> int:
     except (UsageError, InvalidArgument) as e:
         return _err(e.details if isinstance(e, InvalidArgument) else str(e), 2)
     except ServerError as e:
-        return _err(f"the server at {args.server} answered {e.code.name}: {e.details}", 1)
+        return _err(server_error_message(args.server, e), 1)
     finally:
         client.close()
 

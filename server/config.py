@@ -34,6 +34,13 @@ class ServerConfig:
     reflection: bool = True
     metrics_port: Optional[int] = None  # Prometheus text on http://<metrics_host>:<port>/metrics; None: off, 0: any
     metrics_host: Optional[str] = None  # None: the server's host
+    # The OpenAI-compatible HTTP API (jaxinfer.server.openai_api) on the same host and engine
+    http_port: Optional[int] = None  # None: off, 0: any free port (see JaxinferServer.http_port)
+    served_model_name: Optional[str] = None  # the name /v1/models lists and requests must use (None: the model's)
+    allowed_origins: tuple = ()  # CORS origins for browser clients ("*" for any); empty: no CORS
+    tool_call_parser: Optional[str] = None  # None: the family's own format when its chat template shows one
+    reasoning_parser: Optional[str] = None  # e.g. "qwen3": <think>...</think> -> reasoning_content
+    access_log: bool = False  # one INFO line per HTTP request (serve --verbose)
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -48,6 +55,11 @@ class ServerConfig:
             raise ValueError("the auth token is empty.")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}.")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}.")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("the served model name is empty.")
+        self.allowed_origins = tuple(self.allowed_origins or ())
 
     @property
     def address(self) -> str:

@@ -38,8 +38,10 @@ log = logging.getLogger("jaxinfer.server")
 class JaxinferServer:
     """A ``grpc.aio`` server around one `LLM`: Generation + health + reflection. Owns no model state."""
 
-    def __init__(self, llm, config: Optional[ServerConfig] = None):
+    def __init__(self, llm, config: Optional[ServerConfig] = None, *, http_socket=None):
         self.llm = llm
+        self.http = None  # an openai_api.app.HttpServer when config.http_port is set
+        self._http_socket = http_socket  # bound by the caller before loading the model (serve's CLI), else here
         self.config = config or ServerConfig()
         self.port: Optional[int] = None
         self.servicer: Optional[GenerationServicer] = None
@@ -61,7 +63,7 @@ class JaxinferServer:
         return port
 
     async def _start(self, cfg: ServerConfig) -> int:
-        if cfg.metrics_port is not None:
+        if cfg.metrics_port is not None or cfg.http_port is not None:  # HTTP serves /metrics on its own port too
             from jaxinfer.server.metrics import ServerMetrics
 
             servicer = self.servicer
@@ -96,12 +98,20 @@ class JaxinferServer:
             port = server.add_insecure_port(cfg.address)
         if not port:
             raise OSError(f"could not bind {cfg.address}")
-        if self.metrics is not None:
+        if cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.start_http(cfg.metrics_host or cfg.host, cfg.metrics_port)
             except OSError as e:
                 await server.stop(None)
                 raise OSError(f"could not serve metrics on port {cfg.metrics_port}: {e}") from e
+        if cfg.http_port is not None:
+            try:
+                await self._start_http(cfg)
+            except BaseException:
+                await server.stop(None)
+                if self.metrics is not None:
+                    self.metrics.stop_http()
+                raise
         await server.start()
         self._server = server
         self.port = port
@@ -109,6 +119,32 @@ class JaxinferServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sampler = asyncio.create_task(self._sample_stats())
         return port
+
+    async def _start_http(self, cfg: ServerConfig) -> None:
+        from jaxinfer.server.openai_api.app import HttpServer, bind_socket, create_app
+
+        sock, self._http_socket = self._http_socket, None
+        if sock is None:
+            try:
+                sock = bind_socket(cfg.host, cfg.http_port)
+            except OSError as e:
+                raise OSError(f"could not serve HTTP on port {cfg.http_port}: {e}") from e
+        app = create_app(self.llm, self.servicer, cfg, self.metrics)
+        self.http = HttpServer(app, sock, verbose=cfg.access_log)
+        await self.http.start()
+
+    @property
+    def http_port(self) -> Optional[int]:
+        return None if self.http is None else self.http.port
+
+    @property
+    def http_url(self) -> Optional[str]:
+        """``http://host:port`` of the OpenAI-compatible API (its routes are under ``/v1``), or None."""
+        if self.http is None:
+            return None
+        host = self.config.host.strip("[]")
+        host = "127.0.0.1" if host == "0.0.0.0" else "[::1]" if host == "::" else f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.http.port}"
 
     async def _sample_stats(self) -> None:
         while True:
@@ -157,6 +193,8 @@ class JaxinferServer:
             self._sampler.cancel()
         await self._server.stop(1.0)
         self._server = None
+        if self.http is not None:
+            await self.http.stop()
         s.close()
         if self.metrics is not None:
             self.metrics.stop_http()
@@ -166,11 +204,15 @@ class JaxinferServer:
         await self._stopped.wait()
 
 
-def serve(llm, config: ServerConfig, *, ready: Optional[Callable[[JaxinferServer], None]] = None) -> None:
-    """Run a server until SIGTERM or SIGINT, then shut down gracefully (a second signal: no grace)."""
+def serve(llm, config: ServerConfig, *, ready: Optional[Callable[[JaxinferServer], None]] = None,
+          http_socket=None) -> None:
+    """Run a server until SIGTERM or SIGINT, then shut down gracefully (a second signal: no grace).
+
+    ``http_socket``: the HTTP API's listening socket, bound before the model was loaded.
+    """
 
     async def main():
-        server = JaxinferServer(llm, config)
+        server = JaxinferServer(llm, config, http_socket=http_socket)
         await server.start()
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

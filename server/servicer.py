@@ -248,17 +248,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self._rejected("shutting_down")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down and accepts no new requests.")
 
-    async def _refuse_if_full(self, context) -> None:
+    def capacity_refusal(self, n: int = 1) -> Optional[str]:
+        """Why `n` more requests cannot be admitted now, or None (both protocols' requests count together)."""
         cap = self._capacity()
-        if cap is not None and len(self.active) >= cap:
+        if cap is None or len(self.active) + n <= cap:
+            return None
+        more = "" if n == 1 else f" and this call asks for {n}"
+        return (
+            f"the server is at capacity: {len(self.active)} requests in flight{more}, the most allowed is {cap} "
+            f"(max_num_seqs={self.llm.engine_config.max_num_seqs} running + "
+            f"max_waiting={self.config.max_waiting} waiting); retry later."
+        )
+
+    async def _refuse_if_full(self, context) -> None:
+        message = self.capacity_refusal()
+        if message is not None:
             self.rejected += 1
             self._rejected("resource_exhausted")
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the server is at capacity: {len(self.active)} requests in flight, the most allowed is {cap} "
-                f"(max_num_seqs={self.llm.engine_config.max_num_seqs} running + "
-                f"max_waiting={self.config.max_waiting} waiting); retry later.",
-            )
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def _take_request_id(self, rid: str, context) -> None:
         """Return once ``rid`` is free for this call, else abort the call with ALREADY_EXISTS (see the module doc).

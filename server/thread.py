@@ -67,6 +67,11 @@ class ServerThread:
         return f"{host}:{self.port}"
 
     @property
+    def http_url(self) -> str:
+        """``http://127.0.0.1:PORT`` of the OpenAI-compatible API (``ServerConfig(http_port=0)``)."""
+        return self.server.http_url
+
+    @property
     def servicer(self) -> GenerationServicer:
         return self.server.servicer
 

@@ -1,0 +1,289 @@
+"""The FastAPI app of the OpenAI-compatible API, and `HttpServer`, which runs it with uvicorn on the gRPC server's loop.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (200 while
+serving, 503 while draining), ``GET /metrics`` (the server's Prometheus registry,
+the same numbers as ``--metrics-port``).
+
+Auth: with a token configured (``--auth-token-file`` / ``$JAXINFER_AUTH_TOKEN``),
+``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer <token>``
+(what the ``openai`` client sends as its ``api_key``), as vLLM does; ``/health``
+and ``/metrics`` stay open. CORS only with ``--allowed-origins``.
+
+Errors are OpenAI's error object with a one-line message: a body that is not
+JSON, or whose fields have the wrong types, is a 400 naming the field; an
+unknown route is a 404; nothing a client sends becomes a 500 with a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxinfer.server.auth import bearer_token
+from jaxinfer.server.openai_api.errors import APIError, error_body
+from jaxinfer.server.openai_api.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+)
+from jaxinfer.server.openai_api.serving import OpenAIServing, _message_dict
+
+log = logging.getLogger("jaxinfer.server.http")
+
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple:
+    """(one-line message, param) of pydantic's first complaint: the field's path and what is wrong with it."""
+    errors = exc.errors()
+    if not errors:
+        return "the request body is invalid.", None
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        ctx = e.get("ctx") or {}
+        return f"the request body is not valid JSON: {ctx.get('error', e.get('msg'))}.", None
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    # a union reports each alternative's path (``prompt.str``, ``prompt.list[int]``): keep the request's own path
+    path, union = "", False
+    for x in loc:
+        if isinstance(x, int):
+            path += f"[{x}]"
+        elif isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict", "list")):
+            union = True  # the rest names one alternative of a union, not the request's own field
+            break
+        else:
+            path += ("." if path else "") + str(x)
+    if not path:
+        return f"the request body must be a JSON object: {e.get('msg')}.", None
+    if e.get("type") == "missing":
+        return f"{path} is required.", str(loc[0])
+    got = json.dumps(e.get("input"), default=str)[:80]
+    if union:
+        return f"{path} has none of the accepted types (got {got}).", str(loc[0])
+    return f"{path}: {e.get('msg')} (got {got}).", str(loc[0])
+
+
+def create_app(llm, servicer, config, metrics=None) -> FastAPI:
+    """The app over one `LLM`, sharing the gRPC servicer's admission count, draining and metrics."""
+    serving = OpenAIServing(llm, servicer, served_model_name=config.served_model_name,
+                            tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+    app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    token = config.auth_token.strip().encode() if config.auth_token else None
+    limit = config.max_message_bytes
+
+    if config.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        if token is not None and request.method != "OPTIONS" and not path.startswith(_OPEN_PATHS):
+            given = request.headers.get("authorization", "")
+            got = bearer_token(given) if given else None
+            if got is None or not hmac.compare_digest(got.encode(), token):
+                servicer._rejected("unauthenticated")
+                what = "missing" if not given else "invalid"
+                return JSONResponse(error_body(401, f"{what} API key: send 'Authorization: Bearer <token>'.",
+                                               code="invalid_api_key"), status_code=401)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limit:
+            return JSONResponse(error_body(413, f"the request body is {int(size)} bytes, more than the server's "
+                                           f"limit of {limit} bytes (serve --max-message-size)."), status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError):
+        servicer._rejected("invalid_argument")
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}." if exc.status_code in (404, 405) else str(exc.detail)
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        servicer._rejected("internal")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())}"),
+                            status_code=500)
+
+    def disconnected(request: Request):
+        async def wait():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+        return wait
+
+    def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return respond(await serving.chat(body, disconnected(request)))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return respond(await serving.completion(body, disconnected(request)))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(serving, llm)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        serving.check_model(name)
+        return model_card(serving, llm)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages.", param="prompt")
+
+        def run():
+            if body.prompt is not None:
+                return llm.processor.tokenize(body.prompt, add_special_tokens=body.add_special_tokens,
+                                              fit_context=False)
+            kwargs = dict(body.chat_template_kwargs or {})
+            if body.tools:
+                kwargs["tools"] = body.tools
+            return llm.processor.tokenize(messages=[_message_dict(i, m) for i, m in enumerate(body.messages)],
+                                          add_generation_prompt=body.add_generation_prompt,
+                                          chat_template_kwargs=kwargs, fit_context=False)
+
+        try:
+            tp = await servicer._in_pool(run, pool=servicer._tokenize_pool)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        out = {"count": len(tp.ids), "max_model_len": llm.max_model_len, "tokens": tp.ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [t or "" for t in llm.tokenizer.convert_ids_to_tokens(tp.ids)]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.")
+        vocab = llm.model_config.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"tokens[{i}] = {t} is out of range: token ids must be in [0, {vocab}).",
+                               param="tokens")
+        text = await servicer._in_pool(llm.tokenizer.decode, body.tokens, pool=servicer._tokenize_pool)
+        return {"prompt": text}
+
+    @app.get("/health")
+    async def health():
+        if servicer.draining:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        if metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        from jaxinfer._version import __version__
+
+        return {"version": __version__}
+
+    return app
+
+
+def model_card(serving: OpenAIServing, llm) -> dict:
+    source = getattr(llm, "model_source", None)
+    return {
+        "id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "jaxinfer",
+        "root": str(source.path) if source is not None else llm.model_name, "parent": None,
+        "max_model_len": llm.max_model_len,
+    }
+
+
+# --------------------------------------------------------------------------- #
+# the uvicorn server, on the caller's event loop
+# --------------------------------------------------------------------------- #
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), bound now (so a busy port fails before the model loads)."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    """uvicorn serving the app on the running event loop; signals stay with the caller (`jaxinfer.server.serve`)."""
+
+    def __init__(self, app: FastAPI, sock: socket.socket, *, verbose: bool = False):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the gRPC server's serve() owns SIGTERM/SIGINT and drains both
+                yield
+
+        cfg = uvicorn.Config(app, log_config=None, access_log=verbose, lifespan="off", timeout_keep_alive=30,
+                             timeout_graceful_shutdown=2, ws="none")
+        self.server = _Server(cfg)
+        self.sock = sock
+        self.port: int = sock.getsockname()[1]
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise OSError("the HTTP server stopped at start")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, timeout=10.0)
+        except asyncio.TimeoutError:
+            self.server.force_exit = True
+            self._task.cancel()
+        self._task = None

@@ -1,0 +1,765 @@
+"""The chat and completion handlers: an OpenAI request -> `SamplingParams` + engine requests -> a body or SSE.
+
+    serving = OpenAIServing(llm, servicer, served_model_name="smollm2-135m-instruct")
+    body_or_chunks = await serving.chat(ChatCompletionRequest(...), disconnected)
+
+Every request goes through the library's one front door (`LLM.make_requests`:
+the chat template, tokenization, the checks and their wording), so a bad field
+gets the same one-line message as over gRPC and from the library. The engine
+requests of an HTTP call are registered in the gRPC servicer's ``active`` map,
+so admission control (``--max-waiting``), draining and the shutdown's grace
+period count both protocols together.
+
+``n`` choices: the prompt is prefilled once and the children fork from it
+(`LLM.submit_group`); choice i samples with ``seed + i`` when a seed is given.
+Several prompts to /v1/completions: choice ``prompt_index * n + i``, as OpenAI
+numbers them.
+
+Streaming (Server-Sent Events, ``data: {json}`` then ``data: [DONE]``): chat
+sends the role first, then content (or ``reasoning_content`` / ``tool_calls``
+deltas), then one chunk per choice with its ``finish_reason``, then, with
+``stream_options.include_usage``, one chunk with ``choices: []`` and the usage.
+A client that goes away mid-stream has its requests aborted at once (their KV
+pages return at the next engine step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+from jaxinfer.metrics import RequestMetrics
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.openai_api.errors import APIError, bad_request, unsupported
+from jaxinfer.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("jaxinfer.server.http")
+
+# Request fields whose names start the library's error messages (``top_p must be in (0, 1], got 1.5.``).
+_FIELDS = (
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+    "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "stop_token_ids", "priority", "chat_template_kwargs", "tools", "echo",
+)
+# Fields copied one-to-one onto SamplingParams when the body sets them (the rest take the model's defaults).
+_DIRECT = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "n",
+)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class HttpCall:
+    """One engine request of an HTTP call, as the servicer's ``active`` map holds calls (abort, ended, finished)."""
+
+    __slots__ = ("stream", "prompt_len", "finished", "_ended")
+
+    def __init__(self, stream, prompt_len: int):
+        self.stream = stream
+        self.prompt_len = prompt_len
+        self.finished = asyncio.Event()
+        self._ended = False
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    def ended(self) -> bool:
+        return self._ended
+
+    def end(self) -> None:
+        self._ended = True
+        self.finished.set()
+
+
+class OpenAIServing:
+    """The handlers of /v1/chat/completions and /v1/completions over one `LLM` and the gRPC servicer's bookkeeping."""
+
+    def __init__(self, llm, servicer, *, served_model_name: Optional[str] = None,
+                 tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None):
+        self.llm = llm
+        self.servicer = servicer
+        self.model_name = served_model_name or llm.model_name
+        self.created = int(time.time())
+        self.tool_parser_name = tool_call_parser
+        self.reasoning_parser_name = reasoning_parser
+        self._tool_parser = None
+        self._reasoning_parser = None
+        self._token_bytes: dict = {}
+        tok = llm.tokenizer
+        if tool_call_parser is None and tok is not None:  # the family's own format, read from its template
+            from jaxinfer.server.openai_api.tool_parsers import tool_parser_for
+
+            self.tool_parser_name = tool_parser_for(llm.model_config.architecture or "", tok.chat_template)
+        if self.tool_parser_name:
+            from jaxinfer.server.openai_api.tool_parsers import get_tool_parser
+
+            self._tool_parser = get_tool_parser(self.tool_parser_name, tok)
+        if reasoning_parser:
+            from jaxinfer.server.openai_api.reasoning import get_reasoning_parser
+
+            self._reasoning_parser = get_reasoning_parser(reasoning_parser, tok)
+
+    # -- checks shared by every endpoint ------------------------------------------------
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def check_serving(self) -> None:
+        if self.servicer.draining:
+            self.servicer._rejected("shutting_down")
+            raise APIError(503, "the server is shutting down and accepts no new requests.")
+
+    def check_capacity(self, n: int) -> None:
+        message = self.servicer.capacity_refusal(n)
+        if message is not None:
+            self.servicer.rejected += 1
+            self.servicer._rejected("resource_exhausted")
+            raise APIError(429, message, code="rate_limit_exceeded")
+
+    # -- sampling parameters ------------------------------------------------------------
+
+    def sampling_params(self, body, *, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """The model's generation defaults overridden by every field the body sets; 400 when out of range."""
+        kw = {name: getattr(body, name) for name in _DIRECT if getattr(body, name) is not None}
+        kw["max_tokens"] = max_tokens  # None: the rest of the context (as vLLM), never SamplingParams' 16
+        kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        kw["stop_token_ids"] = list(body.stop_token_ids or [])
+        kw["logprobs"] = logprobs
+        if body.logit_bias:
+            kw["logit_bias"] = dict(body.logit_bias)
+        try:
+            return self.llm.get_default_sampling_params().clone(**kw)
+        except (ValueError, TypeError) as e:
+            raise bad_request(e, _FIELDS) from None
+
+    # -- engine requests ----------------------------------------------------------------
+
+    async def _make(self, prompt, params, arrival: float, rid: str, **chat) -> list:
+        """The choices' engine requests, built in the servicer's threads (template + tokenizer off the loop)."""
+
+        def build():
+            return self.llm.make_requests(prompt, params, request_id=rid, metrics=RequestMetrics(arrival_time=arrival),
+                                          **chat)
+
+        try:
+            return await self.servicer._in_pool(build)
+        except ValueError as e:
+            self.servicer._rejected("invalid_argument")
+            raise bad_request(e, _FIELDS) from None
+
+    def _submit(self, groups: list) -> list:
+        """Admit and submit every group of choices at once; returns the calls in choice order."""
+        self.check_serving()  # again: shutdown may have begun while the prompts were tokenized
+        self.check_capacity(sum(len(g) for g in groups))
+        calls = []
+        try:
+            for reqs in groups:
+                for req, stream in zip(reqs, self.llm.submit_group(reqs)):
+                    calls.append(HttpCall(stream, len(req.prompt_ids)))
+                    self.servicer.active[stream.request_id] = calls[-1]
+        except ValueError as e:
+            for c in calls:
+                c.abort()
+            raise APIError(400, str(e), param="request_id") from None
+        self.servicer.idle.clear()
+        return calls
+
+    def _release(self, calls: list) -> None:
+        """The HTTP call is over: abort whatever has not finished and unregister every request."""
+        s = self.servicer
+        for c in calls:
+            if c.stream.output is None:
+                c.abort()
+            if s.active.get(c.stream.request_id) is c:
+                del s.active[c.stream.request_id]
+            c.end()
+            if s.metrics is not None:
+                s.metrics.on_call_end(c.stream)
+        if not s.active:
+            s.idle.set()
+
+    def _shutdown_abort(self, outputs) -> Optional[APIError]:
+        """A 503 when the shutdown aborted these requests after its grace period (the gRPC status's HTTP twin)."""
+        msg = self.servicer.abort_message
+        if msg is not None and any(o is not None and o.outputs[0].finish_reason == "abort" for o in outputs):
+            return APIError(503, msg)
+        return None
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+
+    def _chat_inputs(self, body: ChatCompletionRequest) -> dict:
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            raise unsupported("response_format", f"of type {body.response_format.get('type')!r} is not supported "
+                              "yet (structured output is not implemented): only {'type': 'text'}.")
+        choice = body.tool_choice
+        if isinstance(choice, dict) or choice == "required":
+            raise unsupported("tool_choice", f"{json.dumps(choice)} is not supported yet (it needs structured "
+                              "output): use \"auto\" or \"none\".")
+        if choice not in (None, "auto", "none"):
+            raise unsupported("tool_choice", f"must be \"auto\", \"none\", \"required\" or a named function, got "
+                              f"{choice!r}.")
+        if body.tools and choice != "none" and self._tool_parser is None:
+            raise APIError(400, "tools with tool_choice \"auto\" need a tool-call parser for this model: start the "
+                           "server with --tool-call-parser (hermes, llama3_json, mistral), or send tool_choice "
+                           "\"none\".", param="tool_choice")
+        messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = body.tools
+        if body.continue_final_message:
+            if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true.",
+                               param="continue_final_message")
+            raise unsupported("continue_final_message", "is not supported yet.")
+        return {"messages": messages, "chat_template_kwargs": kwargs,
+                "add_generation_prompt": body.add_generation_prompt}
+
+    async def chat(self, body: ChatCompletionRequest, disconnected: Callable[[], Awaitable[None]]):
+        """A chat completion: the response dict, or an async iterator of SSE bytes when ``stream``."""
+        arrival = time.perf_counter()
+        self.check_serving()
+        self.check_model(body.model)
+        _log_unknown(body)
+        chat = self._chat_inputs(body)
+        self.check_capacity(max(1, body.n))  # before tokenizing: a full server says so at once
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
+        if self._keeps_special_tokens(parse_tools):  # the parser's markers are special tokens: keep them in the text
+            params = params.clone(skip_special_tokens=False)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            reqs = await self._make(None, params, arrival, rid, **chat)
+        except APIError as e:
+            if e.param == "logprobs":  # chat's count of alternatives is top_logprobs
+                e.param = "top_logprobs"
+            raise
+        prompt_text = reqs[0].prompt  # the rendered conversation: whether the output starts inside <think>
+        calls = self._submit([reqs])
+        if body.stream:
+            return self._chat_stream(body, rid, calls, parse_tools, prompt_text, disconnected)
+        try:
+            outputs = await _collect(calls, disconnected)
+        finally:
+            self._release(calls)
+        err = self._shutdown_abort(outputs)
+        if err is not None:
+            raise err
+        choices = [self._chat_choice(i, o, parse_tools, logprobs, prompt_text) for i, o in enumerate(outputs)]
+        return {
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+            "choices": choices, "usage": _usage(outputs, len(reqs)), "system_fingerprint": None,
+        }
+
+    def _keeps_special_tokens(self, parse_tools: bool) -> bool:
+        parsers = [self._reasoning_parser] + ([self._tool_parser] if parse_tools else [])
+        return any(p is not None and p.keeps_special_tokens() for p in parsers)
+
+    def _chat_choice(self, index: int, out, parse_tools: bool, logprobs: Optional[int], prompt_text) -> dict:
+        comp = out.outputs[0]
+        _raise_if_failed(comp)
+        reasoning, content, calls = self._parse_whole(comp.text, parse_tools, prompt_text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        if calls:
+            message["tool_calls"] = [_tool_call_dict(c) for c in calls]
+        finish = "tool_calls" if calls and comp.finish_reason == "stop" else comp.finish_reason
+        return {
+            "index": index, "message": message,
+            "logprobs": {"content": self._chat_logprobs(comp.logprobs or [], logprobs)} if logprobs is not None
+            else None,
+            "finish_reason": finish, "stop_reason": comp.stop_reason,
+        }
+
+    def _parse_whole(self, text: str, parse_tools: bool, prompt_text: Optional[str]):
+        """(reasoning, content, tool calls) of a whole output; content None when the output is only calls."""
+        from jaxinfer.server.openai_api.tool_parsers import parse_whole
+
+        reasoning, content, calls = parse_whole(text, self._reasoning_parser,
+                                                self._tool_parser if parse_tools else None, prompt_text=prompt_text)
+        return reasoning, content if (content or not calls) else None, calls
+
+    def token_bytes(self, token_id: int) -> list:
+        """The UTF-8 bytes a token stands for: its own byte for a byte piece (``<0xE6>``, byte-level BPE's
+        ``æ``), where decoding it alone gives only a replacement character."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            text = self.servicer._token_str(token_id)
+            b = list(text.encode("utf-8"))
+            if "\ufffd" in text and self.llm.tokenizer is not None:
+                piece = self.llm.tokenizer.convert_ids_to_tokens([token_id])[0] or ""
+                raw = _piece_bytes(piece)
+                if raw is not None:
+                    b = list(raw)
+            self._token_bytes[token_id] = b
+        return b
+
+    def _chat_logprobs(self, lps: list, top: Optional[int]) -> list:
+        token_str = self.servicer._token_str
+        out = []
+        for lp in lps:
+            if lp is None:
+                continue
+            tid = int(lp.token_id)
+            alts = sorted(lp.top.items(), key=lambda kv: -kv[1])[: top or 0]
+            out.append({
+                "token": token_str(tid), "logprob": float(lp.logprob), "bytes": self.token_bytes(tid),
+                "top_logprobs": [
+                    {"token": token_str(int(i)), "logprob": float(v), "bytes": self.token_bytes(int(i))}
+                    for i, v in alts
+                ],
+            })
+        return out
+
+    async def _chat_stream(self, body: ChatCompletionRequest, rid: str, calls: list, parse_tools: bool,
+                           prompt_text: Optional[str], disconnected) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        streamers = [self._chat_streamer(parse_tools, prompt_text) for _ in calls]
+        tools_called = [False] * len(calls)
+        n_tokens = [0] * len(calls)
+
+        def chunk(index: int, delta: dict, finish=None, stop_reason=None, lps=None, usage=None) -> bytes:
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                   "choices": [choice]}
+            if include_usage or continuous:
+                obj["usage"] = usage
+            return _sse(obj)
+
+        def running_usage(i: int) -> Optional[dict]:
+            if not continuous:
+                return None
+            p = calls[i].prompt_len
+            return {"prompt_tokens": p, "completion_tokens": n_tokens[i], "total_tokens": p + n_tokens[i]}
+
+        outputs = [None] * len(calls)
+        try:
+            for i in range(len(calls)):
+                yield chunk(i, {"role": "assistant", "content": ""}, usage=running_usage(i))
+            async for i, delta in _merged(calls, disconnected):
+                n_tokens[i] += len(delta.token_ids)
+                piece = _feed(streamers[i], delta.text)
+                lps = None
+                if logprobs is not None and delta.logprobs:
+                    lps = {"content": self._chat_logprobs(delta.logprobs, logprobs)}
+                if delta.output is not None:
+                    tail = _finish(streamers[i])
+                    piece = _merge_delta(piece, tail)
+                if piece.get("tool_calls"):
+                    tools_called[i] = True
+                if piece or lps:
+                    if not piece:
+                        piece = {"content": ""}
+                    yield chunk(i, piece, lps=lps, usage=running_usage(i))
+                if delta.output is not None:
+                    outputs[i] = delta.output
+                    comp = delta.output.outputs[0]
+                    if comp.finish_reason == "error":
+                        yield _sse(APIError(500, "the engine failed this request.").body())
+                        continue
+                    err = self._shutdown_abort([delta.output])
+                    if err is not None:
+                        yield _sse(err.body())
+                        continue
+                    finish = "tool_calls" if tools_called[i] and comp.finish_reason == "stop" else comp.finish_reason
+                    yield chunk(i, {}, finish=finish, stop_reason=comp.stop_reason, usage=running_usage(i))
+            if include_usage and all(o is not None for o in outputs):
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                            "choices": [], "usage": _usage(outputs, len(calls))})
+            yield SSE_DONE
+        except _EngineFailed as e:
+            yield _sse(APIError(500, str(e)).body())
+            yield SSE_DONE
+        finally:
+            self._release(calls)
+
+    def _chat_streamer(self, parse_tools: bool, prompt_text: Optional[str]):
+        """What turns one choice's text deltas into content / reasoning / tool-call deltas (None: text is content)."""
+        from jaxinfer.server.openai_api.tool_parsers import chain
+
+        r = self._reasoning_parser.streamer(prompt_text) if self._reasoning_parser is not None else None
+        t = self._tool_parser.streamer() if (parse_tools and self._tool_parser is not None) else None
+        return None if r is None and t is None else chain(r, t)
+
+    # -- /v1/completions -------------------------------------------------------------------
+
+    async def completion(self, body: CompletionRequest, disconnected: Callable[[], Awaitable[None]]):
+        arrival = time.perf_counter()
+        self.check_serving()
+        self.check_model(body.model)
+        _log_unknown(body)
+        if body.suffix:
+            raise unsupported("suffix", "is not supported.")
+        if body.best_of is not None and body.best_of != body.n:
+            raise unsupported("best_of", f"is not supported (got {body.best_of}); use n.")
+        if body.echo and body.logprobs is not None:
+            raise unsupported("echo", "with logprobs needs prompt logprobs, which this server does not compute yet.")
+        prompts = _prompt_list(body.prompt)
+        self.check_capacity(len(prompts) * max(1, body.n))
+        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        groups = []
+        for k, p in enumerate(prompts):
+            groups.append(await self._make(p, params, arrival, rid if len(prompts) == 1 else f"{rid}-p{k}"))
+        calls = self._submit(groups)
+        n = len(groups[0])
+        echoes = [self._echo_text(g[0]) if body.echo else "" for g in groups]
+        if body.stream:
+            return self._completion_stream(body, rid, calls, n, echoes, disconnected)
+        try:
+            outputs = await _collect(calls, disconnected)
+        finally:
+            self._release(calls)
+        err = self._shutdown_abort(outputs)
+        if err is not None:
+            raise err
+        choices = []
+        for i, out in enumerate(outputs):
+            comp = out.outputs[0]
+            _raise_if_failed(comp)
+            echo = echoes[i // n]
+            choices.append({
+                "index": i, "text": echo + comp.text,
+                "logprobs": self._completion_logprobs(comp.logprobs or [], body.logprobs, len(echo))
+                if body.logprobs is not None else None,
+                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+            })
+        usage = _usage_groups(outputs, n)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": usage, "system_fingerprint": None}
+
+    def _echo_text(self, req) -> str:
+        if req.prompt is not None:
+            return req.prompt
+        tok = self.llm.tokenizer
+        return tok.decode(req.prompt_ids, skip_special_tokens=False) if tok is not None else ""
+
+    def _completion_logprobs(self, lps: list, top: Optional[int], offset: int) -> dict:
+        token_str = self.servicer._token_str
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            if lp is None:
+                continue
+            s = token_str(int(lp.token_id))
+            tokens.append(s)
+            token_lps.append(float(lp.logprob))
+            alts = sorted(lp.top.items(), key=lambda kv: -kv[1])[: top or 0]
+            tops.append({} if top else None)
+            for i, v in alts:  # tokens that read the same share a key: keep the likeliest
+                tops[-1].setdefault(token_str(int(i)), float(v))
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _completion_stream(self, body: CompletionRequest, rid: str, calls: list, n: int, echoes: list,
+                                 disconnected) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        offsets = [len(echoes[i // n]) for i in range(len(calls))]
+        n_tokens = [0] * len(calls)
+        outputs = [None] * len(calls)
+
+        def chunk(index, text, lps=None, finish=None, stop_reason=None) -> bytes:
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            obj = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [choice]}
+            if include_usage or continuous:
+                obj["usage"] = None
+                if continuous:
+                    p = calls[index].prompt_len
+                    obj["usage"] = {"prompt_tokens": p, "completion_tokens": n_tokens[index],
+                                    "total_tokens": p + n_tokens[index]}
+            return _sse(obj)
+
+        try:
+            if any(echoes):
+                for i in range(len(calls)):
+                    yield chunk(i, echoes[i // n])
+            async for i, delta in _merged(calls, disconnected):
+                n_tokens[i] += len(delta.token_ids)
+                lps = None
+                if body.logprobs is not None and delta.logprobs:
+                    lps = self._completion_logprobs(delta.logprobs, body.logprobs, offsets[i])
+                    offsets[i] = lps["text_offset"][-1] + len(lps["tokens"][-1]) if lps["tokens"] else offsets[i]
+                if delta.output is None:
+                    if delta.text or lps:
+                        yield chunk(i, delta.text, lps)
+                    continue
+                outputs[i] = delta.output
+                comp = delta.output.outputs[0]
+                if comp.finish_reason == "error":
+                    yield _sse(APIError(500, "the engine failed this request.").body())
+                    continue
+                err = self._shutdown_abort([delta.output])
+                if err is not None:
+                    yield _sse(err.body())
+                    continue
+                yield chunk(i, delta.text, lps, finish=comp.finish_reason, stop_reason=comp.stop_reason)
+            if include_usage and all(o is not None for o in outputs):
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                            "choices": [], "usage": _usage_groups(outputs, n)})
+            yield SSE_DONE
+        except _EngineFailed as e:
+            yield _sse(APIError(500, str(e)).body())
+            yield SSE_DONE
+        finally:
+            self._release(calls)
+
+
+# --------------------------------------------------------------------------- #
+# helpers
+# --------------------------------------------------------------------------- #
+
+
+class _EngineFailed(Exception):
+    pass
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _piece_bytes(piece: str) -> Optional[bytes]:
+    """The bytes of a byte-fallback piece (``<0xE6>``) or of a byte-level BPE piece (GPT-2's byte alphabet)."""
+    m = _BYTE_PIECE.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    from jaxinfer.tokenizer import _bytes_to_unicode
+
+    decoder = _BYTE_DECODER or _BYTE_DECODER.update({c: b for b, c in _bytes_to_unicode().items()}) or _BYTE_DECODER
+    try:
+        return bytes(decoder[c] for c in piece)
+    except KeyError:
+        return None
+
+
+_BYTE_DECODER: dict = {}
+
+
+def _log_unknown(body) -> None:
+    extra = body.unknown_fields()
+    if extra:
+        log.debug("ignored unknown request fields: %s", ", ".join(extra))
+
+
+def _message_dict(i: int, m) -> dict:
+    """One chat message as the chat template reads it (text parts joined; tool-call arguments as objects)."""
+    d: dict[str, Any] = {"role": m.role}
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"messages[{i}].content[{j}]: parts of type {part.type!r} are not supported: "
+                               "this model reads text only (type 'text' with a 'text' field).", param="messages")
+            texts.append(part.text)
+        content = "".join(texts)
+    d["content"] = content
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None:
+        d["reasoning_content"] = reasoning
+    if m.tool_calls:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, f"messages[{i}].tool_calls[{j}] must have a function with a name.",
+                               param="messages")
+            args = fn.get("arguments")
+            if isinstance(args, str):  # templates index the arguments as an object, as transformers hands them
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON.",
+                                   param="messages") from None
+            calls.append({**call, "function": {**fn, "arguments": args}})
+        d["tool_calls"] = calls
+    return d
+
+
+def _prompt_list(prompt) -> list:
+    """/v1/completions' prompt forms as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty: a string, a list of strings, token ids or lists of them.",
+                       param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    for p in prompt:
+        if not p and not isinstance(p, str):
+            raise APIError(400, "prompt must not contain an empty list of token ids.", param="prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _tool_call_dict(c) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def _raise_if_failed(comp) -> None:
+    if comp.finish_reason == "error":
+        raise APIError(500, "the engine failed this request.")
+
+
+def _usage(outputs: list, n: int) -> dict:
+    """One prompt's usage: its tokens once, every choice's completion tokens."""
+    first = outputs[0]
+    prompt = len(first.prompt_token_ids)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    cached = first.metrics.cached_tokens if first.metrics is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(cached or 0)}}
+
+
+def _usage_groups(outputs: list, n: int) -> dict:
+    """Several prompts of n choices each: every prompt counted once."""
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
+    for k in range(0, len(outputs), n):
+        u = _usage(outputs[k:k + n], n)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[key] += u[key]
+        total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
+    return total
+
+
+def _feed(streamer, text: str) -> dict:
+    if streamer is None:
+        return {"content": text} if text else {}
+    return _delta_dict(streamer.feed(text)) if text else {}
+
+
+def _finish(streamer) -> dict:
+    return {} if streamer is None else _delta_dict(streamer.finish())
+
+
+def _delta_dict(d) -> dict:
+    out: dict[str, Any] = {}
+    if d.reasoning:
+        out["reasoning_content"] = out["reasoning"] = d.reasoning
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        calls = []
+        for c in d.tool_calls:
+            item: dict[str, Any] = {"index": c.index}
+            if c.id is not None:
+                item["id"] = c.id
+                item["type"] = "function"
+            fn: dict[str, Any] = {}
+            if c.name is not None:
+                fn["name"] = c.name
+            fn["arguments"] = c.arguments
+            item["function"] = fn
+            calls.append(item)
+        out["tool_calls"] = calls
+    return out
+
+
+def _merge_delta(a: dict, b: dict) -> dict:
+    if not b:
+        return a
+    if not a:
+        return b
+    out = dict(a)
+    for key in ("reasoning_content", "reasoning", "content"):
+        if key in b:
+            out[key] = out.get(key, "") + b[key]
+    if "tool_calls" in b:
+        out["tool_calls"] = out.get("tool_calls", []) + b["tool_calls"]
+    return out
+
+
+async def _watch(disconnected, calls: list) -> None:
+    """Abort every request of the call as soon as the client goes away."""
+    await disconnected()
+    for c in calls:
+        c.abort()
+
+
+async def _collect(calls: list, disconnected) -> list:
+    """Every choice's final RequestOutput (non-streaming); aborts them all if the client disconnects first."""
+
+    async def result(c):
+        async for _ in c.stream:
+            pass
+        return c.stream.output
+
+    watcher = asyncio.ensure_future(_watch(disconnected, calls))
+    try:
+        return list(await asyncio.gather(*(result(c) for c in calls)))
+    except RuntimeError as e:  # the engine failed
+        raise APIError(500, str(e)) from None
+    finally:
+        watcher.cancel()
+
+
+async def _merged(calls: list, disconnected) -> AsyncIterator[tuple]:
+    """(choice index, StreamDelta) from every choice's stream as they arrive, in order within a choice."""
+    if len(calls) == 1:
+        watcher = asyncio.ensure_future(_watch(disconnected, calls))
+        try:
+            async for delta in calls[0].stream:
+                yield 0, delta
+        except RuntimeError as e:
+            raise _EngineFailed(str(e)) from None
+        finally:
+            watcher.cancel()
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, c):
+        try:
+            async for delta in c.stream:
+                q.put_nowait((i, delta))
+        except RuntimeError as e:
+            q.put_nowait((i, _EngineFailed(str(e))))
+        finally:
+            q.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(calls)]
+    watcher = asyncio.ensure_future(_watch(disconnected, calls))
+    left = len(calls)
+    try:
+        while left:
+            i, item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, _EngineFailed):
+                raise item
+            else:
+                yield i, item
+    finally:
+        watcher.cancel()
+        for t in tasks:
+            t.cancel()
