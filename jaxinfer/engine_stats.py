@@ -43,6 +43,7 @@ class EngineStats:
             "generation_tokens": self.generation_tokens,
             "steps": self.steps,
             "preemptions": e.scheduler.num_preemptions,
+            "forks": e.scheduler.num_forks,  # choices of a group started on another's prompt pages
             "host_share": self.host_s / self.busy_s if self.busy_s else 0.0,
             "finished": dict(self.finished),
         }

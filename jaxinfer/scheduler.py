@@ -11,6 +11,14 @@ prefix cache most of them come back free).
 A request is plain counters (`Request.num_computed`, `num_sampled`), so
 whole prefill, chunked prefill, prefix hits, recompute and decode are one
 arithmetic. The scheduler only decides; the engine dispatches and reads.
+
+Several choices of one prompt (a group, `Engine.submit_group`) are prefilled
+once: a waiting member forks from a running one that has computed the prompt's
+full pages, taking references on them (no copy, no recompute, with or without
+the prefix cache), and computes only the rest of the prompt; until one has, it
+waits at the head of the queue. A request that uses penalties neither forks
+nor takes prefix-cache hits: its token history (`jaxinfer.sampler.SamplerState`)
+is recorded from the tokens it feeds, so it must feed its whole prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from jaxinfer.buckets import bucket_for, pages_needed
 from jaxinfer.config import EngineConfig
@@ -26,6 +34,9 @@ from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.prefix_cache import extend_hashes
 from jaxinfer.request import Request
 from jaxinfer.runner import PrefillChunk
+
+
+_WAIT = "wait"  # a group member that will fork once a running member has computed the prompt's pages
 
 
 @dataclass
@@ -73,6 +84,7 @@ class Scheduler:
         self.free_slots = list(range(ecfg.max_num_seqs - 1, -1, -1))
         self._order = itertools.count()
         self.num_preemptions = 0
+        self.num_forks = 0  # group members admitted on another member's prompt pages
 
     # -- queue -------------------------------------------------------------------
 
@@ -150,6 +162,12 @@ class Scheduler:
         upto = min(max(0, first_key) // self.page_size, len(r.pages))
         if upto <= r.num_released_pages:
             return
+        if r.group is not None and any(o.slot is None and not o.finished for o in r.group):
+            # a member still to fork needs the pages inside the window of the prompt's shared pages
+            ps = self.page_size
+            upto = min(upto, max(0, (r.prompt_len - 1) // ps * ps - self.kv_window + 1) // ps)
+            if upto <= r.num_released_pages:
+                return
         behind = r.pages[r.num_released_pages : upto]
         self.allocator.release(reversed(behind))
         r.pages[r.num_released_pages : upto] = [0] * len(behind)
@@ -221,12 +239,42 @@ class Scheduler:
             budget -= chunk.length
         return out
 
+    def _fork_point(self, r: Request) -> Union[None, str, tuple]:
+        """Where a group member can start from a running member's KV pages.
+
+        ``(behind, pages)``: the prompt's full pages (all but at least its last token) held by
+        a running member that has computed them (``behind`` leading pages wholly outside a
+        sliding window, not needed); `_WAIT` while a running member is still computing them;
+        None when no member can give them (the request is admitted as any other).
+        """
+        ps = self.page_size
+        k = min(r.prompt_len // ps, (r.num_known_tokens - 1) // ps)  # pages of prompt tokens only
+        if k == 0 or r.params.uses_penalties:
+            return None
+        behind = max(0, k * ps - self.kv_window + 1) // ps if self.kv_window else 0
+        wait = False
+        for other in r.group:
+            if other is r or other.finished or other.slot is None:  # not running
+                continue
+            if other.num_computed < k * ps:
+                wait = True
+                continue
+            pages = other.pages[behind:k]
+            if len(pages) == k - behind and all(pages):  # none given back behind its own window
+                return behind, pages
+        return _WAIT if wait else None
+
     def _admit(self, r: Request, budget: int, prefill: list) -> Optional[PrefillChunk]:
         ps = self.page_size
         tokens = r.known_token_ids()
         hit: list = []
         behind = 0  # cached pages wholly behind the window of the first query: not needed (0 in r.pages)
-        if self.allocator.enable_prefix_cache:
+        fork = self._fork_point(r) if r.group is not None else None
+        if fork is _WAIT:
+            return None
+        if fork is not None:
+            behind, hit = fork
+        elif self.allocator.enable_prefix_cache and not r.params.uses_penalties:
             extend_hashes(r.page_hashes, tokens, ps)
             hashes = r.page_hashes[: (len(tokens) - 1) // ps]  # keep >= 1 token to run
             if self.kv_window:
@@ -243,6 +291,8 @@ class Scheduler:
         if new_pages > self.allocator.num_free - reclaimed:
             return None
         self.allocator.share(hit)
+        if fork is not None:
+            self.num_forks += 1
         r.pages = [0] * behind + hit + self.allocator.allocate(new_pages)
         r.num_released_pages = behind
         r.num_registered_pages = behind + len(hit)

@@ -95,8 +95,9 @@ def rand_prompt(rng, lo=1, hi=40):
     window=st.sampled_from([0, 6]),
 )
 def test_random_workload_matches_alone_and_frees_everything(seed, n, num_pages, budget, prefix, window):
-    """Random arrivals, lengths, shared prefixes and aborts, on a full-attention model and on a
-    sliding-window one whose pages behind the window are given back while it runs."""
+    """Random arrivals, lengths, shared prefixes, groups of choices of one prompt (forked from
+    each other) and aborts, on a full-attention model and on a sliding-window one whose pages
+    behind the window are given back while it runs."""
     rng = np.random.default_rng(seed)
     shared = rand_prompt(rng, 8, 20)  # some requests share a prefix, so the prefix cache is used
     reqs = []
@@ -104,19 +105,22 @@ def test_random_workload_matches_alone_and_frees_everything(seed, n, num_pages, 
         p = rand_prompt(rng, 1, 30)
         if rng.random() < 0.4:
             p = shared + p[:5]
-        reqs.append((int(rng.integers(0, 6)), p, int(rng.integers(1, 12)), rng.random() < 0.2))
+        choices = int(rng.choice([1, 1, 1, 2, 3]))  # greedy: a group's choices all draw the tokens of one
+        reqs.append((int(rng.integers(0, 6)), p, int(rng.integers(1, 12)), rng.random() < 0.2, choices))
     # the pool must at least hold the largest single request
-    need = max((len(p) + m) // TINY_ENGINE.page_size + 1 for _, p, m, _ in reqs)
+    need = max((len(p) + m) // TINY_ENGINE.page_size + 1 for _, p, m, _, _ in reqs)
     eng = new_engine(num_pages=max(num_pages, need + 1), budget=budget, prefix=prefix, window=window)
     streams, abort_at = {}, {}
     step = 0
     pending = sorted(reqs, key=lambda x: x[0])
     while pending or not eng.is_idle():
         while pending and pending[0][0] <= step:
-            at, p, m, ab = pending.pop(0)
-            r = make(p, m)
-            streams[r.request_id] = (eng.submit(r), p, m)
+            at, p, m, ab, choices = pending.pop(0)
+            members = [make(p, m) for _ in range(choices)]
+            for r, s in zip(members, eng.submit_group(members)):
+                streams[r.request_id] = (s, p, m)
             if ab:
+                r = members[int(rng.integers(len(members)))]
                 abort_at[r.request_id] = step + int(rng.integers(0, 4))
         for rid, when in list(abort_at.items()):
             if when <= step:
@@ -175,6 +179,26 @@ def test_chunked_prefill_and_prefix_hits_give_the_plain_tokens():
     assert ob.usage["cached_tokens"] == ob.metrics.cached_tokens > 0
     assert len(sa.output.metrics.prefill_chunks) == -(-len(a) // 8)
     assert eng.allocator.hit_rate() > 0
+
+
+def test_a_request_with_penalties_draws_the_same_tokens_when_its_prefix_is_cached():
+    """Penalties read a token history recorded from the tokens a request feeds: a prefix-cache hit
+    would leave the cached prompt tokens out (and the slot's last history in), so such a request
+    prefills its whole prompt (it used to draw other tokens here)."""
+    rng = np.random.default_rng(0)
+    sp = SP(max_tokens=12, temperature=0, repetition_penalty=3.0, ignore_eos=True)
+    got, want = [], []
+    for _ in range(6):
+        system = rand_prompt(rng, 24, 25)
+        eng = new_engine(prefix=True)
+        run_until_done(eng, [eng.submit(make(system + [1, 2], 12, sp))])
+        b = system + [3]
+        out = run_until_done(eng, [eng.submit(make(b, 12, sp))])[0]
+        got.append(out.outputs[0].token_ids)
+        want.append(alone(b, 12, sp))
+        assert out.metrics.cached_tokens == 0
+        eng.allocator.check_all_free()
+    assert got == want
 
 
 def test_running_requests_keep_decoding_while_a_long_prompt_is_prefilled():
