@@ -239,6 +239,26 @@ def build_parser() -> argparse.ArgumentParser:
                      server_help="benchmark a running 'jaxinfer serve' over gRPC instead of a model loaded here; "
                      "latencies are timed on the client as the streamed messages arrive, the server's own timings "
                      "are reported beside them (model and engine flags are refused: they are the server's)")
+    h = b.add_argument_group(
+        "OpenAI-compatible server", "benchmark any OpenAI-compatible HTTP server (jaxinfer serve --http-port, "
+        "vLLM, llama.cpp's server...) with the same prompts, arrivals and report; --model names the served model "
+        "(default: the first of its /v1/models) and engine flags are refused")
+    h.add_argument("--base-url", metavar="URL",
+                   help="the server's address, http://HOST:PORT (a trailing /v1 is allowed); requests stream "
+                   "--endpoint with stream_options.include_usage and ignore_eos")
+    h.add_argument("--endpoint", choices=("/v1/completions", "/v1/chat/completions"),
+                   help="where requests go (default: /v1/completions, the prompt as token ids; the chat endpoint "
+                   "takes each prompt as the text of one user message, chat template added by the server)")
+    h.add_argument("--api-key", metavar="KEY",
+                   help="the bearer key (default: $OPENAI_API_KEY, else --auth-token-file / $JAXINFER_AUTH_TOKEN)")
+    h.add_argument("--tokenizer", metavar="MODEL",
+                   help="a local copy of the served model's tokenizer (a model name, GGUF file or directory, as "
+                   "--model takes): its vocabulary for random prompts and its text where the server takes text "
+                   "(default: the server's own: the vocabulary size from /v1/models or, for jaxinfer, "
+                   "/detokenize; llama.cpp's server reports it, vLLM does not; its /tokenize and /detokenize)")
+    h.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
+                   help="send prompts as token ids or as their text; auto: token ids unless a probe request shows "
+                   "that the server refuses them (default: auto)")
     add_progress_flags(b)
     b.set_defaults(func=cmd_bench)
     return parser
@@ -447,7 +467,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     enable_compilation_cache()
     from jaxinfer.benchmarks.serving import bench_command
 
-    return bench_command(args)
+    return bench_command(args, t_start=_T_START)
 
 
 # --------------------------------------------------------------------------- #

@@ -160,14 +160,43 @@ def test_dataset_reads_strings_and_objects_and_names_a_bad_entry():
             serving.read_dataset(path)
 
 
-def test_progress_bar_counts_and_ends_the_line():
-    buf = io.StringIO()
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_redraws_one_line_and_ends_it():
+    buf = _Terminal()
     p = Progress(2, stream=buf)
     p.update(True)
     p.update(False)
     p.close()
     text = buf.getvalue()
-    assert "2/2 requests, 1 failed" in text and text.endswith("\n")
+    assert text.startswith("\r") and text.count("\n") == 1 and text.endswith("\n")
+    assert "2/2 requests, 1 failed" in text.rsplit("\r", 1)[1]
+
+
+def test_progress_in_a_log_writes_whole_lines_never_carriage_returns():
+    buf = io.StringIO()  # not a terminal
+    p = Progress(50, stream=buf, every=3600.0)
+    for i in range(50):
+        p.update(i % 10 != 0)
+        p.refresh()  # as the gauge sampler calls it, many times a second
+    p.close()
+    p.close()  # closing twice writes nothing more
+    lines = buf.getvalue().split("\n")
+    assert "\r" not in buf.getvalue() and lines[-1] == ""
+    assert lines[:-1] == ["bench: 50 requests ...", lines[1]] and lines[1].startswith("bench: 50/50 requests, 5 failed, ")
+    assert lines[1].endswith(", done")
+
+    buf = io.StringIO()
+    p = Progress(3, stream=buf, every=0.0)  # a line at every refresh past the interval
+    for _ in range(3):
+        p.update()
+    p.close()
+    assert [ln.split(",")[0] for ln in buf.getvalue().splitlines()] == [
+        "bench: 3 requests ...", "bench: 1/3 requests", "bench: 2/3 requests", "bench: 3/3 requests",
+        "bench: 3/3 requests"]
 
 
 # --------------------------------------------------------------------------- #
@@ -279,6 +308,11 @@ def test_peer_benchmarks_import_without_transformers_and_parse_their_flags(capsy
     with pytest.raises(SystemExit) as e:
         bench_figures.main(["--help"])
     assert e.value.code == 0 and "python -m benchmarks.bench_figures" in capsys.readouterr().out
+    from benchmarks import http_vs_grpc
+
+    with pytest.raises(SystemExit) as e:
+        http_vs_grpc.main(["--help"])
+    assert e.value.code == 0 and "--output-len-range" in capsys.readouterr().out
 
 
 def test_the_peer_benchmarks_are_not_installed():
@@ -289,3 +323,86 @@ def test_the_peer_benchmarks_are_not_installed():
     shipped = set(setuptools["packages"]) | set(setuptools.get("package-dir", {}))
     assert "jaxinfer.benchmarks" in shipped  # jaxinfer bench and the start-up benchmark ship
     assert not any(p == "benchmarks" or p.startswith("benchmarks.") for p in shipped)
+
+
+# --------------------------------------------------------------------------- #
+# What bench writes on stderr while it starts: a log vs a terminal (issue 19)
+# --------------------------------------------------------------------------- #
+
+# 4 batch rows and 2 chunk lengths: few programs, compiled in seconds on two cores
+_SMALL_ENGINE = {"page_size": 4, "num_pages": 64, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                 "batch_buckets": [1, 2], "chunk_buckets": [16], "page_buckets": [4, 8], "dtype": "float32",
+                 "name": "small"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    import jaxinfer
+
+    root = tmp_path_factory.mktemp("bench-model")
+    (root / "engine.json").write_text(json.dumps(_SMALL_ENGINE))
+    jaxinfer.save_model(root / "tiny", TINY, tiny_params())
+    return root
+
+
+def _bench_local_argv(root) -> list:
+    return ["bench", "--model", str(root / "tiny"), "--engine-config", str(root / "engine.json"),
+            "--num-prompts", "4", "--input-len", "12", "--output-len", "3", "--max-concurrency", "2"]
+
+
+@pytest.mark.slow
+def test_bench_in_a_log_says_when_compiling_starts_and_ends_and_draws_no_bar(tiny_model_dir):
+    p = _run_cli(*_bench_local_argv(tiny_model_dir))
+    assert p.returncode == 0, p.stderr
+    assert "\r" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith(("jaxinfer: ", "bench: "))]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("jaxinfer: compiling the engine's programs")]
+    ends = [i for i, ln in enumerate(lines) if " programs ready in " in ln]
+    ready = [i for i, ln in enumerate(lines) if ln.startswith("jaxinfer: ready in ")]
+    bench = [i for i, ln in enumerate(lines) if ln.startswith("bench: ")]
+    assert len(starts) == len(ends) == len(ready) == 1, p.stderr
+    assert starts[0] < ends[0] < ready[0] < bench[0], p.stderr
+    assert lines[bench[0]] == "bench: 4 requests ..." and lines[bench[-1]].startswith("bench: 4/4 requests, ")
+    assert "Successful requests:" in p.stdout
+
+    quiet = _run_cli(*_bench_local_argv(tiny_model_dir), "--quiet", "--no-progress")
+    assert quiet.returncode == 0 and "jaxinfer: " not in quiet.stderr and "bench: " not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.slow
+def test_bench_on_a_terminal_closes_the_start_with_a_ready_line(tiny_model_dir):
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="100")
+    proc = subprocess.Popen(CMD + _bench_local_argv(tiny_model_dir), stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    chunks: list = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the other end is closed
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    out, _ = proc.communicate(timeout=300)
+    reader.join(10)
+    os.close(master)
+    err = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")  # the terminal's own line endings
+    assert proc.returncode == 0, err
+    lines = err.split("\n")
+    ready = [i for i, ln in enumerate(lines) if ln.startswith("jaxinfer: ready in ")]
+    assert len(ready) == 1, err
+    assert any("compiling programs" in ln for ln in lines[:ready[0]]), err  # the compile stage showed itself
+    bar = lines[ready[0] + 1:]
+    assert any("bench [" in ln and "\r" in ln for ln in bar), err  # the bar is redrawn in place
+    last = [ln for ln in bar if "bench [" in ln][-1]
+    assert last.rsplit("\r", 1)[1].startswith("bench [" + "#" * 30 + "] 4/4 requests"), err
+    assert b"Successful requests:" in out

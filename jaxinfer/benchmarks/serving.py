@@ -420,14 +420,367 @@ class GrpcBackend(Backend):
 
 
 # --------------------------------------------------------------------------- #
+# OpenAI-compatible servers (HTTP)
+# --------------------------------------------------------------------------- #
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
+
+# Prometheus names of the engine figures the report shows, as jaxinfer, vLLM and llama.cpp's server
+# expose them on /metrics (the first name found wins).
+_METRIC_GAUGES = {
+    "running": ("jaxinfer:num_requests_running", "vllm:num_requests_running", "llamacpp:requests_processing"),
+    "waiting": ("jaxinfer:num_requests_waiting", "vllm:num_requests_waiting", "llamacpp:requests_deferred"),
+    "kv_usage": ("jaxinfer:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                 "llamacpp:kv_cache_usage_ratio"),
+}
+_METRIC_COUNTERS = {
+    "preemptions": ("jaxinfer:num_preemptions_total", "jaxinfer:num_preemptions", "vllm:num_preemptions_total"),
+}
+
+
+class OpenAIServerError(Exception):
+    """An OpenAI-compatible server that cannot be benchmarked (unreachable, or it refused); one line."""
+
+
+def openai_base_url(url: str) -> str:
+    """``scheme://host[:port][/prefix]``, the form the endpoints are appended to.
+
+    Accepts the OpenAI SDK's form too (ending in ``/v1``); ValueError for anything not http(s).
+    """
+    from urllib.parse import urlsplit
+
+    text = (url or "").strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"--base-url must be an http:// or https:// URL such as http://127.0.0.1:8000, "
+                         f"got {url!r}.")
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number in range
+    except ValueError:
+        raise ValueError(f"--base-url has a bad port: {url!r}.") from None
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def http_error_text(status: int, body: bytes) -> str:
+    """``HTTP 400: <message>`` from an OpenAI error object (or vLLM's, llama.cpp's, FastAPI's shapes)."""
+    message = None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            message = err.get("message")
+        elif isinstance(err, str):
+            message = err
+        message = message or data.get("message") or data.get("detail")
+    if not isinstance(message, str) or not message.strip():
+        message = (body or b"").decode("utf-8", "replace").strip() or "(empty body)"
+    return f"HTTP {status}: {_one_line(message)}"
+
+
+def _auth_headers(api_key: Optional[str]) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _positive_int(x) -> Optional[int]:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
+
+
+def openai_server_info(client, base_url: str, model: Optional[str] = None) -> dict:
+    """What ``GET /v1/models`` says: the model to benchmark (`model`, else the first listed) and, when the
+    server reports them, its context length (``max_model_len``: vLLM, jaxinfer) and vocabulary size
+    (``vocab_size``: jaxinfer; ``meta.n_vocab``: llama.cpp's server). `client` is an ``httpx.Client``."""
+    import httpx
+
+    try:
+        r = client.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise OpenAIServerError(f"nothing answered at {base_url}: {_one_line(f'{type(e).__name__}: {e}')}") from None
+    if r.status_code != 200:
+        raise OpenAIServerError(f"{base_url}/v1/models answered {http_error_text(r.status_code, r.content)}")
+    try:
+        entries = r.json()["data"]
+        ids = [e["id"] for e in entries]
+    except (ValueError, KeyError, TypeError):
+        raise OpenAIServerError(f"{base_url}/v1/models did not answer an OpenAI model list: "
+                                f"{_one_line(r.text, 120)}") from None
+    if not ids:
+        raise OpenAIServerError(f"{base_url}/v1/models lists no model.")
+    if model is None:
+        entry = entries[0]
+    elif model in ids:
+        entry = entries[ids.index(model)]
+    else:
+        raise OpenAIServerError(f"the server at {base_url} serves {', '.join(map(repr, ids[:8]))}, not {model!r} "
+                                "(--model).")
+    meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+    return {
+        "model": entry["id"],
+        "models": ids,
+        "owned_by": entry.get("owned_by"),
+        "max_model_len": _positive_int(entry.get("max_model_len")),
+        "vocab_size": _positive_int(entry.get("vocab_size")) or _positive_int(meta.get("n_vocab")),
+    }
+
+
+def server_tokenize(client, model: str, text: str) -> list:
+    """Token ids of `text` from the server's ``POST /tokenize`` (vLLM's and jaxinfer's body, and llama.cpp's)."""
+    r = client.post("/tokenize", json={"model": model, "prompt": text, "content": text})
+    if r.status_code != 200:
+        raise OpenAIServerError(f"/tokenize answered {http_error_text(r.status_code, r.content)}")
+    ids = r.json().get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise OpenAIServerError("/tokenize did not answer a list of token ids.")
+    return ids
+
+
+def server_detokenize(client, model: str, ids: list) -> str:
+    """The text of `ids` from the server's ``POST /detokenize`` (vLLM's, jaxinfer's or llama.cpp's)."""
+    r = client.post("/detokenize", json={"model": model, "tokens": list(ids)})
+    if r.status_code != 200:
+        raise OpenAIServerError(f"/detokenize answered {http_error_text(r.status_code, r.content)}")
+    data = r.json()
+    text = data.get("prompt", data.get("content"))
+    if not isinstance(text, str):
+        raise OpenAIServerError("/detokenize did not answer a text.")
+    return text
+
+
+def detokenize_vocab_size(client, model: str) -> Optional[int]:
+    """The vocabulary size found by bisection on ``POST /detokenize``, for servers that refuse an id past
+    their vocabulary with a 400 (jaxinfer's does); None when the server does not tell (vLLM's decodes any
+    id, llama.cpp's has its size in /v1/models) or has no /detokenize. About 32 small requests."""
+
+    def takes(i: int) -> Optional[bool]:
+        r = client.post("/detokenize", json={"model": model, "tokens": [i]})
+        return True if r.status_code == 200 else False if r.status_code == 400 else None
+
+    lo, hi = 0, 2**31 - 1
+    if takes(lo) is not True or takes(hi) is not False:
+        return None
+    while hi - lo > 1:  # takes(lo) and not takes(hi)
+        mid = (lo + hi) // 2
+        ok = takes(mid)
+        if ok is None:
+            return None
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return hi
+
+
+def parse_prometheus(text: str, names) -> dict:
+    """{name: value} of the samples named in `names`, summed over label sets (e.g. per model)."""
+    out: dict = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        end = line.find("{")
+        name = line[:end] if end >= 0 else line.split(" ", 1)[0]
+        if name not in names:
+            continue
+        try:
+            value = float(line.rsplit("}", 1)[-1].split()[0])
+        except (ValueError, IndexError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+class OpenAIBackend(Backend):
+    """Any OpenAI-compatible server (jaxinfer's, vLLM's, llama.cpp's...) over HTTP, with httpx.
+
+    Each request streams ``/v1/completions`` (``prompt`` as token ids, or as text when `texts` maps
+    each prompt's ids to its text) or ``/v1/chat/completions`` (one user message of that text), with
+    ``max_tokens``, ``temperature``, ``seed``, ``ignore_eos`` (vLLM's and jaxinfer's extension) and
+    ``stream_options.include_usage``. Timed on the client, as `GrpcBackend` is: TTFT is the arrival of
+    the first chunk carrying text, ITL the gaps between chunks carrying text, and the output token
+    count the usage chunk's ``completion_tokens`` (the text chunks counted when the server sends no
+    usage). Engine gauges and counters come from the server's Prometheus ``/metrics`` where it has one.
+    """
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str, api_key: Optional[str] = None, endpoint: str = COMPLETIONS,
+                 texts: Optional[dict] = None, timeout: Optional[float] = None, poll_interval: float = 0.5,
+                 verify: Any = True):
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}.")
+        if endpoint == CHAT_COMPLETIONS and texts is None:
+            raise ValueError(f"{CHAT_COMPLETIONS} takes text: give the prompts' texts.")
+        self.base_url = openai_base_url(base_url)
+        self.model = model
+        self.api_key = api_key
+        self.endpoint = endpoint
+        self.texts = texts  # {tuple(prompt ids): text}, or None to send the ids themselves
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self.verify = verify
+        self.client = None
+        self._stats: dict = {}
+        self._poller: Optional[asyncio.Task] = None
+        self._has_metrics = True
+
+    async def open(self) -> None:
+        import httpx
+
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url, headers=_auth_headers(self.api_key), verify=self.verify,
+            timeout=httpx.Timeout(connect=30.0, read=self.timeout or 600.0, write=60.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+        await self.refresh()
+        if self._has_metrics:
+            self._poller = asyncio.create_task(self._poll())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+            self._poller = None
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    async def refresh(self) -> None:
+        if not self._has_metrics or self.client is None:
+            return
+        import httpx
+
+        names = {n for group in (_METRIC_GAUGES, _METRIC_COUNTERS) for ns in group.values() for n in ns}
+        try:
+            r = await self.client.get("/metrics")
+        except httpx.HTTPError:
+            return  # a missed sample is not a failed run
+        if r.status_code != 200:
+            self._has_metrics = False  # no Prometheus endpoint (or it needs what we lack): no engine figures
+            return
+        self._stats = parse_prometheus(r.text, names)
+
+    async def _poll(self) -> None:
+        while self._has_metrics:
+            await asyncio.sleep(self.poll_interval)
+            await self.refresh()
+
+    def _pick(self, table: dict) -> dict:
+        out = {}
+        for key, names in table.items():
+            for n in names:
+                if n in self._stats:
+                    out[key] = self._stats[n]
+                    break
+        return out
+
+    def counters(self) -> dict:
+        return self._pick(_METRIC_COUNTERS)
+
+    def gauges(self) -> dict:
+        return self._pick(_METRIC_GAUGES)
+
+    def request_body(self, prompt_ids: list, params: SamplingParams) -> dict:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": params.max_tokens,
+                                "temperature": params.temperature, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        if params.ignore_eos:
+            body["ignore_eos"] = True
+        if params.seed is not None:
+            body["seed"] = params.seed
+        prompt = list(prompt_ids) if self.texts is None else self.texts[tuple(prompt_ids)]
+        if self.endpoint == CHAT_COMPLETIONS:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+    async def run_one(self, prompt_ids: list, params: SamplingParams) -> RequestResult:
+        import httpx
+
+        n_out = params.max_tokens or 0
+        body = self.request_body(prompt_ids, params)
+        chat = self.endpoint == CHAT_COMPLETIONS
+        times: list = []
+        usage: Optional[dict] = None
+        finish = None
+        error = ""
+        arrival = time.perf_counter()
+        try:
+            async with self.client.stream("POST", self.endpoint, json=body) as r:
+                if r.status_code != 200:
+                    error = http_error_text(r.status_code, await r.aread())
+                else:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue  # blank separators, SSE comments and event names
+                        now = time.perf_counter()
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        chunk = json.loads(data)
+                        if chunk.get("error"):
+                            error = "error in the stream: " + http_error_text(r.status_code, data.encode())[9:]
+                            break
+                        for choice in chunk.get("choices") or ():
+                            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                            if piece:
+                                times.append(now)
+                            finish = choice.get("finish_reason") or finish
+                        if isinstance(chunk.get("usage"), dict):
+                            usage = chunk["usage"]
+        except httpx.HTTPError as e:
+            error = _one_line(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        except (ValueError, AttributeError) as e:  # a data line that is not a JSON chunk
+            error = _one_line(f"bad stream chunk: {e}")
+        end = time.perf_counter()
+        if not error and finish is None:
+            error = "the stream ended without a finish_reason"
+        n_tokens = usage.get("completion_tokens") if usage else None
+        n_tokens = n_tokens if isinstance(n_tokens, int) else len(times)
+        prompt_len = usage.get("prompt_tokens") if usage else None
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        ok = not error and finish in ("stop", "length")
+        return RequestResult(
+            ok=ok,
+            prompt_len=prompt_len if isinstance(prompt_len, int) else len(prompt_ids),
+            output_len=n_tokens,
+            expected_output_len=n_out,
+            arrival_time=arrival,
+            ttft_s=times[0] - arrival if times else None,
+            tpot_s=(times[-1] - times[0]) / (n_tokens - 1) if len(times) > 1 and n_tokens > 1 else None,
+            itl_s=[b - a for a, b in zip(times, times[1:])],
+            e2e_s=end - arrival,
+            cached_tokens=(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0,
+            error=error or ("" if ok else f"finished with {finish!r}"),
+        )
+
+
+# --------------------------------------------------------------------------- #
 # Progress
 # --------------------------------------------------------------------------- #
 
 
 class Progress:
-    """A one-line progress bar on a stream: ``bench [####....] 7/16 requests, 3.2s``."""
+    """Requests done so far, on a stream (stderr).
 
-    def __init__(self, total: int, label: str = "bench", stream=None, enabled: bool = True, width: int = 30):
+    On a terminal, one bar redrawn in place: ``bench [####....] 7/16 requests, 3.2s``.
+    Anywhere else (a log file, a pipe, CI) no carriage returns: a plain line when the
+    run starts, at most one every `every` seconds while it runs, and one when it ends.
+    """
+
+    def __init__(self, total: int, label: str = "bench", stream=None, enabled: bool = True, width: int = 30,
+                 every: float = 10.0):
         self.total = total
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -436,15 +789,19 @@ class Progress:
         self.done = 0
         self.failed = 0
         self._t0 = time.perf_counter()
-        self._last = 0.0
-        # a terminal redraws in place; a log file gets a line at most every few seconds
-        isatty = getattr(self.stream, "isatty", None)
-        self._every = 0.1 if isatty is not None and isatty() else 5.0
+        self._last = -math.inf
+        self.tty = _isatty(self.stream)
+        self._every = 0.1 if self.tty else every
+        self._closed = False
+        if enabled and not self.tty:
+            self._last = self._t0
+            self.stream.write(f"{label}: {total} requests ...\n")
+            self.stream.flush()
 
     def update(self, ok: bool = True) -> None:
         self.done += 1
         self.failed += 0 if ok else 1
-        self.refresh(force=self.done == self.total)
+        self.refresh(force=self.tty and self.done == self.total)  # a log gets the last count from close()
 
     def refresh(self, force: bool = False) -> None:
         """Redraw (the elapsed time moves even when no request finished), throttled."""
@@ -453,22 +810,36 @@ class Progress:
             self._last = now
             self._draw(now)
 
-    def _draw(self, now: float) -> None:
-        if not self.enabled:
-            return
-        filled = self.width * self.done // max(self.total, 1)
+    def _text(self, now: float) -> str:
         fail = f", {self.failed} failed" if self.failed else ""
-        self.stream.write(
-            f"\r{self.label} [{'#' * filled:<{self.width}}] {self.done}/{self.total} requests{fail}, "
-            f"{now - self._t0:.1f}s"
-        )
+        return f"{self.done}/{self.total} requests{fail}, {now - self._t0:.1f}s"
+
+    def _draw(self, now: float) -> None:
+        if not self.enabled or self._closed:
+            return
+        if self.tty:
+            filled = self.width * self.done // max(self.total, 1)
+            self.stream.write(f"\r{self.label} [{'#' * filled:<{self.width}}] {self._text(now)}")
+        else:
+            self.stream.write(f"{self.label}: {self._text(now)}\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self._draw(time.perf_counter())
-            self.stream.write("\n")
+        if self.enabled and not self._closed:
+            if self.tty:
+                self._draw(time.perf_counter())
+                self.stream.write("\n")
+            else:
+                self.stream.write(f"{self.label}: {self._text(time.perf_counter())}, done\n")
             self.stream.flush()
+        self._closed = True
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, OSError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 # --------------------------------------------------------------------------- #
@@ -673,7 +1044,7 @@ def format_table(s: dict) -> str:
         rows.append(f"{name:<{width - 12}}{v:>12}")
 
     title("Serving Benchmark Result", "=")
-    for k, label in (("backend", "Backend"), ("model", "Model")):
+    for k, label in (("backend", "Backend"), ("server", "Server"), ("model", "Model")):
         if k in s["info"]:
             rows.append(f"{label + ':':<20}{str(s['info'][k]):>{width - 20}}")
     cfg = s["config"]
@@ -767,10 +1138,30 @@ def _check_args(args) -> tuple:
     if args.warmup_requests < 0:
         raise ValueError(f"--warmup-requests must be at least 0, got {args.warmup_requests}.")
     SamplingParams(temperature=args.temperature)  # vLLM's wording for a bad temperature
-    if getattr(args, "server", None):
-        refuse_local_flags(args)  # the model and the engine are the server's
+    base_url = getattr(args, "base_url", None)
+    if base_url is not None and getattr(args, "server", None):
+        raise ValueError("give --server HOST:PORT (gRPC) or --base-url URL (HTTP), not both.")
+    if base_url is not None:
+        openai_base_url(base_url)
+        from jaxinfer.cli_flags import ENGINE_OVERRIDES
+
+        given = [f"--{name.replace('_', '-')}" for name in ("no_model_cache", "engine_config", *ENGINE_OVERRIDES,
+                                                            "no_prefix_caching") if getattr(args, name, None)]
+        if given:  # --model is allowed: it names the served model
+            raise ValueError(f"{', '.join(given)} would configure an engine here; with --base-url the engine is "
+                             "the server's.")
     else:
-        check_engine_flags(args)  # as generate, serve and warmup check them
+        given = [f for f, v in (("--api-key", getattr(args, "api_key", None)),
+                                ("--endpoint", getattr(args, "endpoint", None)),
+                                ("--tokenizer", getattr(args, "tokenizer", None)),
+                                ("--prompt-format", getattr(args, "prompt_format", "auto") != "auto")) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --base-url (an "
+                             "OpenAI-compatible server).")
+        if getattr(args, "server", None):
+            refuse_local_flags(args)  # the model and the engine are the server's
+        else:
+            check_engine_flags(args)  # as generate, serve and warmup check them
     return in_range, out_range
 
 
@@ -840,13 +1231,175 @@ def bench_server_command(args, entries, in_range, out_range, out) -> int:
     return _write_summary(summary, args, out)
 
 
-def bench_command(args, out=None) -> int:
-    """Run ``jaxinfer bench`` from parsed arguments; returns the exit status."""
+def load_local_tokenizer(name: str):
+    """``--tokenizer``: a tokenizer from a path (a tokenizer directory, a GGUF file, a model directory) or any
+    name ``--model`` takes (``smollm2-135m-instruct``, a Hub id); ValueError naming the flag."""
+    import os
+
+    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.weights import resolve_model
+
+    try:
+        if os.path.exists(os.path.expanduser(name)):
+            return load_tokenizer(os.path.expanduser(name))
+        return load_tokenizer(resolve_model(name).path)
+    except ValueError as e:
+        raise ValueError(f"--tokenizer {name}: {e}") from None
+
+
+def _openai_api_key(args) -> Optional[str]:
+    """--api-key, else $OPENAI_API_KEY, else jaxinfer's own token (--auth-token-file, $JAXINFER_AUTH_TOKEN)."""
+    import os
+
+    from jaxinfer.server.config import read_auth_token
+
+    return args.api_key or os.environ.get("OPENAI_API_KEY", "").strip() or read_auth_token(
+        getattr(args, "auth_token_file", None))
+
+
+def _probe_token_ids(client, endpoint: str, model: str, ids: list) -> Optional[str]:
+    """Send one 1-token request with a token-id prompt: None when the server takes it, else why not
+    (a 400 or 422: the server wants text). Any other refusal is an `OpenAIServerError`."""
+    import httpx
+
+    try:
+        r = client.post(endpoint, json={"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0},
+                        timeout=600.0)  # a server that compiles on first use answers late
+    except httpx.HTTPError as e:
+        raise OpenAIServerError(f"{endpoint} did not answer: {_one_line(f'{type(e).__name__}: {e}')}") from None
+    if r.status_code == 200:
+        return None
+    why = http_error_text(r.status_code, r.content)
+    if r.status_code in (400, 422):
+        return why
+    raise OpenAIServerError(f"{endpoint} answered {why}")
+
+
+def bench_openai_command(args, entries, in_range, out_range, out) -> int:
+    """``jaxinfer bench --base-url URL``: the same workload and report, against any OpenAI-compatible server.
+
+    The vocabulary for random prompts comes from ``--tokenizer`` (a local tokenizer), else from the
+    server's ``/v1/models`` (a ``vocab_size`` field, or llama.cpp's ``meta.n_vocab``), else by bisection
+    on its ``/detokenize`` (jaxinfer's refuses an id past the vocabulary); vLLM tells neither way, so
+    against vLLM give ``--tokenizer`` (as vLLM's own ``bench serve`` needs one). ``--dataset``
+    prompts are tokenized by that tokenizer, else by the server's ``/tokenize``. Prompts go as token
+    ids unless the server refuses them (one probe request; ``--prompt-format``) or the endpoint is the
+    chat one: then as text, detokenized locally or by the server's ``/detokenize``.
+    """
+    import httpx
+
+    base = openai_base_url(args.base_url)
+    endpoint = args.endpoint or COMPLETIONS
+    fmt = "text" if endpoint == CHAT_COMPLETIONS else args.prompt_format
+    if endpoint == CHAT_COMPLETIONS and args.prompt_format == "ids":
+        raise ValueError(f"--prompt-format ids: {CHAT_COMPLETIONS} takes text (its messages).")
+    api_key = _openai_api_key(args)
+    tok = load_local_tokenizer(args.tokenizer) if args.tokenizer else None
+    verify = args.tls_ca or True
+    notes: list = []
+    try:
+        with httpx.Client(base_url=base, headers=_auth_headers(api_key), timeout=30.0, verify=verify) as client:
+            info = openai_server_info(client, base, args.model)
+            model = info["model"]
+            vocab, vocab_from = (tok.vocab_size, "--tokenizer") if tok is not None else (info["vocab_size"],
+                                                                                          "/v1/models")
+            if vocab is None and entries is None:
+                vocab, vocab_from = detokenize_vocab_size(client, model), "/detokenize"
+            if entries is not None:
+                entries = entries[: args.num_prompts] if args.num_prompts is not None else entries
+                encode = tok.encode if tok is not None else (lambda p: server_tokenize(client, model, p))
+                workload = dataset_workload(entries, encode, out_range[0])
+                if vocab is None:  # the warm-up's random prompts stay within the ids the dataset uses
+                    vocab, vocab_from = max(i for r in workload for i in r.prompt_ids) + 1, "the dataset"
+            else:
+                if vocab is None:
+                    raise ValueError(f"the server at {base} does not tell its vocabulary size (neither /v1/models "
+                                     "nor /detokenize), so random prompts cannot be drawn: give --tokenizer (a local "
+                                     "copy of the served model's tokenizer) or --dataset.")
+                n = args.num_prompts if args.num_prompts is not None else DEFAULT_NUM_PROMPTS
+                workload = synthetic_workload(n, in_range, out_range, vocab, args.seed)
+            if info["max_model_len"]:
+                check_workload_fits(workload, info["max_model_len"])
+            warm = warmup_workload(workload, args.warmup_requests, vocab, args.seed)
+            if fmt == "auto":
+                why = _probe_token_ids(client, endpoint, model, workload[0].prompt_ids)
+                fmt = "ids" if why is None else "text"
+                if why is not None:
+                    notes.append(f"the server refused a token-id prompt ({why}); prompts are sent as text")
+            texts = None
+            if fmt == "text":
+                decode = (lambda ids: tok.decode(ids)) if tok is not None else (
+                    lambda ids: server_detokenize(client, model, ids))
+                texts = {}
+                for r in workload + warm:
+                    key = tuple(r.prompt_ids)
+                    if key not in texts:
+                        texts[key] = decode(r.prompt_ids)
+    except OpenAIServerError as e:
+        sys.stderr.write(f"jaxinfer: error: {e}\n")
+        return 1
+    for note in notes:
+        sys.stderr.write(f"jaxinfer: {note}\n")
+    backend = OpenAIBackend(base, model, api_key=api_key, endpoint=endpoint, texts=texts, verify=verify)
+    result = run_benchmark(backend, workload, _bench_config(args), warm)
+    summary = summarize(result, {
+        "backend": OpenAIBackend.name,
+        "server": base + endpoint,
+        "model": model,
+        "prompts": "token ids" if texts is None else "text (detokenized token ids)",
+        "vocab_size": vocab,
+        "vocab_from": vocab_from,
+        "max_model_len": info["max_model_len"],
+        "dataset": args.dataset or "random",
+    })
+    return _write_summary(summary, args, out)
+
+
+def _say(text: str) -> None:
+    """One plain line on stderr, in the start-up lines' form."""
+    try:
+        sys.stderr.write(f"jaxinfer: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed or broken stderr is no reason to fail a run
+        pass
+
+
+def warm_up_engine(llm, t_start: float, quiet: bool = False) -> int:
+    """Compile (or load from the program cache) every program before the measured run; returns how many.
+
+    Where the start-up stages are shown (a terminal, or --verbose) the compile stage shows itself and
+    a closing ``ready in ...`` line follows. Elsewhere (a log, CI) the stage lines are off, so that a
+    log does not sit silent through the compile: a plain line when it starts and one when it ends
+    (unless --quiet).
+    """
+    from jaxinfer import progress
+
+    plain = not quiet and not progress.showing()
+    t0 = time.perf_counter()
+    if plain:
+        _say("compiling the engine's programs (or loading them from the program cache) ...")
+    n = llm.engine.warmup()
+    if plain:
+        _say(f"{n} programs ready in {time.perf_counter() - t0:.1f}s")
+        _say(f"ready in {time.perf_counter() - t_start:.1f}s")
+    else:
+        progress.ready(t_start)
+    return n
+
+
+def bench_command(args, out=None, t_start: Optional[float] = None) -> int:
+    """Run ``jaxinfer bench`` from parsed arguments; returns the exit status.
+
+    `t_start` is when the command started (``time.perf_counter()``), for the closing "ready in" line.
+    """
+    t_start = time.perf_counter() if t_start is None else t_start
     out = out if out is not None else sys.stdout
     in_range, out_range = _check_args(args)
     entries = read_dataset(args.dataset) if args.dataset is not None else None
     if entries is not None and args.num_prompts is not None and args.num_prompts > len(entries):
         raise ValueError(f"--num-prompts {args.num_prompts} is more than the {len(entries)} prompts in {args.dataset}.")
+    if getattr(args, "base_url", None) is not None:
+        return bench_openai_command(args, entries, in_range, out_range, out)
     if getattr(args, "server", None):
         return bench_server_command(args, entries, in_range, out_range, out)
 
@@ -869,7 +1422,7 @@ def bench_command(args, out=None) -> int:
             workload = synthetic_workload(n, in_range, out_range, vocab, args.seed)
         check_workload_fits(workload, llm.max_model_len)
         if args.warmup:
-            llm.engine.warmup()
+            warm_up_engine(llm, t_start, quiet=getattr(args, "quiet", False))
         cfg = _bench_config(args)
         warm = warmup_workload(workload, args.warmup_requests, vocab, args.seed)
         result = run_benchmark(LibraryBackend(llm), workload, cfg, warm)
