@@ -11,6 +11,10 @@ async iterator). Each engine step:
 4. only then reads back the *previous* step's tokens, detokenizes, checks stops
    and streams them — so the device never waits on the host, and a request
    that stopped costs at most one extra token.
+
+Several choices of one prompt (`SamplingParams.n`) arrive together through
+`Engine.submit_group`: the prompt is computed once and the other choices fork
+from it, sharing its KV pages (`jaxinfer.scheduler`).
 """
 
 from __future__ import annotations
