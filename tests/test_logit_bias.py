@@ -53,7 +53,8 @@ def test_a_minus_100_bias_bans_the_greedy_argmax():
 
 def test_rows_without_a_bias_draw_what_they_draw_in_a_batch_without_any():
     lg = rand_logits(4, seed=3)
-    plain = [SP(temperature=0), SP(temperature=0.9, seed=5), SP(temperature=1.2, top_k=10), SP(temperature=0.8, min_p=0.1)]
+    plain = [SP(temperature=0), SP(temperature=0.9, seed=5), SP(temperature=1.2, top_k=10),
+             SP(temperature=0.8, min_p=0.1)]
     seeds = [11, 12, 13, 14]
     for trial in range(4):
         base = np.asarray(draw(lg, plain, seeds=[s + trial for s in seeds]).tokens)
