@@ -298,8 +298,8 @@ def random_params(rng, i: int) -> SamplingParams:
 
 
 def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
-    """After warm-up, any mix of sampling settings (logit_bias included), logprobs counts, prompt
-    lengths, batch sizes and aborts runs programs from the list: the guard counts every lowering in the process, so a
+    """After warm-up, any mix of sampling settings (logit_bias and n included), logprobs counts,
+    prompt lengths, batch sizes and aborts runs programs from the list: the guard counts every lowering in the process, so a
     stray eager op outside the steps would fail it too."""
     from jaxinfer.compile_cache import compile_count
 
@@ -309,9 +309,15 @@ def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
     assert llm.runner.programs.num_ready == len(keys)
     before = compile_count()
     rng = np.random.default_rng(5)
-    reqs = [llm.make_request(rand_prompt(rng, 1, 90), random_params(rng, i)) for i in range(24)]
+    reqs, streams = [], []
+    for i in range(24):
+        prompt, sp = rand_prompt(rng, 1, 90), random_params(rng, i)
+        if i % 8 == 5:  # some ask for 3 choices (without penalties, so the choices fork)
+            sp = sp.clone(n=3, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+        group = llm.make_requests(prompt, sp)
+        reqs += group
+        streams += llm.submit_group(group)
     assert any(r.params.logit_bias for r in reqs) and not all(r.params.logit_bias for r in reqs)
-    streams = [llm.submit(r) for r in reqs]
     for s in streams[::5]:  # abort some mid-stream
         next(iter(s))
         s.abort()
@@ -319,6 +325,7 @@ def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
     assert llm.wait_idle()
     assert compile_count() == before, "something compiled after warm-up"
     assert llm.runner.programs.compiled_late == []
+    assert llm.engine.scheduler.num_forks > 0
     llm.engine.allocator.check_all_free()
     for r, o in zip(reqs, outs):
         comp = o.outputs[0]
