@@ -180,6 +180,10 @@ def sampling_options(sampling_params=None, **kwargs) -> pb.SamplingOptions:
         if values.get("max_tokens") is None:
             values.pop("max_tokens", None)  # unset: as many as the context allows
     values.update({k: v for k, v in kwargs.items() if v is not None})
+    n = values.pop("n", 1)
+    if n != 1:  # one Generate call streams one choice
+        raise TypeError(f"n={n}: a Generate call streams one choice; send one call per choice (seed + i each), "
+                        "or use the HTTP API's n.")
     unknown = sorted(set(values) - _SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling option(s): {', '.join(unknown)}")
@@ -189,6 +193,8 @@ def sampling_options(sampling_params=None, **kwargs) -> pb.SamplingOptions:
             opts.stop.extend([v] if isinstance(v, str) else list(v or ()))
         elif k == "stop_token_ids":
             opts.stop_token_ids.extend(list(v or ()))
+        elif k == "logit_bias":
+            opts.logit_bias.update({int(t): float(b) for t, b in (v or {}).items()})
         elif v is not None:
             setattr(opts, k, v)
     return opts

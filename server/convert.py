@@ -38,6 +38,8 @@ def sampling_params_from_proto(opts: pb.SamplingOptions, defaults: SamplingParam
     kw["max_tokens"] = opts.max_tokens if opts.HasField("max_tokens") else None
     kw["stop"] = list(opts.stop)
     kw["stop_token_ids"] = list(opts.stop_token_ids)
+    if opts.logit_bias:
+        kw["logit_bias"] = dict(opts.logit_bias)
     return defaults.clone(**kw)
 
 

@@ -133,6 +133,17 @@ def test_logprobs_and_stop_token_ids(llm, client):
     assert got.token_ids == want.token_ids[: want.token_ids.index(stop_at) + 1]
 
 
+def test_logit_bias_over_grpc_is_the_librarys(llm, client):
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True, logit_bias={17: 100.0, 3: -100.0})
+    want = llm.generate([prompt(4)], params)[0].outputs[0].token_ids
+    assert want == [17] * 6
+    assert client.complete(prompt(4), params).token_ids == want
+    with pytest.raises(InvalidArgument, match="logit_bias"):
+        client.complete(prompt(4), max_tokens=2, logit_bias={10**6: 1.0})
+    with pytest.raises(TypeError, match="one choice"):
+        client.complete(prompt(4), max_tokens=2, n=2)
+
+
 def test_32_concurrent_streams_half_cancelled_the_rest_complete_and_every_page_is_freed(llm, server):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [prompt(i, 5 + i % 9) for i in range(32)]
@@ -254,8 +265,8 @@ BAD = [
     (dict(top_k=1000), "vocabulary size (512)"),
     (dict(seed=-3), "seed must be in [0, 4294967295], got -3."),
     (dict(max_tokens=5, min_tokens=6), "min_tokens must be less than or equal to max_tokens=5, got 6."),
-    (dict(prompt=[]), "The prompt is empty"),
-    (dict(prompt=list(range(1, 201))), "The prompt is 200 tokens long, but the model's context length "
+    (dict(prompt=[]), "the prompt is empty"),
+    (dict(prompt=list(range(1, 201))), "the prompt is 200 tokens long, but the model's context length "
                                        "(max_model_len) is 128 tokens"),
     (dict(max_tokens=125), "maximum context length (max_model_len) is 128 tokens. However, you requested 131"),
     (dict(prompt=[1, 2, 512]), "prompt token id 512 at position 2 is out of range: token ids must be integers in [0, 512)"),
@@ -707,7 +718,8 @@ def test_generate_via_server_reports_bad_input_in_one_line(server, capsys):
     assert generate_via_server(_generate_args(server.address, "hello", **{"--no-chat": None})) == 2
     assert "no tokenizer" in capsys.readouterr().err
     assert generate_via_server(_generate_args("localhost:1", "hello", **{"--timeout": 2})) == 1
-    assert "UNAVAILABLE" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer: error: no server answered at localhost:1") and "answered UNAVAILABLE" not in err
 
 
 def test_serve_arguments_parse_with_safe_defaults():
