@@ -412,6 +412,7 @@ def test_health_and_metrics_on_the_http_port(server, oai, llm):
 
 
 def test_one_greedy_request_gives_one_text_through_http_grpc_cli_and_library(server, oai, llm, tmp_path, capsys):
+    from conftest import tiny_params
     from jaxinfer.cli import main
     from jaxinfer.server.client import Client as GrpcClient
 
@@ -420,10 +421,14 @@ def test_one_greedy_request_gives_one_text_through_http_grpc_cli_and_library(ser
     http = oai.chat.completions.create(model=llm.model_name, messages=MSG, temperature=0, max_tokens=10)
     with GrpcClient(server.address, timeout=60) as c:
         grpc_text = "".join(p.text for p in c.generate(MSG, temperature=0, max_tokens=10))
-    assert main(["generate", "--server", server.address, "--temperature", "0", "--max-tokens", "10",
-                 "hello world"]) == 0
-    cli = capsys.readouterr().out
-    assert http.choices[0].message.content == grpc_text == library == cli[:-1]
+    flags = ["--temperature", "0", "--max-tokens", "10", "--quiet", "hello world"]
+    assert main(["generate", "--server", server.address, *flags]) == 0
+    cli_remote = capsys.readouterr().out
+    # the same weights saved and loaded by `jaxinfer generate --model DIR`, in this process's own engine
+    jaxinfer.save_model(tmp_path / "tiny", llm.model_config, tiny_params(), llm.tokenizer)
+    assert main(["generate", "--model", str(tmp_path / "tiny"), "--dtype", "float32", "--no-model-cache", *flags]) == 0
+    cli_local = capsys.readouterr().out
+    assert http.choices[0].message.content == grpc_text == library == cli_remote[:-1] == cli_local[:-1]
 
 
 # --------------------------------------------------------------------------- #

@@ -147,12 +147,12 @@ class OpenAIServing:
 
     # -- engine requests ----------------------------------------------------------------
 
-    async def _make(self, prompt, params, arrival: float, rid: str, **chat) -> list:
+    async def _make(self, prompt, params, arrival: float, rid: str, priority: int, **chat) -> list:
         """The choices' engine requests, built in the servicer's threads (template + tokenizer off the loop)."""
 
         def build():
-            return self.llm.make_requests(prompt, params, request_id=rid, metrics=RequestMetrics(arrival_time=arrival),
-                                          **chat)
+            return self.llm.make_requests(prompt, params, request_id=rid, priority=priority,
+                                          metrics=RequestMetrics(arrival_time=arrival), **chat)
 
         try:
             return await self.servicer._in_pool(build)
@@ -245,7 +245,7 @@ class OpenAIServing:
             params = params.clone(skip_special_tokens=False)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            reqs = await self._make(None, params, arrival, rid, **chat)
+            reqs = await self._make(None, params, arrival, rid, body.priority, **chat)
         except APIError as e:
             if e.param == "logprobs":  # chat's count of alternatives is top_logprobs
                 e.param = "top_logprobs"
@@ -423,7 +423,8 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         groups = []
         for k, p in enumerate(prompts):
-            groups.append(await self._make(p, params, arrival, rid if len(prompts) == 1 else f"{rid}-p{k}"))
+            groups.append(await self._make(p, params, arrival, rid if len(prompts) == 1 else f"{rid}-p{k}",
+                                           body.priority))
         calls = self._submit(groups)
         n = len(groups[0])
         echoes = [self._echo_text(g[0]) if body.echo else "" for g in groups]
