@@ -133,15 +133,22 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Optional[dict] = None,
         fit_context: bool = True,
+        continue_final_message: bool = False,
     ) -> TokenizedPrompt:
         """Token ids of a text prompt, a conversation (with the chat template) or token ids (checked).
 
         With ``fit_context`` text that cannot fit in the context is refused before tokenizing.
+        With ``continue_final_message`` the conversation ends inside its last message (no
+        end-of-turn after it, no generation prompt), so the model continues that message, as
+        transformers' ``apply_chat_template(continue_final_message=True)`` renders it.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one input: a prompt (text or token ids) or chat messages.")
+        if continue_final_message and messages is None:
+            raise ValueError("continue_final_message needs chat messages.")
         if messages is not None:
-            return self._tokenize_chat(messages, add_generation_prompt, chat_template_kwargs, fit_context)
+            return self._tokenize_chat(messages, add_generation_prompt, chat_template_kwargs, fit_context,
+                                       continue_final_message)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: it must contain at least one character.")
@@ -162,10 +169,14 @@ class InputProcessor:
                 )
         return TokenizedPrompt(ids, None, user_tokens=len(ids))
 
-    def _tokenize_chat(self, messages, add_generation_prompt, chat_template_kwargs, fit_context) -> TokenizedPrompt:
+    def _tokenize_chat(self, messages, add_generation_prompt, chat_template_kwargs, fit_context,
+                       continue_final_message: bool = False) -> TokenizedPrompt:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template: send a plain prompt or token ids instead of messages.")
         messages = self.check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the model "
+                             "continues the last message instead of starting a new one.")
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
         if reserved:
@@ -173,6 +184,8 @@ class InputProcessor:
         contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
         tok = self.tokenizer
         text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1])
         if fit_context:
             self._check_text_fits(text, "conversation (rendered with the chat template)")
         ids = tok.encode(text, add_special_tokens=False)
@@ -189,6 +202,7 @@ class InputProcessor:
         messages: Optional[Sequence[dict]] = None,
         chat_template_kwargs: Optional[dict] = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         request_id: Optional[str] = None,
         priority: int = 0,
         metrics: Optional[RequestMetrics] = None,
@@ -206,7 +220,7 @@ class InputProcessor:
         t0 = time.perf_counter()
         tp = self.tokenize(
             prompt, messages=messages, chat_template_kwargs=chat_template_kwargs,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         )
         metrics.tokenize_s = time.perf_counter() - t0
         metrics.user_tokens, metrics.template_tokens = tp.user_tokens, tp.template_tokens
@@ -278,3 +292,20 @@ class InputProcessor:
             request_id or new_request_id(), prompt_ids, params, seed=seed, max_tokens=max_tokens,
             stop_token_ids=frozenset(stops), detokenizer=detok, prompt=prompt, metrics=metrics, priority=priority,
         )
+
+
+def _cut_after_final_message(text: str, final: dict) -> str:
+    """The rendered conversation cut right after the last message's text (its end-of-turn and anything later
+    dropped), as transformers does for ``continue_final_message``."""
+    content = final.get("content")
+    if isinstance(content, list):  # content parts: the last text part is what continues
+        texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue.")
+    for needle in (content, content.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise ValueError("continue_final_message: the last message's text does not appear in the conversation as the "
+                     "chat template renders it, so it cannot be continued.")

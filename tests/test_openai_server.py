@@ -392,6 +392,20 @@ def test_tokenize_and_detokenize(server, llm):
     assert bad.status_code == 400 and "tokens[1]" in bad.json()["error"]["message"]
 
 
+def test_continue_final_message_ends_the_prompt_inside_the_last_message(server, oai, llm):
+    talk = MSG + [{"role": "assistant", "content": "hello jax"}]
+    r = httpx.post(server.http_url + "/tokenize", json={"messages": talk, "continue_final_message": True}).json()
+    text = llm.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    assert text.endswith("hello jax") and text.count("hello jax") == 1
+    got = oai.chat.completions.create(model=llm.model_name, messages=talk, extra_body={
+        "continue_final_message": True, "ignore_eos": True}, temperature=0, max_tokens=5)
+    want = llm.generate([r["tokens"]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert got.choices[0].message.content == want.text
+    both = httpx.post(server.http_url + "/v1/chat/completions", json={
+        "messages": talk, "continue_final_message": True, "add_generation_prompt": True})
+    assert both.status_code == 400 and "cannot both be true" in both.json()["error"]["message"]
+
+
 def test_health_and_metrics_on_the_http_port(server, oai, llm):
     assert httpx.get(server.http_url + "/health").status_code == 200
 

@@ -172,9 +172,12 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
             kwargs = dict(body.chat_template_kwargs or {})
             if body.tools:
                 kwargs["tools"] = body.tools
+            add_generation_prompt = body.add_generation_prompt
+            if body.continue_final_message and "add_generation_prompt" not in body.model_fields_set:
+                add_generation_prompt = False
             return llm.processor.tokenize(messages=[_message_dict(i, m) for i, m in enumerate(body.messages)],
-                                          add_generation_prompt=body.add_generation_prompt,
-                                          chat_template_kwargs=kwargs, fit_context=False)
+                                          add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs,
+                                          fit_context=False, continue_final_message=body.continue_final_message)
 
         try:
             tp = await servicer._in_pool(run, pool=servicer._tokenize_pool)

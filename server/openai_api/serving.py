@@ -219,13 +219,11 @@ class OpenAIServing:
         kwargs = dict(body.chat_template_kwargs or {})
         if body.tools:
             kwargs["tools"] = body.tools
-        if body.continue_final_message:
-            if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
-                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true.",
-                               param="continue_final_message")
-            raise unsupported("continue_final_message", "is not supported yet.")
-        return {"messages": messages, "chat_template_kwargs": kwargs,
-                "add_generation_prompt": body.add_generation_prompt}
+        add_generation_prompt = body.add_generation_prompt
+        if body.continue_final_message and "add_generation_prompt" not in body.model_fields_set:
+            add_generation_prompt = False  # vLLM's rule: continuing the last message implies no new turn
+        return {"messages": messages, "chat_template_kwargs": kwargs, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": body.continue_final_message}
 
     async def chat(self, body: ChatCompletionRequest, disconnected: Callable[[], Awaitable[None]]):
         """A chat completion: the response dict, or an async iterator of SSE bytes when ``stream``."""
