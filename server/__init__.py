@@ -9,7 +9,9 @@
 One module per piece: ``config`` (ServerConfig, read_auth_token), ``convert``
 (messages <-> library types), ``servicer`` (the Generation service), ``auth``
 (bearer tokens), ``server`` (JaxinferServer, serve), ``thread`` (ServerThread),
-``client`` (Client, AsyncClient), ``metrics`` (Prometheus), ``cli``.
+``client`` (Client, AsyncClient), ``metrics`` (Prometheus), ``cli``; and
+``openai_api``, the OpenAI-compatible HTTP API that ``JaxinferServer`` also serves
+when ``ServerConfig.http_port`` is set (``jaxinfer serve --http-port``).
 Importing this package does not import grpc; its modules do.
 Regenerate the API code with ``python -m jaxinfer.server.codegen``.
 """

@@ -12,6 +12,11 @@ shuts it down gracefully: health turns NOT_SERVING, new calls get UNAVAILABLE,
 running requests may finish within the grace period, and the rest are aborted
 with UNAVAILABLE and a message that says so.
 
+With ``http_port`` set, the same process also serves the OpenAI-compatible HTTP API
+(`jaxinfer.server.openai_api`: uvicorn on this server's event loop, over the same
+`LLM`). Its requests are registered in the servicer's ``active`` map beside the gRPC
+calls, so admission control, draining and the grace period count both protocols.
+
 Metrics: with ``metrics_port`` set, Prometheus text on ``http://host:port/metrics``
 (`jaxinfer.server.metrics`: vLLM's names with the ``jaxinfer:`` prefix), from
 this server's own registry.
