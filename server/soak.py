@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from typing import Optional
 
 import grpc
 
@@ -76,6 +77,29 @@ ALLOWED = {  # statuses each kind may get; anything else fails the run
     "invalid": {"INVALID_ARGUMENT"}, "malformed": {"INVALID_ARGUMENT"},
     "garbage": {"REPLIED", "CLOSED", "SILENT", "RESET"},
 }
+# The same hostile mix over the OpenAI-compatible HTTP port (--protocol http or both).
+HTTP_WEIGHTS = {"http_stream": 30, "http_complete": 15, "http_disconnect": 10, "http_invalid": 15, "http_malformed": 6,
+                "http_garbage": 2, "http_burst": 0.3, "http_misc": 6}
+HTTP_INVALID = ["temperature<0", "top_p>1", "top_k<-1", "min_p>1", "presence_penalty>2", "repetition_penalty=0",
+                "seed<0", "max_tokens=0", "max_tokens<0", "n=0", "logprobs>max", "empty_prompt", "empty_token_ids",
+                "prompt_too_long", "token_id=vocab", "token_id<0", "prompt+max_tokens>max_model_len",
+                "too_many_stop_strings", "stop_string_too_long", "empty_stop_string", "logit_bias_too_many",
+                "logit_bias_bad_id", "logit_bias_not_a_number", "response_format", "response_format_completions",
+                "echo_with_logprobs", "max_tokens_wrong_type", "prompt_wrong_type", "stop_token_id>=vocab",
+                "empty_messages", "messages_wrong_type", "message_without_role", "top_logprobs>max",
+                "top_logprobs_without_logprobs", "tool_choice_required", "missing_prompt", "missing_messages",
+                "unknown_model", "unknown_route"]
+HTTP_MALFORMED = ["not_json", "truncated", "empty_body", "json_array", "json_string", "json_null", "bad_utf8",
+                  "nan_temperature", "deep_nesting", "random_bytes", "text_content_type"]
+HTTP_GARBAGE = ["random_bytes", "bad_request_line", "huge_header", "bad_content_length", "short_body",
+                "reset_mid_request"]
+ALLOWED.update({  # HTTP statuses as strings; a 5xx is never allowed
+    "http_stream": {"200", "429"}, "http_complete": {"200", "429"}, "http_burst": {"200", "429"},
+    "http_disconnect": {"DISCONNECTED", "200", "429"}, "http_invalid": {"400", "404"}, "http_malformed": {"400"},
+    "http_garbage": {"REPLIED", "CLOSED", "SILENT", "RESET"}, "http_misc": {"200"},
+})
+VARIANT_KINDS = ("invalid", "malformed", "garbage", "http_invalid", "http_malformed", "http_garbage", "http_misc",
+                 "http_disconnect")
 WORDS = ["hello", "world", "token", "jax", "page", "cache", "the", "KV", "naïve", "café", "日本", "語", "🙂",
          "stream", "\n", "  ", "<|im_end|>", "engine"]
 KILL_CHILD = """
@@ -102,8 +126,12 @@ def _text(rng: random.Random, max_bytes: int) -> str:
 
 
 class Soak:
-    def __init__(self, args, address: str, pid):
-        self.args, self.address, self.pid = args, address, pid
+    def __init__(self, args, address: str, pid, http_url=None):
+        self.args, self.address, self.pid, self.http_url = args, address, pid, http_url
+        self.protocol = getattr(args, "protocol", "grpc")
+        self.http = None
+        self.http_ttft: list = []
+        self.http_gaps: list = []
         self.counts: dict = defaultdict(Counter)  # "kind" or "kind/variant" -> status -> n
         self.notes: list = []  # first few details of unexpected outcomes
         self.ttft: list = []
@@ -132,14 +160,21 @@ class Soak:
     def plan(self) -> list:
         """(kind, variant, seed) per item: a function of --seed, --requests and the server's sizes."""
         rng = random.Random(self.args.seed)
-        kinds = [k for k in WEIGHTS if k != "burst" or self.info["max_waiting"] >= 0]
-        items = rng.choices(kinds, [WEIGHTS[k] for k in kinds], k=self.args.requests)
+        protocol = getattr(self.args, "protocol", "grpc")
+        weights = {**(WEIGHTS if protocol in ("grpc", "both") else {}),
+                   **(HTTP_WEIGHTS if protocol in ("http", "both") else {})}
+        filler = "stream" if "stream" in weights else "http_stream"
+        kinds = [k for k in weights if k not in ("burst", "http_burst") or self.info["max_waiting"] >= 0]
+        items = rng.choices(kinds, [weights[k] for k in kinds], k=self.args.requests)
         for k in kinds:  # every kind at least once
-            if k not in items and items.count("stream") > 1:
-                items[rng.choice([j for j, x in enumerate(items) if x == "stream"])] = k
+            if k not in items and items.count(filler) > 1:
+                items[rng.choice([j for j, x in enumerate(items) if x == filler])] = k
         seen: Counter = Counter()
         lists = {"invalid": INVALID, "malformed": MALFORMED, "garbage": GARBAGE, "cancel": ["after_tokens", "timer"],
-                 "health": ["overall", "generation", "unknown_service"], "tokenize": self.forms[1:] or ["prompt"]}
+                 "health": ["overall", "generation", "unknown_service"], "tokenize": self.forms[1:] or ["prompt"],
+                 "http_invalid": HTTP_INVALID, "http_malformed": HTTP_MALFORMED, "http_garbage": HTTP_GARBAGE,
+                 "http_disconnect": ["after_chunks", "timer", "reset"],
+                 "http_misc": ["models", "health", "metrics", "tokenize", "detokenize"]}
         offset = {k: rng.randrange(len(v)) for k, v in lists.items()}
         out = []
         for k in items:
@@ -282,7 +317,10 @@ class Soak:
         rng = random.Random(seed)
         client = self.clients[i % len(self.clients)]
         try:
-            status = await self.run_kind(kind, variant, rng, client)
+            if kind.startswith("http_"):
+                status = await self.run_http(kind, variant, rng)
+            else:
+                status = await self.run_kind(kind, variant, rng, client)
         except ServerError as e:
             status = e.code.name
         except Exception as e:  # noqa: BLE001 - a failure of the soak itself is a result too
@@ -292,7 +330,7 @@ class Soak:
             self.record(kind, variant, status)
 
     def record(self, kind: str, variant: str, status: str) -> None:
-        key = f"{kind}/{variant}" if kind in ("invalid", "malformed", "garbage") else kind
+        key = f"{kind}/{variant}" if kind in VARIANT_KINDS else kind
         self.counts[key][status] += 1
         if status not in ALLOWED[kind] and len(self.notes) < 50:
             self.notes.append(f"{key}: got {status}")
@@ -399,7 +437,7 @@ class Soak:
         deadline = time.monotonic() + self.args.request_timeout
         while True:
             status = await attempt()
-            if status != "RESOURCE_EXHAUSTED" or time.monotonic() > deadline:
+            if status not in ("RESOURCE_EXHAUSTED", "429") or time.monotonic() > deadline:
                 return status
             self.retries += 1
             await asyncio.sleep(pause)
@@ -420,6 +458,402 @@ class Soak:
             pass
         await child.wait()
         return "KILLED" if line[:1] == ["FIRST"] else line[-1] if line else "CHILD_DIED"
+
+    # -- HTTP (the OpenAI-compatible API) -------------------------------------
+
+    async def connect_http(self) -> None:
+        import httpx
+
+        self.http = httpx.AsyncClient(
+            base_url=self.http_url, timeout=httpx.Timeout(self.args.request_timeout, connect=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        r = await self.http.get("/v1/models")
+        r.raise_for_status()
+        self.http_model = r.json()["data"][0]["id"]
+
+    def http_body(self, prompt, kw: dict, stream: bool, rng: random.Random, n: int = 1) -> tuple:
+        """(path, JSON body) of a gRPC-style (prompt, sampling kwargs): chat messages go to /v1/chat/completions,
+        text and token ids to /v1/completions; logprobs in each endpoint's own form."""
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        body: dict = {"model": self.http_model, ("messages" if chat else "prompt"): prompt, "stream": stream}
+        for name, value in kw.items():
+            if name == "logprobs":
+                if value is not None:
+                    body.update({"logprobs": True, "top_logprobs": value} if chat else {"logprobs": value})
+            else:
+                body[name] = value
+        if n != 1:
+            body["n"] = n
+        if stream and rng.random() < 0.7:
+            body["stream_options"] = {"include_usage": True}
+        return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+    @staticmethod
+    def _http_error_ok(r, expected: int) -> str:
+        """The status as a string when it is `expected` with an OpenAI error object, else what is wrong."""
+        try:
+            err = r.json()["error"]
+            shaped = isinstance(err.get("message"), str) and err["message"] and {"type", "param", "code"} <= set(err)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            shaped = False
+        if r.status_code == expected:
+            return str(expected) if shaped else f"{expected}_NO_ERROR_OBJECT"
+        return str(r.status_code) if r.status_code >= 500 or r.status_code in (200, 429) else \
+            f"{r.status_code}_NOT_{expected}"
+
+    async def http_call(self, prompt, kw: dict, stream: bool, rng: random.Random, n: int = 1,
+                        stop_after=None, measure=False) -> str:
+        """One well-formed call; its status ("200", "429", "DISCONNECTED"...), "BAD_OUTPUT" when the answer is wrong."""
+        path, body = self.http_body(prompt, kw, stream, rng, n)
+        if not stream:
+            r = await self.http.post(path, json=body)
+            if r.status_code != 200:
+                return str(r.status_code)
+            bad = self.http_bad_whole(path, body, r.json())
+        else:
+            t0 = last = time.perf_counter()
+            chunks, done, got = [], False, 0
+            async with self.http.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return str(r.status_code)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        if line.strip() and not line.startswith(":"):
+                            self.notes.append(f"{path}: a stream line that is not an SSE field: {line[:80]!r}")
+                            return "BAD_OUTPUT"
+                        continue
+                    data = line[5:].strip()
+                    if done:
+                        self.notes.append(f"{path}: data after [DONE]: {data[:80]!r}")
+                        return "BAD_OUTPUT"
+                    if data == "[DONE]":
+                        done = True
+                        continue
+                    chunk = json.loads(data)
+                    chunks.append(chunk)
+                    if any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk.get("choices", ())):
+                        now = time.perf_counter()
+                        if measure:
+                            (self.http_gaps if got else self.http_ttft).append(now - (last if got else t0))
+                        last, got = now, got + 1
+                        if stop_after is not None and got >= stop_after:
+                            return "DISCONNECTED"  # leaving the block closes the connection mid-stream
+            if not done:
+                self.notes.append(f"{path}: the stream ended without data: [DONE]")
+                return "BAD_OUTPUT"
+            bad = self.http_bad_stream(path, body, chunks)
+        if bad:
+            self.notes.append(f"{path} {'stream' if stream else 'whole'}: {bad} (request {json.dumps(body)[:300]})")
+            return "BAD_OUTPUT"
+        return "200"
+
+    def http_bad_choices(self, body: dict, choices: dict, usage) -> Optional[str]:
+        """Checks shared by whole and streamed answers; `choices`: index -> (text, logprob entries or None,
+        top sizes, finish_reason, stop_reason)."""
+        n, max_tokens, stops = body.get("n", 1), body["max_tokens"], body.get("stop", [])
+        k = body.get("top_logprobs", body.get("logprobs")) if body.get("logprobs") is not None else None
+        if sorted(choices) != list(range(n)):
+            return f"choices {sorted(choices)} for n={n}"
+        include = bool(body.get("include_stop_str_in_output"))
+        counted = 0
+        for i, (text, lps, tops, finish, why) in choices.items():
+            if finish not in ("stop", "length"):
+                return f"choice {i}: finish_reason {finish!r}"
+            if k is not None:
+                counted += lps
+                if lps > max_tokens or (finish == "length" and lps != max_tokens):
+                    return f"choice {i}: {lps} logprob entries, finish {finish}, max_tokens {max_tokens}"
+                chat_k = "top_logprobs" in body
+                if tops and (tops != {k} if chat_k else (max(tops) > k or (k and min(tops) < 1))):
+                    return f"choice {i}: top logprob sizes {sorted(tops)} for {k}"
+            if isinstance(why, str) and (why not in stops or include != text.endswith(why)):
+                return f"choice {i}: stop_reason {why!r}, text {text!r}"
+            if not include and any(s in text for s in stops):
+                return f"choice {i}: a stop string of {stops} is in the text {text!r}"
+        if usage is not None:
+            total = usage.get("completion_tokens")
+            if usage.get("prompt_tokens", 0) + (total or 0) != usage.get("total_tokens") or total is None:
+                return f"usage {usage}"
+            if total > n * max_tokens or (k is not None and total != counted):
+                return f"usage {usage} for n={n}, max_tokens {max_tokens}, {counted} logprob entries"
+            if all(c[3] == "length" for c in choices.values()) and total != n * max_tokens:
+                return f"usage {usage}: every choice finished by length, n={n}, max_tokens {max_tokens}"
+        return None
+
+    def http_bad_whole(self, path: str, body: dict, data: dict) -> Optional[str]:
+        chat = path.endswith("chat/completions")
+        if data.get("object") != ("chat.completion" if chat else "text_completion") or data.get("model") != \
+                self.http_model:
+            return f"object {data.get('object')!r}, model {data.get('model')!r}"
+        choices = {}
+        for c in data.get("choices", ()):
+            text = (c.get("message") or {}).get("content") if chat else c.get("text")
+            lp = c.get("logprobs")
+            if chat:
+                entries = (lp or {}).get("content") or []
+                tops = {len(e["top_logprobs"]) for e in entries}
+            else:
+                entries = (lp or {}).get("tokens") or []
+                tops = {len(t or {}) for t in (lp or {}).get("top_logprobs") or []}
+            choices[c["index"]] = (text or "", len(entries) if lp is not None else 0, tops, c.get("finish_reason"),
+                                   c.get("stop_reason"))
+            if body.get("logprobs") is not None and body.get("logprobs") is not False and lp is None:
+                return f"choice {c['index']}: no logprobs"
+        return self.http_bad_choices(body, choices, data.get("usage"))
+
+    def http_bad_stream(self, path: str, body: dict, chunks: list) -> Optional[str]:
+        chat = path.endswith("chat/completions")
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        ids = {c.get("id") for c in chunks}
+        if len(ids) != 1 or any(c.get("object") != kind or c.get("model") != self.http_model for c in chunks):
+            return f"chunk ids {sorted(map(str, ids))[:3]}, objects {sorted({str(c.get('object')) for c in chunks})}"
+        acc: dict = {}
+        usage, want_usage = None, bool((body.get("stream_options") or {}).get("include_usage"))
+        for j, c in enumerate(chunks):
+            if c.get("usage") is not None:
+                if c.get("choices") or j != len(chunks) - 1:
+                    return "the usage chunk is not the last one, or has choices"
+                usage = c["usage"]
+            for ch in c.get("choices", ()):
+                i = ch["index"]
+                text, lps, tops, finish, why = acc.get(i, ("", 0, set(), None, None))
+                if finish is not None:
+                    return f"choice {i}: a chunk after its finish_reason"
+                if chat:
+                    delta = ch.get("delta") or {}
+                    if i not in acc and delta.get("role") != "assistant":
+                        return f"choice {i}: the first delta has no role: {delta}"
+                    text += delta.get("content") or ""
+                    entries = (ch.get("logprobs") or {}).get("content") or []
+                    tops |= {len(e["top_logprobs"]) for e in entries}
+                else:
+                    text += ch.get("text") or ""
+                    lp = ch.get("logprobs") or {}
+                    entries = lp.get("tokens") or []
+                    tops |= {len(t or {}) for t in lp.get("top_logprobs") or []}
+                acc[i] = (text, lps + len(entries), tops, ch.get("finish_reason"), ch.get("stop_reason") or why)
+        if want_usage and usage is None:
+            return "include_usage without a usage chunk"
+        return self.http_bad_choices(body, acc, usage)
+
+    def http_invalid(self, variant: str, rng: random.Random) -> tuple:
+        """(path, raw body bytes, expected status) of a request that must be refused."""
+        ids = [rng.randrange(self.vocab) for _ in range(rng.randint(1, 8))]
+        comp = {"model": self.http_model, "prompt": ids, "max_tokens": 4}
+        chat = {"model": self.http_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        big = self.room + rng.randint(1, 64)
+        path, body, status = "/v1/completions", dict(comp), 400
+        change = {
+            "temperature<0": {"temperature": -rng.uniform(0.01, 5)}, "top_p>1": {"top_p": 1.5},
+            "top_k<-1": {"top_k": -2}, "min_p>1": {"min_p": 1.5}, "presence_penalty>2": {"presence_penalty": 2.5},
+            "repetition_penalty=0": {"repetition_penalty": 0.0}, "seed<0": {"seed": -1},
+            "max_tokens=0": {"max_tokens": 0}, "max_tokens<0": {"max_tokens": -5}, "n=0": {"n": 0},
+            "logprobs>max": {"logprobs": self.max_lp + 1}, "empty_prompt": {"prompt": ""},
+            "empty_token_ids": {"prompt": []}, "prompt_too_long": {"prompt": [1] * big},
+            "token_id=vocab": {"prompt": ids + [self.vocab]}, "token_id<0": {"prompt": [-1] + ids},
+            "prompt+max_tokens>max_model_len": {"max_tokens": self.room},
+            "too_many_stop_strings": {"stop": [f"s{i}" for i in range(rng.randint(64, 512))]},
+            "stop_string_too_long": {"stop": ["x" * 257]}, "empty_stop_string": {"stop": [""]},
+            "logit_bias_too_many": {"logit_bias": {str(i % self.vocab): 1.0 for i in range(301)}},
+            "logit_bias_bad_id": {"logit_bias": {str(self.vocab): 1.0}},
+            "logit_bias_not_a_number": {"logit_bias": {"x": 1.0}},
+            "response_format_completions": {"response_format": {"type": "json_object"}},
+            "echo_with_logprobs": {"echo": True, "logprobs": 1},
+            "max_tokens_wrong_type": {"max_tokens": "ten"}, "prompt_wrong_type": {"prompt": {"text": "hi"}},
+            "stop_token_id>=vocab": {"stop_token_ids": [self.vocab]},
+        }
+        chat_change = {
+            "empty_messages": {"messages": []}, "messages_wrong_type": {"messages": "hi"},
+            "message_without_role": {"messages": [{"content": "hi"}]},
+            "top_logprobs>max": {"logprobs": True, "top_logprobs": self.max_lp + 1},
+            "top_logprobs_without_logprobs": {"top_logprobs": 1},
+            "response_format": {"response_format": {"type": "json_object"}},
+            "tool_choice_required": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                     "tool_choice": "required"},
+        }
+        if variant in change:
+            body.update(change[variant])
+        elif variant in chat_change:
+            path, body = "/v1/chat/completions", dict(chat, **chat_change[variant])
+        elif variant == "missing_prompt":
+            body.pop("prompt")
+        elif variant == "missing_messages":
+            path, body = "/v1/chat/completions", {"model": self.http_model}
+        elif variant == "unknown_model":
+            body["model"], status = "no-such-model", 404
+        elif variant == "unknown_route":
+            path, status = "/v1/no-such-endpoint", 404
+        if variant in ("empty_prompt",) and not self.info["has_tokenizer"]:
+            body["prompt"] = []
+        if rng.random() < 0.3 and variant not in ("unknown_route",):
+            body["stream"] = True  # refused before the stream starts, all the same
+        return path, json.dumps(body).encode(), status
+
+    def http_malformed(self, variant: str, rng: random.Random) -> tuple:
+        """(path, raw bytes, content type) of a body that is not a request at all: always a 400."""
+        good = json.dumps({"model": self.http_model, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+        data = {
+            "not_json": lambda: b"{hello: " + rng.randbytes(rng.randint(0, 16)),
+            "truncated": lambda: good[:rng.randint(1, len(good) - 1)],
+            "empty_body": lambda: b"",
+            "json_array": lambda: b"[1, 2, 3]",
+            "json_string": lambda: b'"hello"',
+            "json_null": lambda: b"null",
+            "bad_utf8": lambda: b'{"model": "m", "prompt": "\xff\xfe", "max_tokens": 2}',
+            "nan_temperature": lambda: good[:-1] + b', "temperature": NaN}',
+            "deep_nesting": lambda: b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "random_bytes": lambda: rng.randbytes(rng.randint(1, 256)),
+            "text_content_type": lambda: good,
+        }[variant]()
+        ctype = "text/plain" if variant == "text_content_type" else "application/json"
+        return rng.choice(["/v1/completions", "/v1/chat/completions"]), data, ctype
+
+    async def http_garbage(self, variant: str, rng: random.Random) -> str:
+        """Raw bytes on the HTTP port: the server may answer (never a 5xx), close or ignore them."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.http_url)
+        data = {"random_bytes": rng.randbytes(rng.randint(1, 4096)),
+                "bad_request_line": b"HELLO WORLD\r\n\r\n",
+                "huge_header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+                "bad_content_length": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+                "short_body": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 1000\r\n\r\n{\"prompt\": ",
+                "reset_mid_request": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"}[variant]
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port), 10)
+        except OSError as e:
+            return f"CONNECT_{type(e).__name__}"
+        try:
+            writer.write(data)
+            await writer.drain()
+            if variant == "reset_mid_request":
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return "RESET"
+            if variant == "short_body":
+                writer.write_eof()
+            reply = await asyncio.wait_for(reader.read(65536), 2.0)
+            if reply.startswith(b"HTTP/1.1 5") or reply.startswith(b"HTTP/1.0 5"):
+                return "REPLIED_5xx"
+            return "REPLIED" if reply else "CLOSED"
+        except asyncio.TimeoutError:
+            return "SILENT"
+        except ConnectionResetError:
+            return "RESET"
+        except ConnectionError:
+            return "CLOSED"
+        finally:
+            writer.close()
+
+    async def http_reset_stream(self, prompt, kw, rng) -> str:
+        """A stream read to its first data line over a raw socket, then an abortive close (RST)."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.http_url)
+        path, body = self.http_body(prompt, kw, True, rng)
+        payload = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n").encode()
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port), 10)
+        try:
+            writer.write(head + payload)
+            await writer.drain()
+            status = (await asyncio.wait_for(reader.readline(), self.args.request_timeout)).split()
+            if status[1:2] != [b"200"]:
+                return status[1].decode() if len(status) > 1 else "CLOSED"
+            while True:
+                line = await asyncio.wait_for(reader.readline(), self.args.request_timeout)
+                if not line:
+                    return "CLOSED"
+                if line.startswith(b"data:"):
+                    break
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return "DISCONNECTED"
+        finally:
+            writer.close()
+
+    async def run_http(self, kind: str, variant: str, rng: random.Random) -> Optional[str]:
+        if kind in ("http_stream", "http_complete"):
+            prompt, kw = self.wellformed(rng)
+            n = rng.choice([1, 1, 1, 2, 3])
+            return await self.http_call(prompt, kw, kind == "http_stream", rng, n, measure=n == 1)
+        if kind == "http_disconnect":
+            prompt, kw = self.wellformed(rng, long=True)
+            if variant == "after_chunks":
+                return await self.http_call(prompt, kw, True, rng, rng.choice([1, 2]), stop_after=rng.randint(1, 4))
+            if variant == "reset":
+                return await self.until_admitted(lambda: self.http_reset_stream(prompt, kw, rng), 0.05)
+            task = asyncio.ensure_future(self.http_call(prompt, kw, True, rng))  # timer: maybe before the headers
+            done, _ = await asyncio.wait({task}, timeout=rng.uniform(0, 0.05))
+            if done:
+                return task.result()
+            task.cancel()
+            try:
+                return await task
+            except asyncio.CancelledError:
+                return "DISCONNECTED"
+        if kind == "http_invalid":
+            path, data, status = self.http_invalid(variant, rng)
+
+            async def attempt():
+                r = await self.http.post(path, content=data, headers={"Content-Type": "application/json"})
+                return self._http_error_ok(r, status)
+            return await self.until_admitted(attempt, 0.02)
+        if kind == "http_malformed":
+            path, data, ctype = self.http_malformed(variant, rng)
+
+            async def attempt():
+                r = await self.http.post(path, content=data, headers={"Content-Type": ctype})
+                return self._http_error_ok(r, 400)
+            return await self.until_admitted(attempt, 0.02)
+        if kind == "http_garbage":
+            return await self.http_garbage(variant, rng)
+        if kind == "http_burst":
+            n = 2 * (self.info["max_num_seqs"] + self.info["max_waiting"]) + 4
+            calls = [self.http_call(*self.wellformed(rng, long=True), True, rng) for _ in range(n)]
+            for status in await asyncio.gather(*calls, return_exceptions=True):
+                self.record("http_burst", "", status if isinstance(status, str) else
+                            f"CLIENT_{type(status).__name__}")
+            return None
+        # http_misc: the small endpoints
+        if variant == "models":
+            r = await self.http.get("/v1/models")
+            ok = r.status_code == 200 and r.json()["data"][0]["id"] == self.http_model
+        elif variant == "health":
+            r = await self.http.get("/health")
+            ok = r.status_code == 200
+        elif variant == "metrics":
+            r = await self.http.get("/metrics")
+            ok = r.status_code == 200 and "num_requests_running" in r.text
+        elif variant == "tokenize":
+            if not self.info["has_tokenizer"]:
+                return "200"
+            r = await self.http.post("/tokenize", json={"model": self.http_model, "prompt": _text(rng, 64)})
+            ok = r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"])
+        else:  # detokenize
+            if not self.info["has_tokenizer"]:
+                return "200"
+            ids = [rng.randrange(self.vocab) for _ in range(rng.randint(1, 16))]
+            r = await self.http.post("/detokenize", json={"model": self.http_model, "tokens": ids})
+            ok = r.status_code == 200 and isinstance(r.json().get("prompt"), str)
+        return "200" if ok else (str(r.status_code) if r.status_code != 200 else "BAD_OUTPUT")
+
+    async def http_greedy(self) -> list:
+        """Greedy answers over HTTP (chat and completions, with and without logprobs), as bytes to compare."""
+        rng, out = random.Random(self.args.seed + 1), []  # the prompts of `greedy`, to compare the two
+        for j in range(6):
+            prompt, kw = self.wellformed(rng, long=True)
+            kw = {"temperature": 0.0, "ignore_eos": True, "max_tokens": min(16, kw["max_tokens"]),
+                  "logprobs": self.max_lp if j % 2 else None}
+            path, body = self.http_body(prompt, kw, False, rng)
+            r = await self.http.post(path, json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"greedy {path} answered {r.status_code}: {r.text[:200]}")
+            c = r.json()["choices"][0]
+            out.append(json.dumps([c.get("message", {}).get("content"), c.get("text"), c.get("logprobs"),
+                                   c["finish_reason"]], ensure_ascii=False).encode())
+        return out
 
     # -- phases ---------------------------------------------------------------
 
@@ -481,6 +915,8 @@ def rss_mib(pid):
 
 async def start_server(args, log):
     cmd = [sys.executable, "-m", "jaxinfer", "serve", "--host", "127.0.0.1", "--port", "0"]
+    if args.protocol != "grpc":
+        cmd += ["--http-port", "0"]
     for flag in ("model", "engine_config", "max_num_seqs", "num_pages", "max_model_len", "max_waiting"):
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -491,8 +927,12 @@ async def start_server(args, log):
             line = await asyncio.wait_for(proc.stdout.readline(), max(1.0, deadline - time.monotonic()))
             if not line:
                 raise RuntimeError(f"jaxinfer serve exited with status {await proc.wait()} before it was ready")
-            m = re.search(r" on (\S+) \(.*- ready", line.decode(errors="replace"))
+            text = line.decode(errors="replace")
+            m = re.search(r" on (\S+) \(.*- ready", text)
             if m:
+                h = re.search(r"OpenAI-compatible API at (\S+?)/v1\b", text)
+                if args.protocol != "grpc" and h is None:
+                    raise RuntimeError(f"jaxinfer serve gave no HTTP address in its ready line: {text.strip()}")
                 break
     except BaseException:
         if proc.returncode is None:
@@ -503,14 +943,14 @@ async def start_server(args, log):
         while await proc.stdout.readline():
             pass
 
-    return proc, m.group(1), asyncio.ensure_future(drain())
+    return proc, m.group(1), h.group(1) if h else None, asyncio.ensure_future(drain())
 
 
 def status_line(c: Counter) -> str:
     return " ".join(f"{s}={n}" for s, n in sorted(c.items(), key=lambda x: (x[0] != "OK", x[0])))
 
 
-async def post_checks(soak: Soak, greedy_before: list) -> list:
+async def post_checks(soak: Soak, greedy_before: list, http_before: Optional[list] = None) -> list:
     """(name, passed, detail) of every check made after the load."""
     checks, totals, seen = [], {k: sum(c.values()) for k, c in soak.counts.items()}, Counter()
     for c in soak.counts.values():
@@ -527,22 +967,45 @@ async def post_checks(soak: Soak, greedy_before: list) -> list:
                        f"calls {s['server_active']}"))
         health = await soak.clients[0].health()
         checks.append(("health SERVING after the run", health == "SERVING", health))
-    except ServerError as e:
-        checks.append(("the server answers after the run", False, str(e)))
+        if soak.http is not None:
+            http_after = await soak.http_greedy()
+            diff = [j for j, (a, b) in enumerate(zip(http_before, http_after)) if a != b]
+            checks.append(("HTTP greedy outputs byte-identical before and after", not diff,
+                           f"requests {diff} differ" if diff else f"{len(http_after)} requests"))
+            grpc_text = [json.loads(x)[1] for x in greedy_after]
+            http_text = [(lambda v: v[0] if v[0] is not None else v[1])(json.loads(x)) for x in http_after]
+            diff = [j for j, (a, b) in enumerate(zip(grpc_text, http_text)) if a != b]
+            checks.append(("the same greedy requests give the same text over gRPC and HTTP", not diff,
+                           f"requests {diff} differ" if diff else f"{len(http_text)} requests"))
+    except Exception as e:  # noqa: BLE001 - a gRPC or HTTP error after the run is a failed check, not a crash
+        checks.append(("the server answers after the run", False, f"{type(e).__name__}: {e}"))
     for name, kinds in (
             ("well-formed calls: OK/CANCELLED/DEADLINE_EXCEEDED/RESOURCE_EXHAUSTED only, outputs consistent",
              ("stream", "cancel", "deadline", "burst", "kill", "tokenize", "model_info", "health")),
             ("invalid inputs: INVALID_ARGUMENT", ("invalid",)),
             ("malformed request bytes: INVALID_ARGUMENT", ("malformed",)),
-            ("garbage bytes on the port: answered, closed or ignored", ("garbage",))):
+            ("garbage bytes on the port: answered, closed or ignored", ("garbage",)),
+            ("HTTP well-formed calls: 200/429/disconnected only, outputs consistent",
+             ("http_stream", "http_complete", "http_disconnect", "http_burst", "http_misc")),
+            ("HTTP invalid bodies: 400 (404: unknown model or route) with an OpenAI error object", ("http_invalid",)),
+            ("HTTP malformed bodies: 400 with an OpenAI error object", ("http_malformed",)),
+            ("garbage bytes on the HTTP port: answered (never 5xx), closed or ignored", ("http_garbage",))):
         mine = {k: c for k, c in sorted(soak.counts.items()) if k.split("/")[0] in kinds}
         bad = [f"{k}: {s}={n}" for k, c in mine.items() for s, n in c.items() if s not in ALLOWED[k.split("/")[0]]]
-        checks.append((name, not bad, "; ".join(bad[:12]) or f"{sum(totals[k] for k in mine)} calls"))
-    checks.append(("no UNKNOWN or INTERNAL status", not (seen["UNKNOWN"] or seen["INTERNAL"]),
-                   f"UNKNOWN={seen['UNKNOWN']} INTERNAL={seen['INTERNAL']}"))
-    if soak.info["max_waiting"] >= 0:
+        if mine:
+            checks.append((name, not bad, "; ".join(bad[:12]) or f"{sum(totals[k] for k in mine)} calls"))
+    if soak.protocol != "http":
+        checks.append(("no UNKNOWN or INTERNAL status", not (seen["UNKNOWN"] or seen["INTERNAL"]),
+                       f"UNKNOWN={seen['UNKNOWN']} INTERNAL={seen['INTERNAL']}"))
+    if soak.protocol != "http" and soak.info["max_waiting"] >= 0:
         checks.append(("bursts past max_waiting got RESOURCE_EXHAUSTED", soak.counts["burst"]["RESOURCE_EXHAUSTED"] > 0,
                        status_line(soak.counts["burst"])))
+    if soak.http is not None:
+        fives = {k: n for c in soak.counts.values() for k, n in c.items() if k[:1] == "5" or k.endswith("5xx")}
+        checks.append(("no HTTP 5xx status", not fives, status_line(Counter(fives)) or "none"))
+        if soak.info["max_waiting"] >= 0:
+            checks.append(("HTTP bursts past max_waiting got 429", soak.counts["http_burst"]["429"] > 0,
+                           status_line(soak.counts["http_burst"])))
     r = soak.rss
     r["after"] = rss_mib(soak.pid)
     if r["before"] is not None and r["after"] is not None:  # from before the load: ready still holds compiling's
@@ -560,14 +1023,19 @@ def table(soak: Soak, checks: list, plan: list, load_s: float, wall: float) -> s
         return "-" if x is None else f"{x:{sign}.1f} MiB"
 
     totals = {k: sum(c.values()) for k, c in soak.counts.items()}
-    order = {k: j for j, k in enumerate(WEIGHTS)}
-    lines = [f"jaxinfer soak: {soak.address}, seed {soak.args.seed}, {len(plan)} items, {sum(totals.values())} calls, "
+    order = {k: j for j, k in enumerate({**WEIGHTS, **HTTP_WEIGHTS})}
+    where = soak.address if soak.http is None else f"{soak.address} + {soak.http_url}"
+    lines = [f"jaxinfer soak: {where} ({soak.protocol}), seed {soak.args.seed}, {len(plan)} items, {sum(totals.values())} calls, "
              f"concurrency {soak.args.concurrency}, load {load_s:.1f} s", "", f"{'kind':<40} {'calls':>6}  statuses"]
     for k in sorted(soak.counts, key=lambda k: (order[k.split("/")[0]], k)):
         flag = "" if set(soak.counts[k]) <= ALLOWED[k.split("/")[0]] else "   <- unexpected"
         lines.append(f"{k:<40} {totals[k]:>6}  {status_line(soak.counts[k])}{flag}")
     lines += ["", f"{'client-side, well-formed streams':<40} {'p50':>10} {'p99':>10} {'n':>7}"]
-    for name, xs in (("time to first token", soak.ttft), ("inter-token gap", soak.gaps)):
+    for name, xs in (("time to first token", soak.ttft), ("inter-token gap", soak.gaps),
+                     ("HTTP: time to first text chunk", soak.http_ttft), ("HTTP: gap between text chunks",
+                                                                           soak.http_gaps)):
+        if not xs and name.startswith("HTTP"):
+            continue
         lines.append(f"{name:<40} {ms(percentile(xs, 50)):>10} {ms(percentile(xs, 99)):>10} {len(xs):>7}")
     r, s = soak.rss, soak.stats
     lines += ["", f"server RSS (pid {soak.pid}): ready {mib(r['ready'])}, before the load {mib(r['before'])}, "
@@ -586,19 +1054,22 @@ async def run(args) -> int:
     try:
         try:
             if args.server:
-                address, pid = args.server, args.server_pid
+                address, pid, http_url = args.server, args.server_pid, args.http_url
             else:
                 log = tempfile.NamedTemporaryFile(prefix="jaxinfer-soak-server-", suffix=".log", delete=False)
                 print(f"soak: starting jaxinfer serve (log: {log.name})", file=sys.stderr)
-                proc, address, drain = await start_server(args, log)
+                proc, address, http_url, drain = await start_server(args, log)
                 pid = proc.pid
-            soak = Soak(args, address, pid)
+            soak = Soak(args, address, pid, http_url if args.protocol != "grpc" else None)
             soak.rss["ready"] = rss_mib(pid)
             await soak.connect()
+            if soak.http_url:
+                await soak.connect_http()
             plan = soak.plan()
             greedy_before = await soak.greedy()
+            http_before = await soak.http_greedy() if soak.http is not None else None
             soak.rss["before"] = rss_mib(pid)
-        except (RuntimeError, OSError, asyncio.TimeoutError, ServerError) as e:
+        except (RuntimeError, OSError, asyncio.TimeoutError, ServerError, ValueError) as e:
             print(f"soak: error: {type(e).__name__}: {e}", file=sys.stderr)
             if log is not None:
                 print(open(log.name, errors="replace").read()[-4000:], file=sys.stderr)
@@ -606,10 +1077,12 @@ async def run(args) -> int:
         sampler = asyncio.ensure_future(soak.sample_rss())
         print(f"soak: {address}, {len(plan)} items at concurrency {args.concurrency}", file=sys.stderr)
         load_s = await soak.load(plan)
-        checks = await post_checks(soak, greedy_before)
+        checks = await post_checks(soak, greedy_before, http_before)
         sampler.cancel()
         for c in soak.clients:
             await c.close()
+        if soak.http is not None:
+            await soak.http.aclose()
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -630,6 +1103,11 @@ async def run(args) -> int:
                            "load_s": load_s, "counts": {k: dict(c) for k, c in soak.counts.items()},
                            "ttft_s": {"p50": percentile(soak.ttft, 50), "p99": percentile(soak.ttft, 99)},
                            "itl_s": {"p50": percentile(soak.gaps, 50), "p99": percentile(soak.gaps, 99)},
+                           "protocol": args.protocol, "http_url": soak.http_url,
+                           "http_ttft_s": {"p50": percentile(soak.http_ttft, 50),
+                                           "p99": percentile(soak.http_ttft, 99)},
+                           "http_gap_s": {"p50": percentile(soak.http_gaps, 50),
+                                          "p99": percentile(soak.http_gaps, 99)},
                            "rss_mib": soak.rss, "engine": soak.stats, "notes": soak.notes,
                            "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in checks]}, f, indent=1)
         if log is not None and passed:
@@ -646,6 +1124,11 @@ def main(argv=None) -> int:
     s = p.add_argument_group("the server (started here unless --server)")
     s.add_argument("--server", metavar="HOST:PORT", help="soak a running server instead of starting one")
     s.add_argument("--server-pid", type=int, metavar="PID", help="its process id, for RSS")
+    s.add_argument("--http-url", metavar="URL",
+                   help="with --server and --protocol http/both: its OpenAI-compatible API, http://HOST:PORT")
+    s.add_argument("--protocol", choices=("grpc", "http", "both"), default="grpc",
+                   help="drive the gRPC port, the OpenAI-compatible HTTP port (serve --http-port), or both "
+                   "(default: grpc). The engine's numbers are read over gRPC either way")
     s.add_argument("--model", help="--model of jaxinfer serve (default: serve's)")
     s.add_argument("--engine-config", metavar="NAME")
     for flag in ("--max-num-seqs", "--num-pages", "--max-model-len", "--max-waiting"):
@@ -668,6 +1151,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1:
         p.error("--requests and --concurrency must be at least 1")
+    if args.server and args.protocol != "grpc" and not args.http_url:
+        p.error(f"--protocol {args.protocol} with --server needs --http-url (the server's HTTP address)")
     return asyncio.run(run(args))
 
 

@@ -80,3 +80,52 @@ def test_the_plan_is_a_function_of_the_seed():
     assert plan(7) == plan(7) and plan(7) != plan(8)
     kinds = {k for k, _, _ in plan(7)}
     assert {"stream", "invalid", "malformed", "garbage", "kill", "burst"} <= kinds
+
+
+HTTP_KINDS = {"http_stream", "http_complete", "http_disconnect", "http_invalid", "http_malformed", "http_garbage",
+              "http_burst", "http_misc"}
+
+
+@pytest.mark.slow
+def test_short_http_soak_passes_every_check(model_dir, tmp_path):
+    out = tmp_path / "soak.json"
+    engine = tmp_path / "tiny-engine.json"
+    engine.write_text(json.dumps(TINY_SERVE_ENGINE))
+    cmd = [sys.executable, "-m", "jaxinfer.server.soak", "--protocol", "http", "--model", model_dir, "--engine-config",
+           str(engine), *SERVE, "--requests", "200", "--concurrency", "16", "--max-tokens", "24", "--seed", "1",
+           "--duration", "120", "--json", str(out)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    wall = time.monotonic() - t0
+    report = proc.stdout + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    failed = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["passed"]]
+    assert not failed, report
+    assert proc.returncode == 0 and result["passed"], report
+    names = " | ".join(c["name"] for c in result["checks"])
+    for needle in ("no HTTP 5xx", "HTTP bursts past max_waiting got 429", "HTTP malformed bodies", "engine settled",
+                   "HTTP greedy outputs byte-identical", "same text over gRPC and HTTP", "stopped cleanly"):
+        assert needle in names, names
+    counts = result["counts"]
+    assert {k.split("/")[0] for k in counts} == HTTP_KINDS, report
+    assert counts["http_burst"].get("429", 0) > 0 and counts["http_burst"].get("200", 0) > 0, report
+    assert sum(counts.get(f"http_disconnect/{v}", {}).get("DISCONNECTED", 0)
+               for v in ("after_chunks", "timer", "reset")) > 0, report
+    assert sum(c.get("400", 0) for k, c in counts.items() if k.startswith("http_malformed/")) > 0, report
+    assert result["http_ttft_s"]["p50"] is not None and result["http_gap_s"]["p99"] is not None, report
+    print(f"HTTP soak wall time {wall:.1f} s (load {result['load_s']:.1f} s)\n{proc.stdout}")
+
+
+@pytest.mark.parametrize("protocol, kinds", [("http", HTTP_KINDS), ("both", None)])
+def test_the_http_plan_covers_every_http_kind(protocol, kinds):
+    from types import SimpleNamespace
+
+    from jaxinfer.server.soak import HTTP_WEIGHTS, WEIGHTS, Soak
+
+    s = Soak(SimpleNamespace(seed=3, requests=600, protocol=protocol), "localhost:1", None)
+    s.info = {"max_waiting": 4}
+    s.forms = ["token_ids", "prompt", "chat"]
+    plan = s.plan()
+    assert {k for k, _, _ in plan} == (kinds or set(WEIGHTS) | set(HTTP_WEIGHTS))
+    s.info = {"max_waiting": -1}  # no admission limit: no bursts
+    assert not {k for k, _, _ in s.plan()} & {"burst", "http_burst"}
