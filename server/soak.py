@@ -1,8 +1,8 @@
-"""A soak test of the gRPC server, run as a hostile client would run it.
+"""A soak test of the server (gRPC, the OpenAI-compatible HTTP API or both), run as a hostile client would run it.
 
     python -m jaxinfer.server.soak --model DIR [--engine-config cpu --max-num-seqs 8 --num-pages 256
-        --max-model-len 512 --max-waiting 8 --serve-arg=--no-prefix-caching ...]
-    python -m jaxinfer.server.soak --server HOST:PORT [--server-pid PID]
+        --max-model-len 512 --max-waiting 8 --serve-arg=--no-prefix-caching ...] [--protocol grpc|http|both]
+    python -m jaxinfer.server.soak --server HOST:PORT [--server-pid PID] [--protocol http --http-url URL]
         [--requests 10000] [--concurrency 64] [--duration 1800] [--seed 0] [--json FILE]
 
 It starts ``jaxinfer serve`` on loopback (``--port 0``; the port is read from its
@@ -26,8 +26,27 @@ It starts ``jaxinfer serve`` on loopback (``--port 0``; the port is read from it
      burst       2 x (max_num_seqs + max_waiting) + 4 streams at once (with --max-waiting):
                  some must get RESOURCE_EXHAUSTED
      tokenize, model_info, health
+   With ``--protocol http`` (``serve --http-port 0`` when the soak starts the server) the kinds are
+   their HTTP twins, and ``both`` mixes the two sets:
+     http_stream      a well-formed /v1/chat/completions (chat prompts) or /v1/completions (text or
+     http_complete    token ids), streamed or whole, with the same sampling options, logprobs in each
+                      endpoint's form, n = 1-3 and stream_options.include_usage; the answer is checked
+                      (every choice once, finish reasons, usage, logprob counts, stop strings, the role
+                      first, the usage chunk last, data: [DONE] last)
+     http_disconnect  a stream closed after a few chunks, on a timer (maybe before the headers), or by
+                      an abortive close (RST) after the first data line
+     http_invalid     bad values and shapes of every kind: must be a 400 (404 for an unknown model or
+                      route) with an OpenAI error object {"error": {"message", "type", "param", "code"}}
+     http_malformed   bodies that are not JSON objects (truncated, not JSON, an array, NaN, bad UTF-8,
+                      100,000 nested brackets, a text/plain body): a 400 with an error object
+     http_garbage     raw bytes on the HTTP port: answered (never a 5xx), closed or ignored
+     http_burst       as burst: some must get 429
+     http_misc        /v1/models, /health, /metrics, /tokenize, /detokenize
+   A full server refuses before it reads (429); such invalid calls are sent again. The engine's numbers
+   are read over gRPC whichever protocol is soaked.
 3. runs the greedy set again (outputs must be byte-identical), waits for the engine to settle
-   (0 running, 0 waiting, 0 KV pages in use, 0 calls in flight) and reads the server's RSS.
+   (0 running, 0 waiting, 0 KV pages in use, 0 calls in flight) and reads the server's RSS. Over HTTP
+   the greedy set's answers must also be unchanged, and equal to gRPC's, and no call may get a 5xx.
 
 It prints one table: calls by kind and status, client-side TTFT and inter-token gaps of
 well-formed streams, RSS (at ready, after, peak sampled every second), the checks with
