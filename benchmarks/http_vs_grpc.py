@@ -1,0 +1,168 @@
+"""The OpenAI-compatible HTTP front door against the gRPC one, on the same server and engine (issue 19).
+
+    python -m benchmarks.http_vs_grpc                       # SmolLM2-135M-Instruct, the cpu preset, 5 rounds
+    python -m benchmarks.http_vs_grpc --rounds 3 --streams 32 --json http_vs_grpc.json
+
+(from the repository root: ``benchmarks/`` is not installed with jaxinfer; it needs jaxinfer only).
+
+What it does, all on loopback:
+
+1. starts one ``jaxinfer serve --port 0 --http-port 0 --no-prefix-caching`` (it compiles, or loads
+   from the program cache, every program before it is ready) and reads both addresses from its
+   ready line; the prefix cache is off because both protocols of a round send the same prompts;
+2. warms both paths up with one short unmeasured run each;
+3. for ``--rounds`` rounds runs ``jaxinfer bench --base-url http://...`` (OpenAI ``/v1/completions``,
+   streamed, the prompt as token ids) and ``jaxinfer bench --server HOST:PORT`` (gRPC ``Generate``)
+   one after the other, the order flipped each round, each a separate process with the same
+   workload: ``--streams`` requests sent at once (so ``--streams`` concurrent streams), prompts of
+   ``--input-len`` random tokens, outputs uniform in ``--output-len-range`` (``ignore_eos``), the
+   same seed for both protocols within a round;
+4. prints each round's output tokens/s and TTFT p50, then per protocol the medians
+   (`jaxinfer.stats.median`), the ratio HTTP / gRPC of throughput and the difference of TTFT p50,
+   against the issue's targets (HTTP >= 0.9x gRPC throughput, <= +5 ms TTFT p50), with the CPU,
+   its flags (/proc/cpuinfo) and the load average beside them.
+
+Both clients time on the client side, as a user sees it, and run on the same machine as the server:
+on a small machine their own CPU (HTTP: JSON chunks over SSE; gRPC: protobuf messages) competes
+with the server's, and is part of what is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+
+def _load() -> str:
+    try:
+        a, b, c = os.getloadavg()
+        return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
+    except OSError:
+        return "load average unknown"
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def start_server(model: str, engine_config: str, timeout: float = 1200.0, extra=()):
+    """One ``jaxinfer serve`` with both protocols on free ports; (process, gRPC address, HTTP base URL)."""
+    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, "--engine-config", engine_config,
+           "--port", "0", "--http-port", "0", "--log-stats-interval", "0", "--warmup", "--no-prefix-caching", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        m = re.search(r" on (\S+:\d+) \(.*- ready", line)
+        h = re.search(r"OpenAI-compatible API at (\S+?)/v1\b", line)
+        if m and h:
+            return proc, m.group(1), h.group(1)
+        if m or time.time() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError(f"the server did not start with both protocols: exit code {proc.poll()}")
+
+
+def bench(target: list, args, seed: int, num_prompts: int, output_range: str) -> dict:
+    """One ``jaxinfer bench`` process against `target` (its flags); its JSON summary."""
+    cmd = [sys.executable, "-m", "jaxinfer", "bench", *target, "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(args.streams), "--request-rate", "inf", "--input-len", str(args.input_len),
+           "--output-len-range", output_range, "--seed", str(seed), "--no-progress", "--quiet", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(target)}: jaxinfer bench exited {p.returncode}: {p.stderr.strip()[-500:]}")
+    s = json.loads(p.stdout)
+    if s["failed"]:
+        raise RuntimeError(f"{' '.join(target)}: {s['failed']} requests failed: {s['errors']}")
+    return s
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.http_vs_grpc", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--engine-config", default="cpu")
+    p.add_argument("--rounds", type=int, default=5, help="alternating HTTP / gRPC rounds (default: 5)")
+    p.add_argument("--streams", type=int, default=32, help="requests per run, all sent at once (default: 32)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--output-len-range", default="64:128", metavar="LO:HI",
+                   help="output tokens, uniform in [LO, HI] (default: 64:128)")
+    p.add_argument("--bench-timeout", type=float, default=900.0, metavar="SECONDS")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for jaxinfer serve (repeat)")
+    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    args = p.parse_args(argv)
+
+    from benchmarks.llamacpp_peer import CPU_FLAGS_SHOWN, cpu_model
+    from jaxinfer.config import cpu_flags
+    from jaxinfer.stats import median
+
+    flags = cpu_flags()
+    cpu = f"{cpu_model()}; flags: {' '.join(f for f in CPU_FLAGS_SHOWN if f in flags) or '(unknown)'}"
+    t_start = time.time()
+    _say(f"# CPU: {cpu}")
+    _say(f"# {_load()}")
+    proc, address, url = start_server(args.model, args.engine_config, extra=args.serve_arg)
+    _say(f"# server ready after {time.time() - t_start:.0f} s: gRPC {address}, HTTP {url}")
+    targets = {"http": ["--base-url", url], "grpc": ["--server", address]}
+    figures: dict = {"http": [], "grpc": []}
+    try:
+        for name, target in targets.items():  # unmeasured: connections, the first prefills
+            t0 = time.time()
+            bench(target, args, 999, 8, "8:8")
+            _say(f"# warm-up through {name}: {time.time() - t0:.0f} s")
+        _say(f"\n## {args.streams} concurrent streams, {args.input_len} prompt tokens, "
+             f"{args.output_len_range.replace(':', '-')} output tokens, {args.rounds} alternating rounds")
+        for r in range(args.rounds):
+            order = ("http", "grpc") if r % 2 == 0 else ("grpc", "http")
+            for name in order:
+                s = bench(targets[name], args, r, args.streams, args.output_len_range)
+                figures[name].append({"output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["median"],
+                                      "itl_p50_ms": s["itl_ms"]["median"], "duration_s": s["duration_s"],
+                                      "output_tokens": s["total_output_tokens"]})
+                f = figures[name][-1]
+                _say(f"round {r + 1} {name:<4}: {f['output_tok_s']:7.1f} output tok/s, TTFT p50 "
+                     f"{f['ttft_p50_ms']:7.1f} ms, ITL p50 {f['itl_p50_ms']:6.1f} ms, {f['output_tokens']} tokens in "
+                     f"{f['duration_s']:.1f} s  ({_load()})")
+        # NOTE: llama-cpp-python's own OpenAI server (`pip install 'llama-cpp-python[server]'`, built from
+        # source, never in CI; `python -m llama_cpp.server --model FILE.gguf --port P`) would add a third
+        # row here on the same GGUF: `bench(["--base-url", f"http://127.0.0.1:{P}", "--tokenizer", args.model],
+        # ...)` (its /v1/models reports meta.n_vocab; --tokenizer makes the prompts the same token ids). It is
+        # not installed on the machine these figures come from.
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    med = {name: {k: median([f[k] for f in fs]) for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")}
+           for name, fs in figures.items()}
+    ratio = med["http"]["output_tok_s"] / med["grpc"]["output_tok_s"]
+    extra_ttft = med["http"]["ttft_p50_ms"] - med["grpc"]["ttft_p50_ms"]
+    per_round = [h["output_tok_s"] / g["output_tok_s"] for h, g in zip(figures["http"], figures["grpc"])]
+    rows = [
+        "",
+        f"{'medians of ' + str(args.rounds) + ' rounds':<28} {'HTTP (OpenAI)':>14} {'gRPC':>10} {'HTTP vs gRPC':>14}"
+        f"  target",
+        f"{'output tokens/s':<28} {med['http']['output_tok_s']:>14.1f} {med['grpc']['output_tok_s']:>10.1f} "
+        f"{ratio:>13.3f}x  >= 0.90x  {'PASS' if ratio >= 0.9 else 'FAIL'}",
+        f"{'TTFT p50 (ms)':<28} {med['http']['ttft_p50_ms']:>14.1f} {med['grpc']['ttft_p50_ms']:>10.1f} "
+        f"{extra_ttft:>+11.1f} ms  <= +5 ms   {'PASS' if extra_ttft <= 5.0 else 'FAIL'}",
+        f"{'ITL p50 (ms)':<28} {med['http']['itl_p50_ms']:>14.1f} {med['grpc']['itl_p50_ms']:>10.1f}",
+        f"throughput ratio per round: {', '.join(f'{x:.3f}' for x in per_round)}",
+        f"model {args.model}, engine {args.engine_config}; CPU: {cpu}; {_load()}; total {time.time() - t_start:.0f} s",
+    ]
+    _say("\n".join(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"model": args.model, "engine_config": args.engine_config, "cpu": cpu, "streams": args.streams,
+                       "input_len": args.input_len, "output_len_range": args.output_len_range, "rounds": figures,
+                       "median": med, "throughput_ratio": ratio, "ttft_p50_extra_ms": extra_ttft}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
