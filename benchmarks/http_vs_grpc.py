@@ -17,6 +17,8 @@ What it does, all on loopback:
    workload: ``--streams`` requests sent at once (so ``--streams`` concurrent streams), prompts of
    ``--input-len`` random tokens, outputs uniform in ``--output-len-range`` (``ignore_eos``), the
    same seed for both protocols within a round;
+   then ``--single-requests`` requests one at a time (4 output tokens each), whose TTFT has no
+   queueing in it: what the protocol itself adds;
 4. prints each round's output tokens/s and TTFT p50, then per protocol the medians
    (`jaxinfer.stats.median`), the ratio HTTP / gRPC of throughput and the difference of TTFT p50,
    against the issue's targets (HTTP >= 0.9x gRPC throughput, <= +5 ms TTFT p50), with the CPU,
@@ -67,10 +69,10 @@ def start_server(model: str, engine_config: str, timeout: float = 1200.0, extra=
     raise RuntimeError(f"the server did not start with both protocols: exit code {proc.poll()}")
 
 
-def bench(target: list, args, seed: int, num_prompts: int, output_range: str) -> dict:
+def bench(target: list, args, seed: int, num_prompts: int, output_range: str, concurrency: int) -> dict:
     """One ``jaxinfer bench`` process against `target` (its flags); its JSON summary."""
     cmd = [sys.executable, "-m", "jaxinfer", "bench", *target, "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(args.streams), "--request-rate", "inf", "--input-len", str(args.input_len),
+           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--input-len", str(args.input_len),
            "--output-len-range", output_range, "--seed", str(seed), "--no-progress", "--quiet", "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
     if p.returncode != 0:
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--output-len-range", default="64:128", metavar="LO:HI",
                    help="output tokens, uniform in [LO, HI] (default: 64:128)")
+    p.add_argument("--single-requests", type=int, default=16, metavar="N",
+                   help="then N requests one at a time (4 output tokens each), for TTFT without queueing; "
+                   "0: skip (default: 16)")
     p.add_argument("--bench-timeout", type=float, default=900.0, metavar="SECONDS")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for jaxinfer serve (repeat)")
@@ -112,21 +117,26 @@ def main(argv=None) -> int:
     try:
         for name, target in targets.items():  # unmeasured: connections, the first prefills
             t0 = time.time()
-            bench(target, args, 999, 8, "8:8")
+            bench(target, args, 999, 8, "8:8", args.streams)
             _say(f"# warm-up through {name}: {time.time() - t0:.0f} s")
         _say(f"\n## {args.streams} concurrent streams, {args.input_len} prompt tokens, "
              f"{args.output_len_range.replace(':', '-')} output tokens, {args.rounds} alternating rounds")
         for r in range(args.rounds):
             order = ("http", "grpc") if r % 2 == 0 else ("grpc", "http")
             for name in order:
-                s = bench(targets[name], args, r, args.streams, args.output_len_range)
-                figures[name].append({"output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["median"],
-                                      "itl_p50_ms": s["itl_ms"]["median"], "duration_s": s["duration_s"],
-                                      "output_tokens": s["total_output_tokens"]})
-                f = figures[name][-1]
+                s = bench(targets[name], args, r, args.streams, args.output_len_range, args.streams)
+                f = {"output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["median"],
+                     "itl_p50_ms": s["itl_ms"]["median"], "duration_s": s["duration_s"],
+                     "output_tokens": s["total_output_tokens"]}
+                one = ""
+                if args.single_requests:
+                    s1 = bench(targets[name], args, 100 + r, args.single_requests, "4:4", 1)
+                    f["ttft_p50_single_ms"] = s1["ttft_ms"]["median"]
+                    one = f", one at a time: TTFT p50 {f['ttft_p50_single_ms']:6.1f} ms"
+                figures[name].append(f)
                 _say(f"round {r + 1} {name:<4}: {f['output_tok_s']:7.1f} output tok/s, TTFT p50 "
                      f"{f['ttft_p50_ms']:7.1f} ms, ITL p50 {f['itl_p50_ms']:6.1f} ms, {f['output_tokens']} tokens in "
-                     f"{f['duration_s']:.1f} s  ({_load()})")
+                     f"{f['duration_s']:.1f} s{one}  ({_load()})")
         # NOTE: llama-cpp-python's own OpenAI server (`pip install 'llama-cpp-python[server]'`, built from
         # source, never in CI; `python -m llama_cpp.server --model FILE.gguf --port P`) would add a third
         # row here on the same GGUF: `bench(["--base-url", f"http://127.0.0.1:{P}", "--tokenizer", args.model],
@@ -138,10 +148,12 @@ def main(argv=None) -> int:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    med = {name: {k: median([f[k] for f in fs]) for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms")}
-           for name, fs in figures.items()}
+    keys = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms") + (("ttft_p50_single_ms",) if args.single_requests else ())
+    med = {name: {k: median([f[k] for f in fs]) for k in keys} for name, fs in figures.items()}
     ratio = med["http"]["output_tok_s"] / med["grpc"]["output_tok_s"]
     extra_ttft = med["http"]["ttft_p50_ms"] - med["grpc"]["ttft_p50_ms"]
+    single_extra = (med["http"]["ttft_p50_single_ms"] - med["grpc"]["ttft_p50_single_ms"]
+                    if args.single_requests else None)
     per_round = [h["output_tok_s"] / g["output_tok_s"] for h, g in zip(figures["http"], figures["grpc"])]
     rows = [
         "",
@@ -152,6 +164,9 @@ def main(argv=None) -> int:
         f"{'TTFT p50 (ms)':<28} {med['http']['ttft_p50_ms']:>14.1f} {med['grpc']['ttft_p50_ms']:>10.1f} "
         f"{extra_ttft:>+11.1f} ms  <= +5 ms   {'PASS' if extra_ttft <= 5.0 else 'FAIL'}",
         f"{'ITL p50 (ms)':<28} {med['http']['itl_p50_ms']:>14.1f} {med['grpc']['itl_p50_ms']:>10.1f}",
+        *([f"{'TTFT p50, one at a time (ms)':<28} {med['http']['ttft_p50_single_ms']:>14.1f} "
+           f"{med['grpc']['ttft_p50_single_ms']:>10.1f} {single_extra:>+11.1f} ms  <= +5 ms   "
+           f"{'PASS' if single_extra <= 5.0 else 'FAIL'}"] if args.single_requests else []),
         f"throughput ratio per round: {', '.join(f'{x:.3f}' for x in per_round)}",
         f"model {args.model}, engine {args.engine_config}; CPU: {cpu}; {_load()}; total {time.time() - t_start:.0f} s",
     ]
@@ -160,7 +175,8 @@ def main(argv=None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"model": args.model, "engine_config": args.engine_config, "cpu": cpu, "streams": args.streams,
                        "input_len": args.input_len, "output_len_range": args.output_len_range, "rounds": figures,
-                       "median": med, "throughput_ratio": ratio, "ttft_p50_extra_ms": extra_ttft}, f, indent=2)
+                       "median": med, "throughput_ratio": ratio, "ttft_p50_extra_ms": extra_ttft,
+                       "ttft_p50_single_extra_ms": single_extra}, f, indent=2)
     return 0
 
 
