@@ -140,8 +140,9 @@ def main(argv=None) -> int:
         # NOTE: llama-cpp-python's own OpenAI server (`pip install 'llama-cpp-python[server]'`, built from
         # source, never in CI; `python -m llama_cpp.server --model FILE.gguf --port P`) would add a third
         # row here on the same GGUF: `bench(["--base-url", f"http://127.0.0.1:{P}", "--tokenizer", args.model],
-        # ...)` (its /v1/models reports meta.n_vocab; --tokenizer makes the prompts the same token ids). It is
-        # not installed on the machine these figures come from.
+        # ...)` (its /v1/models reports no vocabulary size, unlike llama.cpp's own llama-server: --tokenizer
+        # gives it, and makes the prompts the same token ids; compare its output token counts with ours, since a
+        # server that ignores ignore_eos stops early). It is not installed where these figures come from.
     finally:
         proc.terminate()
         try:

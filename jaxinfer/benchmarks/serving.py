@@ -500,7 +500,8 @@ def _positive_int(x) -> Optional[int]:
 
 def openai_server_info(client, base_url: str, model: Optional[str] = None) -> dict:
     """What ``GET /v1/models`` says: the model to benchmark (`model`, else the first listed) and, when the
-    server reports them, its context length (``max_model_len``: vLLM, jaxinfer) and vocabulary size
+    server reports them, its context length (``max_model_len``: vLLM, jaxinfer; ``meta.n_ctx``: llama.cpp's
+    server, a slot's context) and vocabulary size
     (``vocab_size``: jaxinfer; ``meta.n_vocab``: llama.cpp's server). `client` is an ``httpx.Client``."""
     import httpx
 
@@ -530,7 +531,7 @@ def openai_server_info(client, base_url: str, model: Optional[str] = None) -> di
         "model": entry["id"],
         "models": ids,
         "owned_by": entry.get("owned_by"),
-        "max_model_len": _positive_int(entry.get("max_model_len")),
+        "max_model_len": _positive_int(entry.get("max_model_len")) or _positive_int(meta.get("n_ctx")),
         "vocab_size": _positive_int(entry.get("vocab_size")) or _positive_int(meta.get("n_vocab")),
     }
 
