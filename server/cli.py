@@ -114,6 +114,7 @@ def server_config_from_args(args: argparse.Namespace):
         max_message_bytes=args.max_message_size, reflection=not args.no_reflection,
         metrics_port=getattr(args, "metrics_port", None), http_port=getattr(args, "http_port", None),
         served_model_name=getattr(args, "served_model_name", None),
+        model_aliases=(args.model,) if getattr(args, "model", None) else (),
         allowed_origins=getattr(args, "allowed_origins", ()) or (),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),

@@ -37,6 +37,7 @@ class ServerConfig:
     # The OpenAI-compatible HTTP API (jaxinfer.server.openai_api) on the same host and engine
     http_port: Optional[int] = None  # None: off, 0: any free port (see JaxinferServer.http_port)
     served_model_name: Optional[str] = None  # the name /v1/models lists and requests must use (None: the model's)
+    model_aliases: tuple = ()  # other names requests may use when served_model_name is not set (serve's --model)
     allowed_origins: tuple = ()  # CORS origins for browser clients ("*" for any); empty: no CORS
     tool_call_parser: Optional[str] = None  # None: the family's own format when its chat template shows one
     reasoning_parser: Optional[str] = None  # e.g. "qwen3": <think>...</think> -> reasoning_content

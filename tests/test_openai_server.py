@@ -94,6 +94,16 @@ def test_models_lists_the_served_model(oai, llm):
     assert [m.id for m in models] == [llm.model_name]
     assert models[0].max_model_len == llm.max_model_len
     assert oai.models.retrieve(llm.model_name).id == llm.model_name
+    assert oai.completions.create(model=llm.model_name.upper(), prompt="hi", max_tokens=1).model == llm.model_name
+
+
+def test_served_model_name_is_the_only_name(llm):
+    with ServerThread(llm, ServerConfig(port=0, http_port=0, served_model_name="my-model")) as srv:
+        with openai.OpenAI(base_url=srv.http_url + "/v1", api_key="x", max_retries=0) as c:
+            assert [m.id for m in c.models.list().data] == ["my-model"]
+            assert c.completions.create(model="my-model", prompt="hi", max_tokens=1).model == "my-model"
+            with pytest.raises(openai.NotFoundError, match="my-model"):
+                c.completions.create(model=llm.model_name, prompt="hi", max_tokens=1)
 
 
 def test_chat_gives_the_librarys_tokens_streamed_or_not(oai, llm):

@@ -75,6 +75,7 @@ def _validation_message(exc: RequestValidationError) -> tuple:
 def create_app(llm, servicer, config, metrics=None) -> FastAPI:
     """The app over one `LLM`, sharing the gRPC servicer's admission count, draining and metrics."""
     serving = OpenAIServing(llm, servicer, served_model_name=config.served_model_name,
+                            model_aliases=config.model_aliases,
                             tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving

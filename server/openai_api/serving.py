@@ -85,11 +85,18 @@ class HttpCall:
 class OpenAIServing:
     """The handlers of /v1/chat/completions and /v1/completions over one `LLM` and the gRPC servicer's bookkeeping."""
 
-    def __init__(self, llm, servicer, *, served_model_name: Optional[str] = None,
+    def __init__(self, llm, servicer, *, served_model_name: Optional[str] = None, model_aliases: tuple = (),
                  tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None):
         self.llm = llm
         self.servicer = servicer
         self.model_name = served_model_name or llm.model_name
+        # Without a served name, the names a user may know the model by work too: the one it was loaded by
+        # (serve --model), its source file, its own name in any case.
+        self._names = {self.model_name}
+        if not served_model_name:
+            source = getattr(llm, "model_source", None)
+            self._names |= {a for a in model_aliases if a} | ({str(source.path)} if source is not None else set())
+            self._names |= {n.lower() for n in self._names}
         self.created = int(time.time())
         self.tool_parser_name = tool_call_parser
         self.reasoning_parser_name = reasoning_parser
@@ -113,7 +120,7 @@ class OpenAIServing:
     # -- checks shared by every endpoint ------------------------------------------------
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self._names and name.lower() not in self._names:
             raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
