@@ -282,6 +282,7 @@ def test_bad_chat_requests_get_an_openai_error_naming_the_field(server, body, st
     ({"prompt": [[1, 2], "mixed"]}, "none of the accepted types"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "prompt logprobs"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "not supported yet"),
     ({"prompt": [1, 2, 99999]}, "out of range"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
 ])

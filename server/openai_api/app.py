@@ -230,7 +230,7 @@ def model_card(serving: OpenAIServing, llm) -> dict:
     return {
         "id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "jaxinfer",
         "root": str(source.path) if source is not None else llm.model_name, "parent": None,
-        "max_model_len": llm.max_model_len,
+        "max_model_len": llm.max_model_len, "vocab_size": llm.model_config.vocab_size,
     }
 
 

@@ -208,9 +208,7 @@ class OpenAIServing:
     # -- /v1/chat/completions --------------------------------------------------------------
 
     def _chat_inputs(self, body: ChatCompletionRequest) -> dict:
-        if body.response_format and body.response_format.get("type") not in (None, "text"):
-            raise unsupported("response_format", f"of type {body.response_format.get('type')!r} is not supported "
-                              "yet (structured output is not implemented): only {'type': 'text'}.")
+        _refuse_response_format(body)
         choice = body.tool_choice
         if isinstance(choice, dict) or choice == "required":
             raise unsupported("tool_choice", f"{json.dumps(choice)} is not supported yet (it needs structured "
@@ -416,6 +414,7 @@ class OpenAIServing:
         self.check_serving()
         self.check_model(body.model)
         _log_unknown(body)
+        _refuse_response_format(body)
         if body.suffix:
             raise unsupported("suffix", "is not supported.")
         if body.best_of is not None and body.best_of != body.n:
@@ -566,6 +565,13 @@ def _piece_bytes(piece: str) -> Optional[bytes]:
 
 
 _BYTE_DECODER: dict = {}
+
+
+def _refuse_response_format(body) -> None:
+    fmt = body.response_format
+    if fmt and fmt.get("type") not in (None, "text"):
+        raise unsupported("response_format", f"of type {fmt.get('type')!r} is not supported yet (structured output "
+                          "is not implemented): only {'type': 'text'}.")
 
 
 def _log_unknown(body) -> None:
