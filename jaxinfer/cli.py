@@ -1,6 +1,7 @@
-"""The ``jaxinfer`` command: generate (streamed), tokenize, serve, warmup, convert and bench from a terminal.
+"""The ``jaxinfer`` command: generate (streamed), chat, tokenize, serve, warmup, convert and bench from a terminal.
 
     jaxinfer generate "Why is the sky blue?" --max-tokens 64 --temperature 0
+    jaxinfer chat                                   # a conversation; /help lists its commands
     echo "Explain paged attention" | jaxinfer generate - --json
     jaxinfer serve --port 50051 & jaxinfer generate --server localhost:50051 "Hi"   # the same output
     jaxinfer tokenize --chat "Hello"
@@ -54,6 +55,7 @@ from jaxinfer.cli_flags import (
     model_name,
     number,
     positive_int,
+    print_logprobs,
     read_prompt,
 )
 from jaxinfer.compile_cache import enable_compilation_cache
@@ -91,10 +93,28 @@ def one_line(message: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but errors are one line: ``jaxinfer: error: ... (see '... --help')``."""
+    """argparse, but errors are one line: ``jaxinfer: error: ... (see '... --help')``.
+
+    An unknown flag after a command names that command's help (``jaxinfer generate --help``),
+    not the top level's: argparse hands unknown arguments up to the top parser, which reports them.
+    """
+
+    commands: dict = {}  # command name -> its parser (set on the top-level parser)
 
     def error(self, message: str):  # noqa: D401 - argparse API
         raise UsageError(f"{one_line(message)} (see '{self.prog} --help')")
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D401 - argparse API
+        argv = sys.argv[1:] if args is None else list(args)
+        ns, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            command = getattr(ns, "command", None)
+            owner = self
+            if command in self.commands and command in argv and extras[0] in argv:
+                if argv.index(extras[0]) > argv.index(command):  # given after the command: its flag
+                    owner = self.commands[command]
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
 
 
 # --------------------------------------------------------------------------- #
@@ -105,8 +125,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        description="An LLM inference engine on JAX: generate text, serve it over gRPC, inspect tokenization and "
-        "benchmark serving from a terminal.",
+        description="An LLM inference engine on JAX: generate text, chat, serve it over gRPC, inspect tokenization "
+        "and benchmark serving from a terminal.",
         epilog="Run 'jaxinfer <command> --help' for a command's options. "
         "Caches live in ~/.cache/jaxinfer ($XDG_CACHE_HOME): converted models (JAXINFER_MODEL_CACHE=0 or "
         "--no-model-cache to disable), compiled programs (JAXINFER_COMPILATION_CACHE=0) and the CPU kernel.",
@@ -132,6 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_flags(g)
     add_progress_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser(
+        "chat",
+        help="hold a conversation with the model in the terminal",
+        description="Chat with the model: each line you type is sent with the conversation so far through the "
+        "model's chat template and the answer streams back, with a model loaded here or, with --server, by a "
+        "running 'jaxinfer serve'. Commands: /exit (or /quit), /clear (forget the conversation, keep the system "
+        "prompt), /system TEXT (set the system prompt; alone: remove it), /help. Ctrl-C stops an answer as it "
+        "streams (what was said stays in the conversation); at the prompt it clears the line, and a second "
+        "Ctrl-C or Ctrl-D leaves. Without a terminal on stdin each line is answered in turn until the end of "
+        "input (printf 'Hi\\nWhat is 2+2?\\n' | jaxinfer chat). Sampling flags and defaults are generate's; "
+        f"--max-tokens (default {DEFAULT_MAX_TOKENS}) bounds each answer, and shrinks to the room the context "
+        "has left.",
+    )
+    add_model_flags(c)
+    add_sampling_flags(c)
+    add_prompt_format_flags(c, chat_flag=False)
+    add_engine_flags(c)
+    add_client_flags(c, server_help="chat with a running 'jaxinfer serve' instead of loading the model here, "
+                     "with the same flags and defaults (model and engine flags are refused: they are the server's)")
+    add_progress_flags(c)
+    c.set_defaults(func=cmd_chat)
 
     t = sub.add_parser(
         "tokenize",
@@ -261,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "that the server refuses them (default: auto)")
     add_progress_flags(b)
     b.set_defaults(func=cmd_bench)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -382,9 +425,19 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
         _write(out, json.dumps(result, ensure_ascii=False) + "\n")
     else:
         _write(out, "\n")
+        if params.logprobs is not None and final is not None:  # the table after the text, on stderr
+            tok = llm.tokenizer
+            print_logprobs(lambda i: tok.decode([i], skip_special_tokens=False) if tok is not None else None,
+                           final.outputs[0].logprobs or [])
     if args.trace and final is not None:
         _write(sys.stderr, final.metrics.trace() + "\n")
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from jaxinfer import repl
+
+    return repl.run(args, t_start=_T_START)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
@@ -458,7 +511,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype or EngineConfig.for_backend().dtype)
     source = resolve_model(args.src)
-    dst = model_cache.convert(source, args.dst, dtype, overwrite=args.force)
+    try:
+        dst = model_cache.convert(source, args.dst, dtype, overwrite=args.force)
+    except FileExistsError as e:  # checked before anything is converted: bad usage, not a failure
+        raise UsageError(str(e)) from None
     _write(sys.stdout, f"{dst}\n")
     return 0
 

@@ -5,25 +5,25 @@ default, so ``generate``, ``generate --server``, ``serve``, ``warmup`` and
 ``bench`` cannot drift apart:
 
     group          function                  flags                                            commands
-    model          add_model_flags           --model --no-model-cache                         generate serve warmup
-                                                                                              bench tokenize
-    engine         add_engine_flags          --engine-config --max-model-len --dtype          generate serve warmup
-                                             --max-num-seqs --num-pages                       bench
+    model          add_model_flags           --model --no-model-cache                         generate chat serve
+                                                                                              warmup bench tokenize
+    engine         add_engine_flags          --engine-config --max-model-len --dtype          generate chat serve
+                                             --max-num-seqs --num-pages                       warmup bench
                                              --tensor-parallel-size
                                              --max-num-batched-tokens --no-prefix-caching
                                              --warmup/--no-warmup (serve, bench)
-    sampling       add_sampling_flags        --max-tokens --min-tokens --temperature --top-p  generate (local and
-                                             --top-k --min-p --seed --stop --ignore-eos       --server)
+    sampling       add_sampling_flags        --max-tokens --min-tokens --temperature --top-p  generate chat (local
+                                             --top-k --min-p --seed --stop --ignore-eos       and --server)
                                              --presence/frequency/repetition-penalty
                                              --logprobs
     prompt format  add_prompt_format_flags   --chat/--no-chat --system                        generate tokenize
-                                             --chat-template-kwargs JSON
+                                             --chat-template-kwargs JSON                      chat (no --chat)
     output         add_output_flags          --json --trace                                   generate (tokenize:
                                                                                               --json)
-    client         add_client_flags          --server --auth-token-file --tls-ca --timeout    generate bench (no
-                                                                                              --timeout)
-    progress       add_progress_flags        --quiet --verbose                                generate serve warmup
-                                                                                              bench convert
+    client         add_client_flags          --server --auth-token-file --tls-ca --timeout    generate chat bench
+                                                                                              (no --timeout)
+    progress       add_progress_flags        --quiet --verbose                                generate chat serve
+                                                                                              warmup bench convert
 
 What they turn into, also once: `llm_kwargs` (the ``LLM(...)`` keywords of
 every command that loads a model), `check_engine_flags` (the same engine
@@ -88,8 +88,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """--model, --no-model-cache."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="MODEL",
-                   help=f"a model name, a .gguf file, a Hugging Face model directory or a directory written by "
-                   f"'jaxinfer convert' (default: {DEFAULT_MODEL})")
+                   help=f"the model to load: the built-in name {DEFAULT_MODEL.lower()}, a .gguf file, a Hugging Face "
+                   "model directory (config.json + *.safetensors) or Hub repo id (org/name), or a directory written "
+                   f"by 'jaxinfer convert' (default: {DEFAULT_MODEL})")
     g.add_argument("--no-model-cache", action="store_true",
                    help="convert the model in memory instead of restoring it from (or saving it to) the model cache "
                    "($JAXINFER_MODEL_CACHE, else ~/.cache/jaxinfer/models; JAXINFER_MODEL_CACHE=0 also turns it off)")
@@ -157,16 +158,20 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_prompt_format_flags(p: argparse.ArgumentParser, *, chat_default: Optional[bool] = None,
-                            what: str = "PROMPT") -> None:
-    """--chat/--no-chat (default None: on when the model has a chat template) and --system."""
+                            what: str = "PROMPT", chat_flag: bool = True) -> None:
+    """--chat/--no-chat (default None: on when the model has a chat template; ``chat_flag=False``: none, the
+    command always chats), --system and --chat-template-kwargs."""
     g = p.add_argument_group("prompt format")
-    if chat_default is None:
-        help_ = f"wrap {what} in the model's chat template (default: on when the model has one)"
-    else:
-        help_ = (f"render {what} as a user message with the model's chat template and the generation prompt "
-                 f"(default: {'on' if chat_default else 'off'})")
-    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=chat_default, help=help_)
-    g.add_argument("--system", metavar="TEXT", help="a system message (chat mode)")
+    if chat_flag:
+        if chat_default is None:
+            help_ = f"wrap {what} in the model's chat template (default: on when the model has one)"
+        else:
+            help_ = (f"render {what} as a user message with the model's chat template and the generation prompt "
+                     f"(default: {'on' if chat_default else 'off'})")
+        g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=chat_default, help=help_)
+    g.add_argument("--system", metavar="TEXT",
+                   help="a system message (chat mode)" if chat_flag else
+                   "the system prompt (default: none, or what the model's chat template adds; /system changes it)")
     g.add_argument("--chat-template-kwargs", type=json_object, metavar="JSON", default=None,
                    help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3)')
 
@@ -270,8 +275,8 @@ def refuse_local_flags(args: argparse.Namespace) -> None:
     given += [f"--{name.replace('_', '-')}" for name in ("no_model_cache", "engine_config", *ENGINE_OVERRIDES,
                                                           "no_prefix_caching") if getattr(args, name, None)]
     if given:
-        raise UsageError(f"{', '.join(given)} configure a model loaded here; with --server the model and the engine "
-                         "are the server's.")
+        raise UsageError(f"{', '.join(given)}: with --server the model and the engine are the server's; these flags "
+                         "choose a model to load here (drop them, or drop --server).")
 
 
 def read_prompt(value: str, what: str = "prompt") -> str:
@@ -386,3 +391,38 @@ def generate_result(model: str, chat: bool, prompt: str, *, token_ids, text: str
 
         result["logprobs"] = [{**entry(lp.token_id, lp.logprob), "top": top(lp)} for lp in logprobs]
     return result
+
+
+def format_logprobs(token_text, logprobs) -> str:
+    """The table ``generate --logprobs N`` prints after the text (without --json), local or over a server.
+
+    ``token_text(id)``: a token's text (None if unknown: shown as ``#id``); ``logprobs``: `Logprob`s, one
+    per generated token. One line per token: its position, its text (quoted, so spaces and newlines
+    show), its logprob and the N most likely tokens at that step with theirs, most likely first.
+    """
+    def name(i: int) -> str:
+        text = token_text(int(i))
+        if text is None:
+            return f"#{int(i)}"
+        shown = repr(text)
+        return shown if len(shown) <= 18 else shown[:16] + "…" + shown[0]
+
+    logprobs = list(logprobs or [])
+    widest = max((len(lp.top) for lp in logprobs), default=0)
+    rows = []
+    for n, lp in enumerate(logprobs):
+        top = sorted(lp.top.items(), key=lambda kv: -kv[1])
+        rows.append((str(n), name(lp.token_id), f"{lp.logprob:.4f}", "  ".join(f"{name(i)} {v:.4f}" for i, v in top)))
+    head = ("#", "token", "logprob", f"top {widest}" if widest else "")
+    w = [max(len(r[c]) for r in [head, *rows]) for c in range(3)]
+    title = (f"logprobs of {len(rows)} token{'s' if len(rows) != 1 else ''}"
+             + (f" (each with the {widest} most likely at its step)" if widest else ""))
+    lines = [title] + [f"{r[0]:>{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]}".rstrip() for r in [head, *rows]]
+    return "\n".join(lines)
+
+
+def print_logprobs(token_text, logprobs, file=None) -> None:
+    """Write `format_logprobs`'s table to ``file`` (default: stderr, like --trace: stdout keeps only the text)."""
+    out = file if file is not None else sys.stderr
+    out.write(format_logprobs(token_text, logprobs) + "\n")
+    out.flush()

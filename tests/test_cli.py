@@ -159,8 +159,33 @@ def test_generate_with_server_refuses_model_and_engine_flags(capsys):
 
     assert cli.main(["generate", "hi", "--server", "localhost:1", "--max-model-len", "64", "--model", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("jaxinfer: error: --model, --max-model-len configure a model loaded here") and \
-        err.count("\n") == 1, err
+    assert err.startswith("jaxinfer: error: --model, --max-model-len: with --server the model and the engine are the "
+                          "server's") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, help_of", [
+    (["generate", "hi", "--frobnicate"], "jaxinfer generate --help"),
+    (["generate", "--frobnicate", "hi"], "jaxinfer generate --help"),
+    (["chat", "--frobnicate"], "jaxinfer chat --help"),
+    (["warmup", "--list", "extra"], "jaxinfer warmup --help"),
+    (["--frobnicate", "generate", "hi"], "jaxinfer --help"),  # before the command: the top level's
+])
+def test_an_unknown_argument_names_the_help_of_the_command_it_was_given_to(capsys, argv, help_of):
+    from jaxinfer import cli
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments" in err and err.rstrip().endswith(f"(see '{help_of}')"), err
+
+
+def test_model_help_says_what_a_model_can_be():
+    from jaxinfer.cli import build_parser
+
+    for command in ("generate", "chat", "serve", "warmup", "bench", "tokenize"):
+        text = " ".join(build_parser().commands[command].format_help().split())
+        for what in ("smollm2-135m-instruct", ".gguf file", "Hugging Face model directory", "Hub repo id",
+                     "'jaxinfer convert'"):
+            assert what in text, (command, what)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }} | {% endfor %}"
@@ -234,6 +259,30 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
     assert remote["text"] == local["text"]
     assert set(remote["timings"]) >= set(local["timings"])  # the same summary keys, from the server's timings
     assert "request trace" in local_err and "request trace" in server_err and "(server side)" in server_err
+
+
+def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model_dir, capsys):
+    """--logprobs N without --json: the text on stdout as always, then one row per token on stderr, the same
+    tokens and logprobs as --json reports."""
+    from jaxinfer import cli
+
+    argv = ["generate", "hello world", "--model", str(tiny_model_dir), "--engine-config", "cpu", "--max-model-len",
+            "48", "--num-pages", "8", "--max-tokens", "5", "--seed", "3", "--logprobs", "2", "--quiet"]
+    assert cli.main(argv + ["--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == want["text"] + "\n"  # stdout keeps only the text
+    lines = err.splitlines()
+    assert lines[0] == "logprobs of 5 tokens (each with the 2 most likely at its step)"
+    assert lines[1].split() == ["#", "token", "logprob", "top", "2"]
+    rows = lines[2:]
+    assert len(rows) == len(want["logprobs"]) == 5
+    for n, (row, lp) in enumerate(zip(rows, want["logprobs"])):
+        assert row.startswith(f"{n}  {lp['token']!r}"), row
+        assert f"{lp['logprob']:.4f}" in row
+        tops = "  ".join(f"{t['token']!r} {t['logprob']:.4f}" for t in lp["top"])
+        assert row.endswith(tops), (row, tops)
 
 
 # --------------------------------------------------------------------------- #

@@ -428,8 +428,9 @@ def test_convert_command_then_llm_gives_the_tokens_of_the_source(tiny_gguf, tmp_
     assert not cache_root.exists()  # a converted directory is loaded as it is, never cached again
     # the directory is also a plain Hugging Face tokenizer directory
     assert_same_tokenizer(load_tokenizer(dst), Tokenizer.from_gguf(tiny_gguf))
-    assert cli_main(["convert", str(tiny_gguf), str(dst), "--quiet"]) == 1
-    assert "already exists" in capsys.readouterr().err
+    assert cli_main(["convert", str(tiny_gguf), str(dst), "--quiet"]) == 2  # bad usage, not a failure
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer: error: ") and "already exists; pass --force" in err and err.count("\n") == 1
     assert cli_main(["convert", str(tiny_gguf), str(dst), "--dtype", "bfloat16", "--force", "--quiet"]) == 0
     assert checkpoint.read_manifest(dst)["dtype"] == "bfloat16"
 
