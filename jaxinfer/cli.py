@@ -20,6 +20,7 @@ fail at once. Ctrl-C exits with status 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -341,6 +342,20 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
+def load_llm(args: argparse.Namespace):
+    """``LLM(**llm_kwargs(args))``: the model of every command that loads one.
+
+    Importing the engine (and JAX) takes seconds on a cold start; when that has not happened yet
+    (``import jaxinfer.cli`` alone does not do it unless the package imports it eagerly), it runs
+    as a start-up stage of its own, so the terminal shows it instead of sitting silent.
+    """
+    first = "jaxinfer.llm" not in sys.modules
+    with progress.stage("loading the engine") if first else contextlib.nullcontext():
+        enable_compilation_cache()
+        from jaxinfer.llm import LLM
+    return LLM(**llm_kwargs(args))
+
+
 def _write(stream, text: str) -> None:
     stream.write(text)
     stream.flush()
@@ -360,11 +375,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt, overrides = check_generate_args(args)
     check_engine_flags(args)
 
-    enable_compilation_cache()
+    llm = load_llm(args)
     from jaxinfer import distributed
-    from jaxinfer.llm import LLM
 
-    llm = LLM(**llm_kwargs(args))
     if distributed.run_as_follower(llm):  # a multi-process run: process 0 generates and prints
         return 0
     try:
@@ -481,10 +494,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     check_engine_flags(args)
-    enable_compilation_cache()
-    from jaxinfer.llm import LLM
-
-    llm = LLM(**llm_kwargs(args))
+    llm = load_llm(args)
     try:
         table = llm.engine.runner.programs
         keys = llm.engine.program_keys()

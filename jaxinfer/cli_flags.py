@@ -245,10 +245,15 @@ def engine_overrides(args: argparse.Namespace) -> dict:
 
 def check_engine_flags(args: argparse.Namespace):
     """The preset with the engine flags over it, checked before any model is loaded; returns the EngineConfig."""
+    import contextlib
+
+    from jaxinfer import progress
     from jaxinfer.config import EngineConfig
 
     name = getattr(args, "engine_config", None)
-    engine = EngineConfig.preset(name) if name else EngineConfig.for_backend()
+    # the backend's preset imports JAX: seconds on a cold start, shown as a stage if it happens here
+    with progress.stage("loading JAX") if not name and "jax" not in sys.modules else contextlib.nullcontext():
+        engine = EngineConfig.preset(name) if name else EngineConfig.for_backend()
     engine = engine.replace(**engine_overrides(args))
     if engine.max_num_seqs > engine.batch_buckets[-1]:
         raise UsageError(

@@ -440,15 +440,14 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
             stderr.flush()
             return EXIT_SERVER_ERROR
     else:
-        from jaxinfer import distributed
-        from jaxinfer.cli_flags import check_engine_flags, llm_kwargs
-        from jaxinfer.compile_cache import enable_compilation_cache
-        from jaxinfer.llm import LLM
+        from jaxinfer.cli import load_llm
+        from jaxinfer.cli_flags import check_engine_flags
 
         overrides = check_chat_args(args)
         check_engine_flags(args)
-        enable_compilation_cache()
-        llm = LLM(**llm_kwargs(args))
+        llm = load_llm(args)
+        from jaxinfer import distributed
+
         if distributed.run_as_follower(llm):  # a multi-process run: process 0 holds the conversation
             return 0
         try:
