@@ -293,6 +293,26 @@ class Tokenizer:
         """The id of the vocabulary string `token`, or None if the vocabulary has no such token."""
         return self._backend.token_to_id(token)
 
+    @functools.cached_property
+    def _anchor(self) -> tuple:
+        ids = self.encode("a", add_special_tokens=False)
+        return (ids[-1], self.decode(ids[-1:], skip_special_tokens=False)) if ids else (None, "")
+
+    def token_text(self, token_id: int) -> str:
+        """The text a token adds when it follows other text, special tokens as written.
+
+        Decoding a token alone loses what a decoder strips at the start of a text (SentencePiece's
+        word-boundary space: ``▁infer`` alone reads ``infer``), so the token is decoded after a fixed
+        ordinary token and that token's text is cut off. This is how logprobs spell each token, so the
+        pieces of an output add up to its text.
+        """
+        anchor, prefix = self._anchor
+        if anchor is not None:
+            full = self.decode([anchor, token_id], skip_special_tokens=False)
+            if full.startswith(prefix):
+                return full[len(prefix):]
+        return self.decode([token_id], skip_special_tokens=False)
+
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """The vocabulary strings of ``ids`` (byte-level or ``▁`` spelling)."""
         out = []

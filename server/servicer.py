@@ -355,7 +355,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return ""
         s = self._token_text.get(token_id)
         if s is None:
-            s = self._token_text[token_id] = tok.decode([token_id], skip_special_tokens=False)
+            s = self._token_text[token_id] = tok.token_text(token_id)
         return s
 
     # -- Tokenize -----------------------------------------------------------------

@@ -185,8 +185,10 @@ def test_chat_logprobs_are_the_librarys_in_openai_format(oai, llm):
     for got, lp in zip(content, want.logprobs):
         assert got.logprob == pytest.approx(lp.logprob, abs=1e-5)
         assert len(got.top_logprobs) == 3 and got.top_logprobs[0].logprob >= got.top_logprobs[-1].logprob
-        if got.token and "\ufffd" not in got.token:
+        if "\ufffd" not in got.token:
             assert bytes(got.bytes).decode("utf-8") == got.token
+    text = bytes(b for t in content for b in t.bytes).decode("utf-8", "replace")
+    assert text == r.choices[0].message.content  # the tokens' bytes add up to the answer
     stream = list(oai.chat.completions.create(model=llm.model_name, messages=MSG, stream=True, logprobs=True,
                                               top_logprobs=3, **greedy(6)))
     streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
@@ -199,6 +201,8 @@ def test_completions_logprobs_format(oai, llm):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
     for i in range(11):
         assert lp.text_offset[i + 1] == lp.text_offset[i] + len(lp.tokens[i])
+    if "\ufffd" not in r.choices[0].text:  # (a byte piece alone reads as U+FFFD)
+        assert "".join(lp.tokens) == r.choices[0].text  # each token spelled as it reads in the text
     # greedy: the drawn token is the most likely one (tokens that read the same share a key, so 1 or 2 keys)
     assert all(1 <= len(t) <= 2 and max(t.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)
                for i, t in enumerate(lp.top_logprobs))
@@ -252,7 +256,12 @@ def test_logit_bias_forces_a_token(oai, llm):
     ('{"messages": 3}', 400, "messages", "valid list"),
     ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, "temperature", "number"),
     ('{"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}', 400, "top_p", "top_p must be in (0, 1]"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', 400, None, "maximum context length"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', 400, "max_tokens",
+     "maximum context length"),
+    ('{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None, "lone surrogate"),
+    ('{"model": "\\udfff", "messages": [{"role": "user", "content": "hi"}]}', 400, None, "lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}', 400,
+     "stream_options", "stream set to true"),
     ('{"messages": [{"role": "user", "content": "hi"}], "n": 0}', 400, "n", "n must be"),
     ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', 400, "top_logprobs", "logprobs"),
     ('{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 99}', 400, "top_logprobs",
@@ -335,7 +344,12 @@ def slow_decode(llm, monkeypatch):
     monkeypatch.setattr(llm.runner, "decode", decode)
 
 
+def _aborted(llm) -> int:
+    return llm.engine.stats.snapshot()["finished"].get("abort", 0)
+
+
 def test_a_client_that_leaves_mid_stream_has_its_request_aborted(server, llm, slow_decode):
+    aborted = _aborted(llm)
     body = {"model": llm.model_name, "messages": MSG, "stream": True, "max_tokens": 100, "ignore_eos": True}
     with httpx.stream("POST", server.http_url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -344,8 +358,33 @@ def test_a_client_that_leaves_mid_stream_has_its_request_aborted(server, llm, sl
     deadline = time.time() + 5
     while llm.engine.stats.snapshot()["running"] and time.time() < deadline:
         time.sleep(0.01)
-    snap = llm.engine.stats.snapshot()
-    assert snap["running"] == 0 and snap["finished"].get("abort", 0) >= 1
+    assert llm.engine.stats.snapshot()["running"] == 0 and _aborted(llm) == aborted + 1
+
+
+def test_a_client_that_leaves_a_whole_answer_has_its_choices_aborted(server, llm, slow_decode):
+    aborted = _aborted(llm)
+    body = {"model": llm.model_name, "messages": MSG, "n": 2, "max_tokens": 100, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.http_url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.time() + 5
+    while _aborted(llm) < aborted + 2 and time.time() < deadline:
+        time.sleep(0.01)
+    assert _aborted(llm) == aborted + 2
+
+
+def test_the_body_limit_holds_for_chunked_uploads(llm):
+    with ServerThread(llm, ServerConfig(port=0, http_port=0, max_message_bytes=4096)) as srv:
+        body = json.dumps({"prompt": "hello " * 2000, "max_tokens": 1}).encode()
+
+        def chunks():
+            for i in range(0, len(body), 1000):
+                yield body[i:i + 1000]
+
+        for content in (body, chunks()):
+            r = httpx.post(srv.http_url + "/v1/completions", content=content,
+                           headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"]["message"]
+        assert httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
 def test_admission_refuses_with_429_counting_both_protocols(llm, slow_decode):
@@ -358,6 +397,9 @@ def test_admission_refuses_with_429_counting_both_protocols(llm, slow_decode):
             r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
             assert r.status_code == 429, r.text
             assert f"the most allowed is {cap}" in r.json()["error"]["message"]
+            # more choices than the server ever admits is bad input, not a 429 to retry forever
+            r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "n": cap + 1}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
             for it in held:
                 it.close()
         assert_all_free(llm, srv)
@@ -382,13 +424,16 @@ def test_auth_guards_both_protocols_and_leaves_health_and_metrics_open(llm):
                 list(c.generate("hi", max_tokens=2))
 
 
-def test_cors_only_for_the_allowed_origins(llm):
-    with ServerThread(llm, ServerConfig(port=0, http_port=0, allowed_origins=("http://ui.test",))) as srv:
+def test_cors_only_for_the_allowed_origins_and_on_refusals_too(llm):
+    cfg = ServerConfig(port=0, http_port=0, allowed_origins=("http://ui.test",), auth_token="s3cret")
+    with ServerThread(llm, cfg) as srv:
         pre = {"Origin": "http://ui.test", "Access-Control-Request-Method": "POST"}
         r = httpx.options(srv.http_url + "/v1/chat/completions", headers=pre)
         assert r.headers.get("access-control-allow-origin") == "http://ui.test"
         r = httpx.options(srv.http_url + "/v1/chat/completions", headers=dict(pre, Origin="http://evil.test"))
         assert "access-control-allow-origin" not in r.headers
+        r = httpx.get(srv.http_url + "/v1/models", headers={"Origin": "http://ui.test"})
+        assert r.status_code == 401 and r.headers.get("access-control-allow-origin") == "http://ui.test"
 
 
 def test_tokenize_and_detokenize(server, llm):

@@ -52,6 +52,9 @@ def _validation_message(exc: RequestValidationError) -> tuple:
         ctx = e.get("ctx") or {}
         return f"the request body is not valid JSON: {ctx.get('error', e.get('msg'))}.", None
     loc = [x for x in e.get("loc", ()) if x != "body"]
+    if not loc and e.get("type") == "value_error":  # a check of the whole body (e.g. lone surrogates)
+        msg = str(e.get("msg", ""))
+        return msg.split("Value error, ", 1)[-1], None
     # a union reports each alternative's path (``prompt.str``, ``prompt.list[int]``): keep the request's own path
     path, union = "", False
     for x in loc:
@@ -80,30 +83,13 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     token = config.auth_token.strip().encode() if config.auth_token else None
-    limit = config.max_message_bytes
-
-    if config.allowed_origins:
+    app.add_middleware(_Guard, token=token, limit=config.max_message_bytes,
+                       on_deny=lambda: servicer._rejected("unauthenticated"))
+    if config.allowed_origins:  # added last, so outermost: refusals carry the CORS headers too
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if token is not None and request.method != "OPTIONS" and not path.startswith(_OPEN_PATHS):
-            given = request.headers.get("authorization", "")
-            got = bearer_token(given) if given else None
-            if got is None or not hmac.compare_digest(got.encode(), token):
-                servicer._rejected("unauthenticated")
-                what = "missing" if not given else "invalid"
-                return JSONResponse(error_body(401, f"{what} API key: send 'Authorization: Bearer <token>'.",
-                                               code="invalid_api_key"), status_code=401)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limit:
-            return JSONResponse(error_body(413, f"the request body is {int(size)} bytes, more than the server's "
-                                           f"limit of {limit} bytes (serve --max-message-size)."), status_code=413)
-        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -223,6 +209,59 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
         return {"version": __version__}
 
     return app
+
+
+class _Guard:
+    """Plain ASGI middleware: the bearer token (open paths aside) and the body-size limit, counted as the body
+    arrives, so a chunked upload is held to it as well as one with a Content-Length."""
+
+    def __init__(self, app, *, token: Optional[bytes], limit: int, on_deny):
+        self.app = app
+        self.token = token
+        self.limit = limit
+        self.on_deny = on_deny
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        if self.token is not None and scope["method"] != "OPTIONS" and not scope["path"].startswith(_OPEN_PATHS):
+            given = headers.get("authorization", "")
+            got = bearer_token(given) if given else None
+            if got is None or not hmac.compare_digest(got.encode(), self.token):
+                self.on_deny()
+                what = "missing" if not given else "invalid"
+                body = error_body(401, f"{what} API key: send 'Authorization: Bearer <token>'.", code="invalid_api_key")
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > self.limit:
+            return await self._too_large(int(size), scope, receive, send)
+        seen = 0
+        refused = False
+
+        async def counted_receive():
+            # past the limit: answer 413 now and tell the app the client is gone, so it stops reading
+            nonlocal seen, refused
+            message = await receive()
+            if message["type"] == "http.request" and not refused:
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    refused = True
+                    await self._too_large(seen, scope, receive, send, at_least=True)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            if not refused:  # after a 413 the app's own answer is dropped
+                await send(message)
+
+        await self.app(scope, counted_receive, guarded_send)
+
+    async def _too_large(self, size: int, scope, receive, send, at_least: bool = False):
+        what = f"more than {size - 1}" if at_least else str(size)
+        body = error_body(413, f"the request body is {what} bytes, more than the server's limit of {self.limit} "
+                          "bytes (serve --max-message-size).")
+        await JSONResponse(body, status_code=413)(scope, receive, send)
 
 
 def model_card(serving: OpenAIServing, llm) -> dict:

@@ -59,9 +59,19 @@ def bad_request(err: Exception, fields: Iterable[str] = ()) -> APIError:
     message = str(err)
     m = _LEADING_NAME.match(message)
     param = m.group(1) if m and m.group(1) in set(fields) else None
-    if param is None and message.startswith("Requested logprobs"):  # vLLM's wording of the logprobs limit
-        param = "logprobs"
+    if param is None:
+        param = next((field for start, field in _MESSAGE_FIELDS if message.startswith(start)), None)
     return APIError(400, message, param=param)
+
+
+# The library's messages that do not start with their field's name (vLLM's wording), and the field.
+_MESSAGE_FIELDS = (
+    ("Requested logprobs", "logprobs"),
+    ("This model's maximum context length", "max_tokens"),
+    ("each stop string", "stop"),
+    ("the prompt is", "prompt"),
+    ("the conversation", "messages"),
+)
 
 
 def unsupported(field: str, why: str) -> APIError:

@@ -20,11 +20,39 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _surrogate_at(value, path: str = "") -> Optional[str]:
+    """The path of the first string holding a lone surrogate (JSON's ``\\ud800`` escapes allow them), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            where = _surrogate_at(k, path or "a key") or _surrogate_at(v, f"{path}.{k}" if path else str(k))
+            if where:
+                return where
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            where = _surrogate_at(v, f"{path}[{i}]")
+            if where:
+                return where
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_only(cls, data):
+        where = _surrogate_at(data)
+        if where:
+            raise ValueError(f"{where} is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff).")
+        return data
 
     def unknown_fields(self) -> list:
         return sorted(self.model_extra or ())

@@ -130,6 +130,10 @@ class OpenAIServing:
             raise APIError(503, "the server is shutting down and accepts no new requests.")
 
     def check_capacity(self, n: int) -> None:
+        cap = self.servicer._capacity()
+        if cap is not None and n > cap:  # could never be admitted: not a 429 to retry
+            raise APIError(400, f"this request asks for {n} choices, more than the server ever runs at once: "
+                           f"{cap} (max_num_seqs + max_waiting).", param="n")
         message = self.servicer.capacity_refusal(n)
         if message is not None:
             self.servicer.rejected += 1
@@ -163,7 +167,7 @@ class OpenAIServing:
 
         try:
             return await self.servicer._in_pool(build)
-        except ValueError as e:
+        except (ValueError, UnicodeError) as e:
             self.servicer._rejected("invalid_argument")
             raise bad_request(e, _FIELDS) from None
 
@@ -177,10 +181,11 @@ class OpenAIServing:
                 for req, stream in zip(reqs, self.llm.submit_group(reqs)):
                     calls.append(HttpCall(stream, len(req.prompt_ids)))
                     self.servicer.active[stream.request_id] = calls[-1]
-        except ValueError as e:
-            for c in calls:
-                c.abort()
-            raise APIError(400, str(e), param="request_id") from None
+        except BaseException as e:
+            self._release(calls)
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param="request_id") from None
+            raise
         self.servicer.idle.clear()
         return calls
 
@@ -235,6 +240,7 @@ class OpenAIServing:
         arrival = time.perf_counter()
         self.check_serving()
         self.check_model(body.model)
+        _check_stream_options(body)
         _log_unknown(body)
         chat = self._chat_inputs(body)
         self.check_capacity(max(1, body.n))  # before tokenizing: a full server says so at once
@@ -249,9 +255,8 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             reqs = await self._make(None, params, arrival, rid, body.priority, **chat)
-        except APIError as e:
-            if e.param == "logprobs":  # chat's count of alternatives is top_logprobs
-                e.param = "top_logprobs"
+        except APIError as e:  # chat's names for what the library calls logprobs and the prompt
+            e.param = {"logprobs": "top_logprobs", "prompt": "messages"}.get(e.param, e.param)
             raise
         prompt_text = reqs[0].prompt  # the rendered conversation: whether the output starts inside <think>
         calls = self._submit([reqs])
@@ -297,7 +302,7 @@ class OpenAIServing:
 
         reasoning, content, calls = parse_whole(text, self._reasoning_parser,
                                                 self._tool_parser if parse_tools else None, prompt_text=prompt_text)
-        return reasoning, content if (content or not calls) else None, calls
+        return reasoning, (content or None) if calls else (content or ""), calls
 
     def token_bytes(self, token_id: int) -> list:
         """The UTF-8 bytes a token stands for: its own byte for a byte piece (``<0xE6>``, byte-level BPE's
@@ -413,6 +418,7 @@ class OpenAIServing:
         arrival = time.perf_counter()
         self.check_serving()
         self.check_model(body.model)
+        _check_stream_options(body)
         _log_unknown(body)
         _refuse_response_format(body)
         if body.suffix:
@@ -565,6 +571,11 @@ def _piece_bytes(piece: str) -> Optional[bytes]:
 
 
 _BYTE_DECODER: dict = {}
+
+
+def _check_stream_options(body) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream set to true.", param="stream_options")
 
 
 def _refuse_response_format(body) -> None:
