@@ -356,9 +356,11 @@ class Chat:
             if code.name == "RESOURCE_EXHAUSTED":
                 self.note(f"jaxinfer: the server is busy ({_one_line(e.details)}); send the message again")
                 return None
-            self.note(f"jaxinfer: error: the server at {getattr(backend, 'address', '?')} answered "
-                      f"{code.name}: {_one_line(e.details)}")
+            self.note(f"jaxinfer: error: {_server_failure(getattr(backend, 'address', '?'), e)}")
             return EXIT_SERVER_ERROR
+        except KeyboardInterrupt:  # a second Ctrl-C while the answer stopped: the answer is dropped
+            self._end_line(printed)
+            raise
         self.answers.append(answer)
         self._end_line(printed)
         if stopped:
@@ -392,6 +394,13 @@ def _server_error_class():
     """`jaxinfer.server.client.ServerError` when the gRPC client is in use (a local chat never imports it)."""
     client = sys.modules.get("jaxinfer.server.client")
     return getattr(client, "ServerError", None)
+
+
+def _server_failure(address: str, e) -> str:
+    """One line for a failed call: nothing answered (UNAVAILABLE), or what the server answered."""
+    if e.code.name == "UNAVAILABLE":
+        return f"cannot reach a jaxinfer server at {address} ({_one_line(e.details)})"
+    return f"the server at {address} answered {e.code.name}: {_one_line(e.details)}"
 
 
 def _one_line(message: str) -> str:
@@ -435,8 +444,7 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
         try:
             backend = ServerBackend(args, overrides, token)
         except ServerError as e:
-            stderr.write(f"jaxinfer: error: the server at {args.server} answered {e.code.name}: "
-                         f"{_one_line(e.details)}\n")
+            stderr.write(f"jaxinfer: error: {_server_failure(args.server, e)}\n")
             stderr.flush()
             return EXIT_SERVER_ERROR
     else:

@@ -286,6 +286,16 @@ def test_local_and_server_chats_give_the_same_answers(llm, tiny_model_dir, engin
     llm.engine.allocator.check_all_free()
 
 
+def test_an_unreachable_server_is_one_line_and_status_1(monkeypatch, capsys):
+    from jaxinfer import cli
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert cli.main(["chat", "--server", "127.0.0.1:1", "--timeout", "10"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("jaxinfer: error: cannot reach a jaxinfer server at 127.0.0.1:1 ("), err
+
+
 def test_chat_refuses_a_model_without_a_chat_template(tmp_path, capsys):
     import jaxinfer
     from conftest import TINY, tiny_params
