@@ -397,10 +397,11 @@ def _server_error_class():
 
 
 def _server_failure(address: str, e) -> str:
-    """One line for a failed call: nothing answered (UNAVAILABLE), or what the server answered."""
-    if e.code.name == "UNAVAILABLE":
-        return f"cannot reach a jaxinfer server at {address} ({_one_line(e.details)})"
-    return f"the server at {address} answered {e.code.name}: {_one_line(e.details)}"
+    """One line for a failed call, worded as ``generate --server`` words it (nothing answered, too slow, or
+    what the server answered)."""
+    from jaxinfer.server.cli import server_error_message
+
+    return _one_line(server_error_message(address, e))
 
 
 def _one_line(message: str) -> str:

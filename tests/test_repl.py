@@ -293,7 +293,7 @@ def test_an_unreachable_server_is_one_line_and_status_1(monkeypatch, capsys):
     assert cli.main(["chat", "--server", "127.0.0.1:1", "--timeout", "10"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert err.startswith("jaxinfer: error: cannot reach a jaxinfer server at 127.0.0.1:1 ("), err
+    assert err.startswith("jaxinfer: error: no server answered at 127.0.0.1:1: "), err
 
 
 def test_chat_refuses_a_model_without_a_chat_template(tmp_path, capsys):
