@@ -15,16 +15,35 @@ parameter tree (with its config and tokenizer) as a directory `LLM` serves.
 """
 
 from jaxinfer._version import __version__
-from jaxinfer.attention import AttentionMetadata, paged_attention
-from jaxinfer.checkpoint import save_model
-from jaxinfer.config import EngineConfig, GenerationDefaults, ModelConfig, RopeScaling
-from jaxinfer.kv_cache import cache_specs, init_cache
-from jaxinfer.llm import LLM
-from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
-from jaxinfer.processor import InputProcessor
-from jaxinfer.sampler import SamplerState, SamplingMetadata, init_sampler_state, sample
-from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import decode_step, prefill
+
+# The names below load on first use, so `import jaxinfer` is quick and imports neither JAX nor grpc:
+# the CLI shows its first line (and a "loading JAX" stage) instead of a silent terminal.
+_LAZY = {
+    "AttentionMetadata": "jaxinfer.attention",
+    "paged_attention": "jaxinfer.attention",
+    "save_model": "jaxinfer.checkpoint",
+    "EngineConfig": "jaxinfer.config",
+    "GenerationDefaults": "jaxinfer.config",
+    "ModelConfig": "jaxinfer.config",
+    "RopeScaling": "jaxinfer.config",
+    "cache_specs": "jaxinfer.kv_cache",
+    "init_cache": "jaxinfer.kv_cache",
+    "LLM": "jaxinfer.llm",
+    "CompletionOutput": "jaxinfer.outputs",
+    "Logprob": "jaxinfer.outputs",
+    "RequestOutput": "jaxinfer.outputs",
+    "StreamDelta": "jaxinfer.outputs",
+    "InputProcessor": "jaxinfer.processor",
+    "SamplerState": "jaxinfer.sampler",
+    "SamplingMetadata": "jaxinfer.sampler",
+    "init_sampler_state": "jaxinfer.sampler",
+    "sample": "jaxinfer.sampler",
+    "SamplingParams": "jaxinfer.sampling_params",
+    "decode_step": "jaxinfer.step",
+    "prefill": "jaxinfer.step",
+    "Client": "jaxinfer.server.client",
+    "AsyncClient": "jaxinfer.server.client",
+}
 
 __all__ = [
     "__version__",
@@ -56,9 +75,19 @@ __all__ = [
 
 
 def __getattr__(name):
-    # The gRPC clients load on first use, so `import jaxinfer` does not import grpc.
-    if name in ("Client", "AsyncClient"):
-        from jaxinfer.server import client
+    import importlib
 
-        return getattr(client, name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule, e.g. jaxinfer.models after a plain `import jaxinfer`
+        return importlib.import_module(f"jaxinfer.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"jaxinfer.{name}":
+            raise
     raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -369,6 +369,11 @@ def generate_via_server(args: argparse.Namespace) -> int:
         out.write(json.dumps(result, ensure_ascii=False) + "\n")
     else:
         out.write("\n")
+        if kw.get("logprobs") is not None and final is not None:  # the same table as local generate's
+            from jaxinfer.cli_flags import print_logprobs
+
+            tt = final.token_text
+            print_logprobs(lambda i: tt.get(i) or None, final.logprobs or [])
     out.flush()
     if getattr(args, "trace", False) and final is not None and final.timings:
         sys.stderr.write(format_trace(server_summary(final), where="server side") + "\n")
