@@ -33,7 +33,7 @@ demo: setup
 # 8 fake CPU devices (tests/multidevice skips in a one-device process), kernel on and off.
 MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
 test: setup-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_paged_model.py tests/test_engine.py tests/test_llm.py
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_families.py -k logits_match
 	$(MESH8) $(BIN)/python -m pytest -q -p no:cacheprovider tests/multidevice
