@@ -216,14 +216,19 @@ def run_serve(args: argparse.Namespace) -> int:
         for path in (args.tls_cert, args.tls_key):
             if path is not None:
                 open(path, "rb").close()
-        check_engine_flags(args)
     except (ValueError, OSError) as e:
         return _err(str(e), 2)
-    try:
+    try:  # before anything slow (JAX, the model): a busy port fails in a second
         http_socket = bind_ports(config)
     except OSError as e:
         return _err(f"cannot serve on {config.host}: {e.strerror or e} (a port given by --port, --http-port or "
                     "--metrics-port is in use or not allowed; choose another, or 0 for a free one)", 2)
+    try:
+        check_engine_flags(args)
+    except ValueError as e:
+        if http_socket is not None:
+            http_socket.close()
+        return _err(str(e), 2)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and config.auth_token):
         log.warning("binding %s without %s: anyone who can reach this address can use the model",
                     config.host, "TLS and a token" if not config.tls_cert and not config.auth_token
