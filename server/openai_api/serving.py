@@ -203,12 +203,26 @@ class OpenAIServing:
         if not s.active:
             s.idle.set()
 
-    def _shutdown_abort(self, outputs) -> Optional[APIError]:
-        """A 503 when the shutdown aborted these requests after its grace period (the gRPC status's HTTP twin)."""
-        msg = self.servicer.abort_message
-        if msg is not None and any(o is not None and o.outputs[0].finish_reason == "abort" for o in outputs):
-            return APIError(503, msg)
+    def _failure(self, output) -> Optional[APIError]:
+        """Why a finished choice is an error instead of an answer: the engine failed it (500), or the shutdown
+        aborted it after its grace period (503, the gRPC status's HTTP twin); else None."""
+        reason = output.outputs[0].finish_reason
+        if reason == "error":
+            return APIError(500, "the engine failed this request.")
+        if reason == "abort" and self.servicer.abort_message is not None:
+            return APIError(503, self.servicer.abort_message)
         return None
+
+    async def _whole(self, calls: list, disconnected) -> list:
+        """Every choice's final output (not streamed); the call is released either way; raises a failure."""
+        try:
+            outputs = await _collect(calls, disconnected)
+        finally:
+            self._release(calls)
+        errors = [e for e in map(self._failure, outputs) if e is not None]
+        if errors:
+            raise min(errors, key=lambda e: e.status)  # a shutdown's 503 before an engine's 500
+        return outputs
 
     # -- /v1/chat/completions --------------------------------------------------------------
 
@@ -262,13 +276,7 @@ class OpenAIServing:
         calls = self._submit([reqs])
         if body.stream:
             return self._chat_stream(body, rid, calls, parse_tools, prompt_text, disconnected)
-        try:
-            outputs = await _collect(calls, disconnected)
-        finally:
-            self._release(calls)
-        err = self._shutdown_abort(outputs)
-        if err is not None:
-            raise err
+        outputs = await self._whole(calls, disconnected)
         choices = [self._chat_choice(i, o, parse_tools, logprobs, prompt_text) for i, o in enumerate(outputs)]
         return {
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
@@ -281,7 +289,6 @@ class OpenAIServing:
 
     def _chat_choice(self, index: int, out, parse_tools: bool, logprobs: Optional[int], prompt_text) -> dict:
         comp = out.outputs[0]
-        _raise_if_failed(comp)
         reasoning, content, calls = self._parse_whole(comp.text, parse_tools, prompt_text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
@@ -385,10 +392,7 @@ class OpenAIServing:
                 if delta.output is not None:
                     outputs[i] = delta.output
                     comp = delta.output.outputs[0]
-                    if comp.finish_reason == "error":
-                        yield _sse(APIError(500, "the engine failed this request.").body())
-                        continue
-                    err = self._shutdown_abort([delta.output])
+                    err = self._failure(delta.output)
                     if err is not None:
                         yield _sse(err.body())
                         continue
@@ -440,17 +444,10 @@ class OpenAIServing:
         echoes = [self._echo_text(g[0]) if body.echo else "" for g in groups]
         if body.stream:
             return self._completion_stream(body, rid, calls, n, echoes, disconnected)
-        try:
-            outputs = await _collect(calls, disconnected)
-        finally:
-            self._release(calls)
-        err = self._shutdown_abort(outputs)
-        if err is not None:
-            raise err
+        outputs = await self._whole(calls, disconnected)
         choices = []
         for i, out in enumerate(outputs):
             comp = out.outputs[0]
-            _raise_if_failed(comp)
             echo = echoes[i // n]
             choices.append({
                 "index": i, "text": echo + comp.text,
@@ -525,10 +522,7 @@ class OpenAIServing:
                     continue
                 outputs[i] = delta.output
                 comp = delta.output.outputs[0]
-                if comp.finish_reason == "error":
-                    yield _sse(APIError(500, "the engine failed this request.").body())
-                    continue
-                err = self._shutdown_abort([delta.output])
+                err = self._failure(delta.output)
                 if err is not None:
                     yield _sse(err.body())
                     continue
@@ -647,11 +641,6 @@ def _prompt_list(prompt) -> list:
 
 def _tool_call_dict(c) -> dict:
     return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-
-
-def _raise_if_failed(comp) -> None:
-    if comp.finish_reason == "error":
-        raise APIError(500, "the engine failed this request.")
 
 
 def _usage(outputs: list, n: int) -> dict:
