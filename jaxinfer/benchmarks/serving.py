@@ -1260,7 +1260,8 @@ def _openai_api_key(args) -> Optional[str]:
 
 def _probe_token_ids(client, endpoint: str, model: str, ids: list) -> Optional[str]:
     """Send one 1-token request with a token-id prompt: None when the server takes it, else why not
-    (a 400 or 422: the server wants text). Any other refusal is an `OpenAIServerError`."""
+    (a 400 or 422: the server wants text; or a 500 that names the prompt's type, as llama-cpp-python's
+    server answers a token-id prompt). Any other refusal is an `OpenAIServerError`."""
     import httpx
 
     try:
@@ -1271,7 +1272,7 @@ def _probe_token_ids(client, endpoint: str, model: str, ids: list) -> Optional[s
     if r.status_code == 200:
         return None
     why = http_error_text(r.status_code, r.content)
-    if r.status_code in (400, 422):
+    if r.status_code in (400, 422) or (r.status_code == 500 and "prompt" in why and "string" in why):
         return why
     raise OpenAIServerError(f"{endpoint} answered {why}")
 
