@@ -48,16 +48,17 @@ TOOL_ARGS = {"city": "Paris", "unit": "celsius"}
 REASONING = "The user asks for the weather in Paris."
 
 
-def sp_llm(path) -> "jaxinfer.LLM":
-    """The tiny random model with a 340-piece SentencePiece tokenizer and a ChatML template."""
+def sp_llm(path, name: str = "tiny-chat", **train) -> "jaxinfer.LLM":
+    """The tiny random model with a 340-piece SentencePiece tokenizer (``train``: SentencePiece trainer options)
+    and a ChatML template."""
     from test_tokenizer import train_tiny_sentencepiece
 
     from jaxinfer.tokenizer import Tokenizer
 
-    (path / "tokenizer.model").write_bytes(train_tiny_sentencepiece())
+    (path / "tokenizer.model").write_bytes(train_tiny_sentencepiece(**train))
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=Tokenizer.from_dir(path), engine_config=ENGINE,
-                                    name="tiny-chat")
+                                    name=name)
 
 
 def _script_tokenizer(path) -> "jaxinfer.tokenizer.Tokenizer":

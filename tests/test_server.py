@@ -538,20 +538,10 @@ def test_sigterm_drains_the_server_process(tmp_path):
 # A model with a tokenizer: tokenizing off the event loop, Tokenize's size limit
 # --------------------------------------------------------------------------- #
 
-_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def _sp_llm(path, **train):
-    from test_tokenizer import train_tiny_sentencepiece
+    from openai_models import sp_llm
 
-    from jaxinfer.tokenizer import Tokenizer
-
-    (path / "tokenizer.model").write_bytes(train_tiny_sentencepiece(**train))
-    (path / "chat_template.jinja").write_text(_CHAT_TEMPLATE)
-    return jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=Tokenizer.from_dir(path), engine_config=ENGINE)
+    return sp_llm(path, name="custom", **train)
 
 
 @pytest.fixture(scope="module")

@@ -226,8 +226,15 @@ class OpenAIServing:
 
     # -- /v1/chat/completions --------------------------------------------------------------
 
-    def _chat_inputs(self, body: ChatCompletionRequest) -> dict:
+    def _check_body(self, body) -> None:
+        """What both endpoints check first: serving, the model's name, stream options, unsupported formats."""
+        self.check_serving()
+        self.check_model(body.model)
+        _check_stream_options(body)
         _refuse_response_format(body)
+        _log_unknown(body)
+
+    def _chat_inputs(self, body: ChatCompletionRequest) -> dict:
         choice = body.tool_choice
         if isinstance(choice, dict) or choice == "required":
             raise unsupported("tool_choice", f"{json.dumps(choice)} is not supported yet (it needs structured "
@@ -252,10 +259,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, disconnected: Callable[[], Awaitable[None]]):
         """A chat completion: the response dict, or an async iterator of SSE bytes when ``stream``."""
         arrival = time.perf_counter()
-        self.check_serving()
-        self.check_model(body.model)
-        _check_stream_options(body)
-        _log_unknown(body)
+        self._check_body(body)
         chat = self._chat_inputs(body)
         self.check_capacity(max(1, body.n))  # before tokenizing: a full server says so at once
         if body.top_logprobs is not None and not body.logprobs:
@@ -420,11 +424,7 @@ class OpenAIServing:
 
     async def completion(self, body: CompletionRequest, disconnected: Callable[[], Awaitable[None]]):
         arrival = time.perf_counter()
-        self.check_serving()
-        self.check_model(body.model)
-        _check_stream_options(body)
-        _log_unknown(body)
-        _refuse_response_format(body)
+        self._check_body(body)
         if body.suffix:
             raise unsupported("suffix", "is not supported.")
         if body.best_of is not None and body.best_of != body.n:
