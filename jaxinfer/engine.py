@@ -33,7 +33,8 @@ import jax
 
 from jaxinfer.compile_cache import compile_count
 from jaxinfer.engine_stats import EngineStats
-from jaxinfer.outputs import StreamDelta
+from jaxinfer.distributed import to_host
+from jaxinfer.outputs import Logprob, StreamDelta
 from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.request import Request, TokenRef
 from jaxinfer.runner import ModelRunner, read_output
@@ -299,21 +300,24 @@ class Engine:
         n_before = len(self._pending)
         if sched.prefill:
             out = self.runner.prefill(sched.prefill)
-            rows = []
+            rows, scored = [], []
             for i, c in enumerate(sched.prefill):
                 r = c.request
                 if r.metrics.scheduled_time is None:
                     r.metrics.scheduled_time = now
                 r.metrics.prefill_chunks.append(now)
-                r.num_computed += c.length
-                self.stats.prompt_tokens += c.length
+                new = c.start + c.length - r.num_computed  # a chunk may start a token back (prompt logprobs)
+                r.num_computed += new
+                self.stats.prompt_tokens += new
+                if r.prompt_logprobs is not None and c.start + 1 < r.prompt_len:
+                    scored.append((r, i, c.start, c.length))
                 if r.prefill_done:
                     r.num_sampled += 1
                     r.last_token = TokenRef(out.tokens, i)
                     rows.append((r, i))
                 self.scheduler.register_full_pages(r)
-            if rows:
-                self._pending.append((rows, out))
+            if rows or scored:
+                self._pending.append((rows, out, scored))
         if sched.decode:
             out = self.runner.decode(sched.decode)
             for i, r in enumerate(sched.decode):
@@ -321,7 +325,7 @@ class Engine:
                 r.num_sampled += 1
                 r.last_token = TokenRef(out.tokens, i)
                 r.metrics.decode_steps += 1
-            self._pending.append(([(r, i) for i, r in enumerate(sched.decode)], out))
+            self._pending.append(([(r, i) for i, r in enumerate(sched.decode)], out, ()))
         self.stats.steps += 1
         # read everything but what this step dispatched: the device stays busy meanwhile
         keep = len(self._pending) - n_before
@@ -332,9 +336,16 @@ class Engine:
             self.stats.busy_s += total
             self.stats.host_s += total - (self.stats.wait_s - wait_before)
 
-    def _read(self, rows: list, out) -> None:
-        reqs = [r for r, _ in rows]
+    def _read(self, rows: list, out, scored=()) -> None:
+        """Bring one step's results home: prompt logprobs of the chunks in ``scored`` first (the
+        request may finish on the token below), then the tokens drawn for ``rows``."""
         t0 = time.perf_counter()
+        if scored:
+            read_prompt_logprobs(out, scored)
+        if not rows:
+            self.stats.wait_s += time.perf_counter() - t0
+            return
+        reqs = [r for r, _ in rows]
         results = read_output(out, reqs, [i for _, i in rows])
         now = time.perf_counter()
         self.stats.wait_s += now - t0
@@ -395,8 +406,11 @@ class Engine:
         """Every step program the engine can run (`jaxinfer.programs.ProgramKey`), in one list."""
         return self.runner.programs.keys(self.scheduler.prefill_area)
 
-    def request_program_keys(self, prompt_len: int, max_tokens: int) -> list:
-        """The programs one request run alone needs: its prefill chunks and its decode steps."""
+    def request_program_keys(self, prompt_len: int, max_tokens: int, prompt_logprobs: bool = False) -> list:
+        """The programs one request run alone needs: its prefill chunks and its decode steps.
+
+        ``prompt_logprobs``: the request asks for them, so its chunks after the first start a
+        token back (`jaxinfer.scheduler.overlap`)."""
         from jaxinfer.buckets import bucket_for, pages_needed
         from jaxinfer.programs import ProgramKey
 
@@ -405,9 +419,10 @@ class Engine:
         keys = set()
         start = 0
         while start < prompt_len:
-            n = min(prompt_len - start, self.scheduler.budget, self.scheduler.max_chunk)
+            back = int(prompt_logprobs and start > 0)
+            n = min(prompt_len - start, self.scheduler.budget - back, self.scheduler.max_chunk - back)
             width = table.page_width(pages_needed(start + n, e.page_size))
-            keys.add(ProgramKey("prefill", b, bucket_for(n, e.chunk_buckets), width))
+            keys.add(ProgramKey("prefill", b, bucket_for(n + back, e.chunk_buckets), width))
             start += n
         for context in range(prompt_len + 1, prompt_len + max(max_tokens, 1)):
             keys.add(ProgramKey("decode", b, 1, table.page_width(pages_needed(context, e.page_size))))
@@ -429,3 +444,22 @@ class Engine:
     @property
     def backend(self) -> str:
         return jax.default_backend()
+
+
+def read_prompt_logprobs(out, scored) -> None:
+    """Fill ``Request.prompt_logprobs`` from a prefill step's output (`jaxinfer.step.prompt_logprobs`).
+
+    ``scored``: [(request, row, chunk start, chunk length)]. Chunk index j scores the token at
+    position start + j + 1; positions past the prompt (a recompute after preemption) are not
+    prompt tokens and are left out, and one already filled is filled again with the same value.
+    """
+    lp, ids, top = to_host(out.prompt_logprob), to_host(out.prompt_top_ids), to_host(out.prompt_top_logprobs)
+    for r, i, start, length in scored:
+        if r.finished:
+            continue
+        k = r.params.prompt_logprobs
+        prompt = r.prompt_ids
+        for j in range(min(length - 1, r.prompt_len - 1 - start)):
+            p = start + j + 1
+            alts = {int(t): float(v) for t, v in zip(ids[i, j, :k], top[i, j, :k])}
+            r.prompt_logprobs[p] = Logprob(prompt[p], float(lp[i, j]), alts)

@@ -10,7 +10,11 @@ from jaxinfer.metrics import RequestMetrics
 
 @dataclass
 class Logprob:
-    """Logprob of a drawn token and the top alternatives at that step."""
+    """Logprob of a token and the top alternatives at its position.
+
+    For a drawn token: the step's raw distribution. For a prompt token (`RequestOutput.prompt_logprobs`):
+    the distribution the model gives at that position from the tokens before it, computed the same way.
+    """
 
     token_id: int
     logprob: float
@@ -40,6 +44,9 @@ class RequestOutput:
     outputs: list  # [CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # With SamplingParams.prompt_logprobs (vLLM's): one entry per prompt token, None for the first
+    # (nothing precedes it), then a Logprob of that token given the tokens before it.
+    prompt_logprobs: Optional[list] = None
 
     @property
     def text(self) -> str:
@@ -72,6 +79,7 @@ def merge_choices(request_id: str, outputs: list) -> RequestOutput:
         outputs=choices,
         finished=all(o.finished for o in outputs),
         metrics=first.metrics,
+        prompt_logprobs=first.prompt_logprobs,
     )
 
 

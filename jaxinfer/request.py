@@ -80,6 +80,11 @@ class Request:
         self.text = ""
         self.logprobs: Optional[list] = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # SamplingParams.prompt_logprobs: position p holds token p's Logprob given the tokens before
+        # it, filled as the prefill chunks are read back (position 0 stays None)
+        self.prompt_logprobs: Optional[list] = (
+            [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None
+        )
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
 
@@ -161,4 +166,5 @@ class Request:
             outputs=[comp],
             finished=self.finished,
             metrics=self.metrics,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )

@@ -28,6 +28,7 @@ of a fixed width, so a request with a bias runs the same program as any other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import field
 from typing import Optional
 
@@ -59,6 +60,7 @@ class SamplingMetadata:
     is_output: jax.Array  # [B] bool, the drawn token is an output token (not a mid-prompt chunk)
     prompt_lens: jax.Array  # [B] i32, tokens at or past this position are earlier outputs (recompute)
     want_logprobs: jax.Array  # [B] bool, the row's request asked for logprobs
+    want_prompt_logprobs: jax.Array  # [B] bool, the row's request asked for prompt logprobs (prefill)
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] i32, token ids of the row's logit_bias, -1 = none
     bias_values: jax.Array  # [B, MAX_LOGIT_BIAS] f32, the bias added to each of those logits
     max_logprobs: int = field(default=0, metadata=dict(static=True))
@@ -100,6 +102,11 @@ class SamplerOutput:
     logprob: Optional[jax.Array] = None  # [B] f32, logprob of the drawn token
     top_ids: Optional[jax.Array] = None  # [B, N] i32
     top_logprobs: Optional[jax.Array] = None  # [B, N] f32
+    # prefill only (`jaxinfer.step`): at chunk index j < last_index, the logprob of the chunk's token j + 1
+    # and the top N at j, for rows that asked for prompt logprobs (others hold zeros)
+    prompt_logprob: Optional[jax.Array] = None  # [B, T] f32
+    prompt_top_ids: Optional[jax.Array] = None  # [B, T, N] i32
+    prompt_top_logprobs: Optional[jax.Array] = None  # [B, T, N] f32
 
 
 def init_sampler_state(num_slots: int, vocab_size: int) -> SamplerState:
@@ -265,17 +272,29 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tupl
     if n == 0:
         return SamplerOutput(tokens=tokens), state
 
-    def top(raw_logits):
-        lp = jax.nn.log_softmax(raw_logits, axis=-1)
-        chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(lp, n)
-        return chosen, top_ids.astype(jnp.int32), top_lp
-
     def none(raw_logits):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)
 
+    top = functools.partial(token_logprobs, tokens=tokens, n=n)
     chosen, top_ids, top_lp = jax.lax.cond(jnp.any(md.want_logprobs), top, none, raw)
     return SamplerOutput(tokens, chosen, top_ids, top_lp), state
+
+
+def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The logprob of ``tokens`` [R] under each row of ``raw_logits`` [R, V] (float32, the model's own
+    distribution: no bias, penalty or temperature), and the row's ``n`` most likely (ids, logprobs).
+
+    The one definition of a reported logprob: the drawn tokens' (`sample`) and the prompt tokens'
+    (`jaxinfer.step`) both come from here, so scoring a finished sequence as a prompt gives back
+    what was reported while it was drawn.
+    """
+    lp = jax.nn.log_softmax(raw_logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    if n == 0:
+        r = raw_logits.shape[0]
+        return chosen, jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0), jnp.float32)
+    top_lp, top_ids = jax.lax.top_k(lp, n)
+    return chosen, top_ids.astype(jnp.int32), top_lp
 
 
 def build_metadata(
@@ -305,6 +324,7 @@ def build_metadata(
     is_out = np.zeros(batch_size, np.bool_)
     plens = np.zeros(batch_size, np.int32)
     want_lp = np.zeros(batch_size, np.bool_)
+    want_plp = np.zeros(batch_size, np.bool_)
     biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r is not None and r.params.logit_bias]
     if biased or neutral_bias is None:
         bias_ids = np.full((batch_size, MAX_LOGIT_BIAS), -1, np.int32)
@@ -326,6 +346,7 @@ def build_metadata(
             ids = list(r.banned)[:NUM_BANNED]
             banned[i, : len(ids)] = ids
         want_lp[i] = sp.logprobs is not None
+        want_plp[i] = sp.prompt_logprobs is not None
     return SamplingMetadata(
         temperature=temp,
         top_k=top_k,
@@ -341,6 +362,7 @@ def build_metadata(
         is_output=is_out,
         prompt_lens=plens,
         want_logprobs=want_lp,
+        want_prompt_logprobs=want_plp,
         bias_ids=bias_ids,
         bias_values=bias_values,
         max_logprobs=int(max_logprobs),

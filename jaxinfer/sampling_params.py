@@ -52,6 +52,10 @@ class SamplingParams:
     # Choices for one prompt: the engine prefills the prompt once and forks the others from it
     # (`jaxinfer.LLM.make_requests`); choice i samples with seed + i when a seed is given.
     n: int = 1
+    # vLLM's meaning: the logprob of every prompt token after the first under the model given the
+    # tokens before it, plus the top-k alternatives at that position (0: the token's own only).
+    # Such a request is never served from the prefix cache nor forked (every position is computed).
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -116,6 +120,10 @@ class SamplingParams:
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0:
                 raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None:
+            v = self.prompt_logprobs
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"prompt_logprobs must be a non-negative integer (or None), got {v!r}.")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
         for s in self.stop:
@@ -148,6 +156,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), got {self.top_k}.")
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise ValueError(f"Requested logprobs of {self.logprobs}, which is greater than max allowed: {max_logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
+            raise ValueError(
+                f"Requested prompt_logprobs of {self.prompt_logprobs}, which is greater than max allowed: "
+                f"{max_logprobs}."
+            )
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids must be smaller than the vocabulary size ({vocab_size}), got {t}.")
@@ -171,6 +184,10 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None
 
     @property
     def has_logit_bias(self) -> bool:

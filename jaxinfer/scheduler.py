@@ -19,6 +19,14 @@ the prefix cache), and computes only the rest of the prompt; until one has, it
 waits at the head of the queue. A request that uses penalties neither forks
 nor takes prefix-cache hits: its token history (`jaxinfer.sampler.SamplerState`)
 is recorded from the tokens it feeds, so it must feed its whole prompt.
+
+A request that asks for prompt logprobs (`SamplingParams.prompt_logprobs`) neither
+forks nor takes prefix-cache hits either (as in vLLM): every prompt position's
+logits come from its own prefill. A chunk scores each of its tokens but the last
+from the position before it, so each of such a request's chunks after the first
+starts one token early (`overlap`): it recomputes the previous chunk's last
+position, whose distribution scores this chunk's first token. The page that
+position lies in is named for the prefix cache only after it is rewritten.
 """
 
 from __future__ import annotations
@@ -37,6 +45,13 @@ from jaxinfer.runner import PrefillChunk
 
 
 _WAIT = "wait"  # a group member that will fork once a running member has computed the prompt's pages
+
+
+def overlap(r: Request) -> int:
+    """1 when `r`'s next prefill chunk starts a token before ``num_computed``: it asked for prompt
+    logprobs and its next token is a prompt token after the first, which is scored from the
+    previous position's distribution (recomputed in that chunk); else 0."""
+    return int(r.params.wants_prompt_logprobs and 0 < r.num_computed < r.prompt_len)
 
 
 @dataclass
@@ -158,7 +173,7 @@ class Scheduler:
         could write to a page given back now.) The entries become 0, the dummy page: the CPU
         kernel starts each row at its window and the pure-JAX path masks what it gathers there.
         """
-        first_key = r.num_computed - self.kv_window + 1
+        first_key = r.num_computed - overlap(r) - self.kv_window + 1
         upto = min(max(0, first_key) // self.page_size, len(r.pages))
         if upto <= r.num_released_pages:
             return
@@ -177,7 +192,7 @@ class Scheduler:
         """Name the pages whose tokens are all known and written, for later prefix hits."""
         if not self.allocator.enable_prefix_cache or not r.pages:
             return
-        upto = min(r.num_known_tokens, r.num_computed) // self.page_size
+        upto = min(r.num_known_tokens, r.num_computed - overlap(r)) // self.page_size
         if upto <= r.num_registered_pages:
             return
         extend_hashes(r.page_hashes, r.known_token_ids(), self.page_size)
@@ -218,12 +233,13 @@ class Scheduler:
                 out.decode.append(r)
                 budget -= 1
             else:
-                n = min(r.prefill_target - r.num_computed, budget, self.max_chunk)
-                n = self._fit_chunk(out.prefill, n) if n > 0 else 0
+                back = overlap(r)
+                n = min(r.prefill_target - r.num_computed, budget - back, self.max_chunk - back)
+                n = self._fit_chunk(out.prefill, n + back) - back if n > 0 else 0
                 if n <= 0 or not self._grow(r, r.num_computed + n, out):
                     continue
-                out.prefill.append(PrefillChunk(r, r.num_computed, n))
-                budget -= n
+                out.prefill.append(PrefillChunk(r, r.num_computed - back, n + back))
+                budget -= n + back
         if out.preempted:
             return out  # no admissions in a step that had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
@@ -249,7 +265,7 @@ class Scheduler:
         """
         ps = self.page_size
         k = min(r.prompt_len // ps, (r.num_known_tokens - 1) // ps)  # pages of prompt tokens only
-        if k == 0 or r.params.uses_penalties:
+        if k == 0 or r.params.uses_penalties or r.params.wants_prompt_logprobs:
             return None
         behind = max(0, k * ps - self.kv_window + 1) // ps if self.kv_window else 0
         wait = False
@@ -274,7 +290,7 @@ class Scheduler:
             return None
         if fork is not None:
             behind, hit = fork
-        elif self.allocator.enable_prefix_cache and not r.params.uses_penalties:
+        elif self.allocator.enable_prefix_cache and not (r.params.uses_penalties or r.params.wants_prompt_logprobs):
             extend_hashes(r.page_hashes, tokens, ps)
             hashes = r.page_hashes[: (len(tokens) - 1) // ps]  # keep >= 1 token to run
             if self.kv_window:

@@ -10,10 +10,19 @@ Compile keys are the model config and the padded shapes (batch, chunk length,
 and the page-table width); sampler settings, logprobs and context lengths are
 data. The engine compiles them ahead of time into its program table
 (`jaxinfer.programs`); calling these jitted functions directly works too.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) come from the prefill itself:
+when a row of the chunk asks for them (a data flag, `lax.cond`: a prefill without
+such a row does nothing more), the hidden state at each of its chunk positions
+goes through the LM head and `jaxinfer.sampler.token_logprobs` — the same
+functions that give a drawn token's logprob — in blocks of `PROMPT_LOGPROB_ROWS`
+rows, so the logits held at once stay bounded whatever the chunk (a 4,096-token
+step of a 49k vocabulary would be 800 MB at once; a block is 6 MB).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import chex
@@ -23,7 +32,60 @@ import jax.numpy as jnp
 from jaxinfer.attention import AttentionMetadata
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import get_family
-from jaxinfer.sampler import SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, sample
+from jaxinfer.sampler import (
+    SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, sample, token_logprobs,
+)
+
+# Logits rows computed at once for prompt logprobs: a block of the chunk's positions at a time. At
+# most `jaxinfer.cpu_matmul.MAX_ROWS_FLOAT`, so on CPU the head's product takes the native kernel,
+# as a decode step's does.
+PROMPT_LOGPROB_ROWS = 32
+
+
+def prompt_logprobs(
+    params: Any, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, last_index: jax.Array,
+    sampling: SamplingMetadata,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The logprob of each chunk token given the ones before it, from the chunk's hidden states.
+
+    hidden: [B, T, D]; tokens: [B, T]. Returns (logprob [B, T], top ids [B, T, N], top logprobs
+    [B, T, N]), N = ``sampling.max_logprobs``: at index j < ``last_index`` of a row that asked
+    (``sampling.want_prompt_logprobs``) the logprob of token j + 1 under the distribution at j and
+    the N most likely tokens there; zeros elsewhere. The row's last token is scored by the sampler
+    (it is the drawn token's position) or, mid-prompt, by the next chunk (`jaxinfer.scheduler`
+    starts that one a token earlier). Logits are made `PROMPT_LOGPROB_ROWS` rows at a time, and a
+    block without a row that asked is skipped.
+    """
+    b, t, d = hidden.shape
+    n = sampling.max_logprobs
+    family = get_family(cfg.architecture)
+    rows = b * t
+    r = min(PROMPT_LOGPROB_ROWS, rows)
+    nb = -(-rows // r)
+    pad = nb * r - rows
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    scored = sampling.want_prompt_logprobs[:, None] & (jnp.arange(t)[None, :] < last_index[:, None])
+
+    def blocks(x, *tail):
+        return jnp.pad(x.reshape(rows, *tail), [(0, pad)] + [(0, 0)] * len(tail)).reshape(nb, r, *tail)
+
+    def zeros(m):
+        return jnp.zeros((m,), jnp.float32), jnp.zeros((m, n), jnp.int32), jnp.zeros((m, n), jnp.float32)
+
+    def block(args):
+        h, tg, sc = args
+        return jax.lax.cond(
+            jnp.any(sc),
+            lambda: token_logprobs(family.logits(params, cfg, h), tg, n),
+            lambda: zeros(r),
+        )
+
+    def every_block():
+        lp, ids, top = jax.lax.map(block, (blocks(hidden, d), blocks(targets), blocks(scored)))
+        return lp.reshape(nb * r)[:rows], ids.reshape(nb * r, n)[:rows], top.reshape(nb * r, n)[:rows]
+
+    lp, ids, top = jax.lax.cond(jnp.any(scored), every_block, lambda: zeros(rows))
+    return lp.reshape(b, t), ids.reshape(b, t, n), top.reshape(b, t, n)
 
 
 def _step_core(
@@ -47,6 +109,9 @@ def _step_core(
         valid = jnp.arange(t)[None, :] <= last_index[:, None]
         sampler_state = record_prompt_if_needed(sampler_state, tokens, attn.positions, valid, sampling)
     out, sampler_state = sample(logits, sampling, sampler_state)
+    if record:  # a prefill chunk: prompt logprobs for the rows that ask
+        lp, ids, top = prompt_logprobs(params, cfg, hidden, tokens, last_index, sampling)
+        out = dataclasses.replace(out, prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=top)
     return out, kv_cache, sampler_state
 
 
