@@ -1,28 +1,37 @@
-"""A native CPU kernel for decode's few-row products ``x @ W`` (XLA FFI), quantized or float32.
+"""A native CPU kernel for the products ``x @ W`` (XLA FFI), float or quantized, any rows.
 
 Batch-1 decode reads every weight once per token, so a step is bound by memory bandwidth.
 XLA's CPU path for a quantized weight dequantizes it into a float32 copy and then runs its
 dot over that copy (several times the bytes of the weight); its float32 matrix-vector
-product reaches about half the bandwidth. `jaxinfer/kernels/matmul_cpu.cc` reads each
-weight byte once, converts it in registers, and shares output columns with XLA's intra-op
-thread pool. See `benchmarks/matmul_kernel.py` for the figures behind `MAX_ROWS`.
+product reaches about half the bandwidth, and its bfloat16 one rounds the activations to
+bfloat16. `jaxinfer/kernels/matmul_cpu.cc` reads each weight element once, widens it in
+registers, and shares output columns with XLA's intra-op thread pool. Prefill's many rows
+take the same kernel, blocked: each thread converts a cache-sized panel of its columns to
+float32 once and runs every row over it. See `benchmarks/matmul_kernel.py` for the figures.
 
-Weights it takes (``y [M, N] float32 = x [M, K] float32 @ W``):
+Weights it takes (``y [M, N] float32 = x [M, K] float32 @ W``; activations stay float32):
 
 - a `jaxinfer.quant.QuantizedWeight` (int8, or int4 with or without an offset, any group
   that divides K), contracted over its rows (``w_contract`` 0);
 - a `QuantizedWeight` stored transposed, ``[N, K]`` with groups along its rows (``axis`` 1,
   GGUF's row blocks: a tied LM head), int8 without an offset only, contracted over its
   columns (``w_contract`` 1): q ``int8 [N, K]``, scale ``float16 [N, K / group]``;
-- a float32 ``[K, N]`` array (``w_contract`` 0), or ``[N, K]`` (``w_contract`` 1: a tied LM
-  head stored ``[vocab, hidden]``).
+- a float32, bfloat16 or float16 ``[K, N]`` array (``w_contract`` 0), or ``[N, K]``
+  (``w_contract`` 1: a tied LM head stored ``[vocab, hidden]``). 16-bit weights are
+  widened exactly to float32 (x is not rounded to 16 bits, as XLA's bfloat16 dot does).
+
+One reduction order: each output element is computed by the same float operations in the
+same order whatever the number of rows in the call, the row's position among them, the
+other rows, the thread count and the path inside the kernel (few rows or blocked), so a
+row's result is bitwise the same alone or in any batch (the kernel's top comment gives the
+order; tests/test_cpu_matmul.py checks it for every weight form).
 
 Use: `start_build` early (a background compile, once per machine, cached on disk), then
 `prepare` before tracing (loads and registers; returns whether the kernel is there). In a
 trace, call `matmul` only where `fits` says so; `fits` never builds, and is False off CPU,
-with ``JAXINFER_CPU_KERNELS=0``, after a failed build, past the row limit, and under a
-multi-device mesh (XLA cannot partition a custom call). `matmul`'s derivatives are those of
-the XLA formula (`xla_matmul`), which computes the same function.
+with ``JAXINFER_CPU_KERNELS=0``, after a failed build, for a weight it does not take, and
+under a multi-device mesh (XLA cannot partition a custom call). `matmul`'s derivatives are
+those of the XLA formula (`xla_matmul`), which computes the same function.
 """
 
 from __future__ import annotations
@@ -43,24 +52,12 @@ from jaxinfer import kernels, mesh
 from jaxinfer.quant import QuantizedWeight
 
 SOURCE = "matmul_cpu.cc"
-TARGET_F32 = "jaxinfer_matmul_f32"
+TARGET_FLOAT = "jaxinfer_matmul_float"
 TARGET_Q = "jaxinfer_matmul_q"
-_SYMBOLS = {TARGET_F32: "JaxinferMatmulF32", TARGET_Q: "JaxinferMatmulQ"}
+_SYMBOLS = {TARGET_FLOAT: "JaxinferMatmulFloat", TARGET_Q: "JaxinferMatmulQ"}
 
-# The most rows of x the kernel is used for, from benchmarks/matmul_kernel.py (SmolLM2-135M's
-# 30 layers and LM head chained, a 2-core AVX-512 host). Quantized weights: XLA's path
-# dequantizes every weight into a float32 copy first; the kernel was 12-27x faster at 1 row,
-# 7-8x at 16, 3.5-4.5x at 48, and still 2.9x at 64 (the most measured; 64 rows are left to
-# XLA's path, which tests/test_quant.py takes as prefill's). Float32: 1.0x at 1 row (both
-# near the bandwidth floor), 1.2-1.7x from 2 to 48 rows, 1.1-1.3x at 64, where XLA's blocked
-# GEMM catches up.
-MAX_ROWS = 48
-MAX_ROWS_FLOAT = 48
-
-
-def max_rows(w: Any) -> int:
-    """The row limit for weight ``w`` (`MAX_ROWS` or `MAX_ROWS_FLOAT`)."""
-    return MAX_ROWS if isinstance(w, QuantizedWeight) else MAX_ROWS_FLOAT
+# The float weight dtypes the kernel takes (widened to float32 in registers).
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 # ---------------------------------------------------------------------------
@@ -104,13 +101,13 @@ def _isa_of(lib: ctypes.CDLL) -> str:
     return fn().decode()
 
 
-_variants: dict = {}  # flags -> (targets {"f32": name, "q": name}, isa)
+_variants: dict = {}  # flags -> (targets {"float": name, "q": name}, isa)
 
 
 def load_variant(flags: Sequence[str]) -> tuple[dict, str]:
     """Build the kernel with other compiler flags (e.g. ``["-O3", "-march=native",
     "-mno-avx512f"]`` for the AVX2 path), load it and register its handlers under their own
-    target names; returns ({"f32": target, "q": target}, isa). For tests and benchmarks:
+    target names; returns ({"float": target, "q": target}, isa). For tests and benchmarks:
     pass the targets to `matmul` (``targets=``). Cached on disk like the default build.
     Raises RuntimeError when it cannot be built."""
     flags = tuple(flags)
@@ -143,8 +140,8 @@ def load_variant(flags: Sequence[str]) -> tuple[dict, str]:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(out)
-    targets = {"f32": f"{TARGET_F32}_{key}", "q": f"{TARGET_Q}_{key}"}
-    jax.ffi.register_ffi_target(targets["f32"], jax.ffi.pycapsule(lib.JaxinferMatmulF32), platform="cpu")
+    targets = {"float": f"{TARGET_FLOAT}_{key}", "q": f"{TARGET_Q}_{key}"}
+    jax.ffi.register_ffi_target(targets["float"], jax.ffi.pycapsule(lib.JaxinferMatmulFloat), platform="cpu")
     jax.ffi.register_ffi_target(targets["q"], jax.ffi.pycapsule(lib.JaxinferMatmulQ), platform="cpu")
     _variants[flags] = (targets, _isa_of(lib))
     _libs.append(lib)
@@ -191,26 +188,28 @@ def _weight_ok(w: Any, w_contract: int) -> bool:
 
         return jnp.dtype(w.q.dtype) == qdtype and w.scale is not None and side_ok(w.scale) and side_ok(w.offset)
     shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
-    return (shape is not None and len(shape) == 2 and dtype is not None and jnp.dtype(dtype) == jnp.float32
-            and w_contract in (0, 1))
+    return (shape is not None and len(shape) == 2 and dtype is not None
+            and jnp.dtype(dtype) in [jnp.dtype(d) for d in FLOAT_DTYPES] and w_contract in (0, 1))
 
 
 def fits(rows: int, w: Any, w_contract: int = 0) -> bool:
     """Whether to stage the kernel for ``rows`` rows of x times ``w``: a CPU default backend,
-    the kernel already loaded (this never builds: safe in a trace), at most `max_rows(w)`
-    rows, a weight it takes, and no multi-device mesh being traced under."""
+    the kernel already loaded (this never builds: safe in a trace), at least one row (any
+    number: decode's few and prefill's many take the same kernel, in the same reduction
+    order), a weight it takes, and no multi-device mesh being traced under."""
     return (
         jax.default_backend() == "cpu"
         and kernels.enabled()
         and kernels.ready(SOURCE)
-        and 1 <= rows <= max_rows(w)
+        and rows >= 1
         and _weight_ok(w, w_contract)
         and mesh.tp_size() == 1
     )
 
 
 def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
-    """XLA's path for the same product: dequantize (a quantized weight), then dot, in float32."""
+    """XLA's path for the same function: dequantize (a quantized weight) or widen (a 16-bit
+    one), then dot, in float32. The kernel's derivatives; the reference its tests use."""
     f32 = jnp.float32
     if isinstance(w, QuantizedWeight) and _axis(w) == 1 and w.bits == 8 and w.offset is None:
         n, k = w.q.shape  # [N, K], scale [N, K / group]
@@ -228,12 +227,13 @@ def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] =
     """``x2 [M, K] @ w`` -> ``[M, N]`` float32 by the native kernel (see `fits`).
 
     ``w``: a `QuantizedWeight` [K, N] (``w_contract`` 0) or int8 [N, K] (``axis`` 1,
-    ``w_contract`` 1), or float32 [K, N] (``w_contract`` 0) or [N, K] (``w_contract`` 1).
+    ``w_contract`` 1), or float32, bfloat16 or float16 [K, N] (``w_contract`` 0) or [N, K]
+    (``w_contract`` 1). ``x2`` is taken as float32 (never rounded to the weight's dtype).
     ``targets``: another build's handlers (`load_variant`), for tests.
     ``share``: whether to share the work with XLA's intra-op threads (default: unless a
     multi-device mesh is being traced under); False measures one thread, in benchmarks.
     """
-    names = (targets["f32"], targets["q"]) if targets else (TARGET_F32, TARGET_Q)
+    names = (targets["float"], targets["q"]) if targets else (TARGET_FLOAT, TARGET_Q)
     if share is None:
         share = mesh.tp_size() == 1
     return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names, bool(share))

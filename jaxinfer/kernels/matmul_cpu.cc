@@ -1,16 +1,19 @@
-// Few-row matrix products for XLA's CPU backend (XLA FFI handlers): y = x @ W, float32 out.
+// Matrix products for XLA's CPU backend (XLA FFI handlers): y = x @ W, float32 out, any rows.
 //
 // Decode multiplies a handful of activation rows by every weight of the model, once per
 // token, so a step is bound by how fast the weights stream from memory. XLA's CPU path
 // dequantizes a quantized weight into a float32 copy before its dot (several times the
 // bytes), and its float32 matrix-vector product reaches about half the bandwidth. These
-// kernels read each weight byte once, convert it in registers, and keep every row's
-// partial sums in registers.
+// kernels read each weight element once, widen it in registers, and keep every row's
+// partial sums in registers. Prefill's many rows take the same kernels, blocked so that a
+// converted weight panel serves every row while it is in cache.
 //
 // Handlers (jaxinfer/cpu_matmul.py calls them):
 //
-//   JaxinferMatmulF32   x [M, K] f32, w f32: [K, N] (w_contract 0) or [N, K] (w_contract 1,
-//                       a tied LM head stored [vocab, hidden]) -> y [M, N] f32
+//   JaxinferMatmulFloat x [M, K] f32, w f32, bf16 or f16: [K, N] (w_contract 0) or [N, K]
+//                       (w_contract 1, a tied LM head stored [vocab, hidden]) -> y [M, N] f32.
+//                       16-bit weights are widened exactly (bf16: a shift; f16: cvtph) and
+//                       multiplied in float32: x is never rounded.
 //   JaxinferMatmulQ     x [M, K] f32, q, scale, offset -> y [M, N] f32, the weight being a
 //                       jaxinfer.quant.QuantizedWeight:
 //                         bits 8: q int8 [K, N];  bits 4: q uint8 [K/2, N], row 2j in the
@@ -22,22 +25,41 @@
 //                       GGUF's blocks): q int8 [N, K], scale f16 [N, K/group], offset [0, N];
 //                       w[n, k] = scale[n, k/group] * q[n, k], y[m, n] = sum_k x[m, k] w[n, k].
 //
-// [K, N] layout: a work item is a band of output columns (at most 16 x 4 vectors; the
-// bands split evenly over the threads). Inside it, the rows of x are taken in tiles of up
-// to kMaxTile rows, and columns in panels of NV vectors; for a block of kKBlock contraction
-// rows (never straddling a scale group) the tile's partial sums are MT x NV vector
-// registers: each weight vector is loaded and converted once and multiplied into every row
-// (x, repacked per tile at the start of a call, broadcast from one pointer). At the end of
-// a block the sums are scaled by the group's scale vector and added into y (in cache); at
-// the end of a group the offset term offset[g, n] * sum(x[m, group]) is added (the sums of
-// x per group are computed once per call; int4 without an offset is offset -8 * scale).
-// Each panel prefetches its next block. Columns past the last whole vector are done by a
-// scalar loop. int4 bytes are converted whole (lo + 16 hi) and by their low nibble only,
-// with x repacked so that two multiply-adds give x[2j] lo + x[2j+1] hi (see Problem::xt).
+// ONE REDUCTION ORDER. Each output element y[m, n] is computed by the same sequence of
+// float operations whatever the number of rows M, the row's position, the other rows, the
+// tile sizes, the thread count and band split, and whichever of the two [K, N] paths below
+// runs, so a row's result is bitwise the same alone or in any batch:
 //
-// [N, K] layout (transposed, float32 or int8): a work item is a band of weight rows (=
-// output columns), a contiguous run of memory; tiles of MT x NT dot products along K,
-// reduced at the end (int8: converted in registers, scaled per group or per row).
+//   [K, N]: y = 0; for each block of kKBlock contraction rows (never straddling a scale
+//     group; K itself for a float weight in blocks of kKBlock): acc = 0, then acc =
+//     fma(x[k], w[k, n], acc) for k in order (int4: per byte row j, acc = fma(b, whole,
+//     fma(a, lo, acc)), see Problem::xt); then float: y = y + acc; quantized: y =
+//     fma(scale, acc', y), with acc' = acc - 8 xsum at a group's last block (int4 without
+//     offset) and, at a group's last block with an offset, y = fma(offset, xsum, y).
+//     Columns past the last whole vector: a scalar loop of its own fixed order (tail_columns).
+//   [N, K]: acc lanes over k in steps of the vector width, a fixed horizontal sum, then the
+//     k past the last whole vector in order (int8: per group or per row scales as below).
+//
+// [K, N] layout, few rows (at most kMaxTile: decode). A work item is a band of output
+// columns (at most 16 x 4 vectors; the bands split evenly over the threads). Rows of x are
+// one tile, columns go in panels of NV vectors; for each block the tile's partial sums are
+// MT x NV vector registers: each weight vector is loaded and converted once and multiplied
+// into every row (x, repacked at the start of a call, broadcast from one pointer). At the
+// end of a block the sums go into y (in cache) as above. Each panel prefetches its next
+// block. Columns past the last whole vector are done by a scalar loop. int4 bytes are
+// converted whole (lo + 16 hi) and by their low nibble only, with x repacked so that two
+// multiply-adds give x[2j] lo + x[2j+1] hi (see Problem::xt).
+//
+// [K, N] layout, more rows (prefill): per band and block, the block's weights over the
+// band's whole vectors are converted once to float32 (int4: the same lo / whole floats)
+// into a thread-local panel (kKBlock x band, in L2), then every tile of kGemmRows rows runs
+// over it, panel of kGemmVecs vectors by panel (a panel's 2-4 KB stay in L1 across the
+// tiles). Converting is exact, and the multiply-adds and the fold into y are the ones the
+// few-row path does, in the same order: bitwise the same results.
+//
+// [N, K] layout (transposed: float32, bf16, f16 or int8): a work item is a band of weight
+// rows (= output columns), a contiguous run of memory; tiles of MT x NT dot products along
+// K, reduced at the end (int8: converted in registers, scaled per group or per row).
 //
 // Work items are shared with XLA's intra-op thread pool (as the attention kernel does):
 // workers take items from an atomic counter, the calling thread works too and then waits
@@ -87,6 +109,14 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
+// bfloat16 is float32's upper half: widening is a shift.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // ---------------------------------------------------------------------------
 // vector traits: F a vector of L floats
 
@@ -108,6 +138,7 @@ struct Scalar {
     lo = static_cast<float>(*p & 15);
   }
   static F load_h(const uint16_t* p) { return half_to_float(*p); }
+  static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static float h2f(uint16_t h) { return half_to_float(h); }
   static float sum(F v) { return v; }
 };
@@ -136,6 +167,10 @@ struct Avx512 {
   static F load_h(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static F load_bf16(const uint16_t* p) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
   static float h2f(uint16_t h) { return _cvtsh_ss(h); }
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
 };
@@ -161,6 +196,10 @@ struct Avx2 {
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15)));
   }
   static F load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_bf16(const uint16_t* p) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
   static float h2f(uint16_t h) { return _cvtsh_ss(h); }
   static float sum(F v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -182,12 +221,18 @@ constexpr const char* kIsa = "avx2";
 constexpr const char* kIsa = "scalar";
 #endif
 
-constexpr int kMaxTile = Vec::L == 16 ? 16 : (Vec::L == 8 ? 12 : 8);  // rows of x per tile
+constexpr int kMaxTile = Vec::L == 16 ? 16 : (Vec::L == 8 ? 12 : 8);  // rows of x per tile (few-row path)
+// The many-row path's register tile: kGemmRows rows of x by kGemmVecs vectors of columns
+// (accumulators + the panel's weight vectors + one broadcast fit the register file; loads
+// per multiply-add: AVX-512 10 / 24, AVX2 8 / 12).
+constexpr int kGemmRows = Vec::L == 1 ? 4 : 6;
+constexpr int kGemmVecs = Vec::L == 16 ? 4 : 2;
 // Contraction rows per block (a multiple of 2). Prefetching the next block of a panel while
 // this one is summed gives the quantized panels (one cache line or less a row) memory-level
 // parallelism that the hardware prefetchers do not: measured single-threaded on cold int8 /
 // int4 weights, 2-3x the GB/s of no prefetching; float32 rows (4 lines a panel) stream well
-// without it at one row of x, and take it from 2 rows on.
+// without it at one row of x, and take it from 2 rows on. The block is also the unit of
+// the reduction order (see the top of the file): changing it changes every result's bits.
 constexpr int kKBlock = 32;
 constexpr int kPrefetchRows = 32;
 constexpr int64_t kMaxBandUnits = 16;  // a work item's columns, at most, in units of 4 vectors
@@ -203,16 +248,46 @@ constexpr int panel_vectors(int mt) {
 // ---------------------------------------------------------------------------
 // the problem
 
-enum Kind { kF32 = 0, kI8 = 1, kU4 = 2 };
+enum Kind { kF32 = 0, kI8 = 1, kU4 = 2, kBF16 = 3, kF16 = 4 };
 enum OffsetMode { kNoOffset = 0, kOffset = 1, kMinus8 = 2 };  // kMinus8: int4 without offset, v = u - 8
+
+constexpr bool is_float(int kind) { return kind == kF32 || kind == kBF16 || kind == kF16; }
+constexpr int elem_bytes(int kind) { return kind == kF32 ? 4 : (kind == kBF16 || kind == kF16 ? 2 : 1); }
+
+// One weight element, widened to float32 (exactly; int4 is not an element: see tail_columns).
+template <int KIND>
+inline float w_at(const void* w, int64_t i) {
+  if constexpr (KIND == kF32)
+    return static_cast<const float*>(w)[i];
+  else if constexpr (KIND == kI8)
+    return static_cast<const int8_t*>(w)[i];
+  else if constexpr (KIND == kBF16)
+    return bf16_to_float(static_cast<const uint16_t*>(w)[i]);
+  else
+    return half_to_float(static_cast<const uint16_t*>(w)[i]);
+}
+
+// L weight elements from element i on, widened to float32 in registers.
+template <class V, int KIND>
+inline typename V::F load_w(const void* w, int64_t i) {
+  if constexpr (KIND == kF32)
+    return V::load(static_cast<const float*>(w) + i);
+  else if constexpr (KIND == kI8)
+    return V::load_i8(static_cast<const int8_t*>(w) + i);
+  else if constexpr (KIND == kBF16)
+    return V::load_bf16(static_cast<const uint16_t*>(w) + i);
+  else
+    return V::load_h(static_cast<const uint16_t*>(w) + i);
+}
 
 struct Problem {
   const float* x = nullptr;  // [M, K]
-  // x repacked per tile of rows (tile at row m0 with mt rows: mt * K floats at m0 * K):
-  // [K][mt] (float, int8), or for int4 [K/2][mt][2]: (x[2j] - x[2j+1]/16, x[2j+1]/16), so
-  // that a * lo + b * (lo + 16 hi) = x[2j] lo + x[2j+1] hi.
+  // x repacked per tile of rows (`tile` rows; the tile at row m0 with mt rows: mt * K floats
+  // at m0 * K): [K][mt] (float, int8), or for int4 [K/2][mt][2]: (x[2j] - x[2j+1]/16,
+  // x[2j+1]/16), so that a * lo + b * (lo + 16 hi) = x[2j] lo + x[2j+1] hi. The repacked
+  // values of a row do not depend on the tile it is in.
   const float* xt = nullptr;
-  const void* w = nullptr;   // f32 [K, N] or [N, K], int8 [K, N], uint8 [K/2, N]
+  const void* w = nullptr;   // f32 / bf16 / f16 [K, N] or [N, K], int8 [K, N] or [N, K], uint8 [K/2, N]
   const uint16_t* scale = nullptr;   // [G, N] f16
   const uint16_t* offset = nullptr;  // [G, N] f16 or null
   const float* xsum = nullptr;       // [M, G]: sums of x over each group (offset modes only)
@@ -222,71 +297,25 @@ struct Problem {
   int64_t groups = 1;
   int64_t band = 0;   // columns (rows of a transposed w) per work item
   int64_t items = 0;
+  int64_t tile = kMaxTile;  // rows per tile of xt
   int kind = kF32;
   int offset_mode = kNoOffset;
   bool transposed = false;
+  bool blocked = false;  // [K, N]: the many-row path
 };
 
 // ---------------------------------------------------------------------------
-// [K, N] layout: one panel (MT rows of x, NV vectors of columns at n) over rows [k0, k1)
-// of one group g; adds scale * sums into y, and the group's offset term when `last`.
+// [K, N] layout: the end of a block. acc[i][v] holds rows m0 + i, columns n + v L, summed
+// over one block of group g; adds it into y (float: y + acc; quantized: scale * acc + y),
+// and the group's offset term when `last`. Both [K, N] paths end their blocks here.
 
 template <class V, int MT, int NV, int KIND, int OFF>
-inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k1, int64_t g, bool last) {
+inline void fold(const Problem& p, typename V::F (&acc)[MT][NV], int64_t m0, int64_t n, int64_t g, bool last) {
   using F = typename V::F;
   constexpr int L = V::L;
-  const int64_t N = p.n, K = p.k;
-  const float* xt = p.xt + m0 * K;
-  F acc[MT][NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
-
-  if constexpr (KIND == kF32 || KIND == kI8) {
-    // One row streams well on the hardware prefetchers alone (float32 rows are 4 lines a panel).
-    const bool pf = KIND != kF32 || p.m > 1;
-    for (int64_t k = k0; k < k1; ++k) {
-      F wv[NV];
-      constexpr int kBytes = KIND == kF32 ? 4 : 1;
-      if (KIND != kF32 || pf)
-#pragma GCC unroll 4
-        for (int line = 0; line < NV * L * kBytes; line += 64)
-          prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) {
-        if constexpr (KIND == kF32)
-          wv[v] = V::load(static_cast<const float*>(p.w) + k * N + n + v * L);
-        else
-          wv[v] = V::load_i8(static_cast<const int8_t*>(p.w) + k * N + n + v * L);
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) {
-        const F xb = V::set1(xt[k * MT + i]);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
-      }
-    }
-  } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high nibble)
-    const uint8_t* q = static_cast<const uint8_t*>(p.w);
-    for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
-      F whole[NV], lo[NV];
-#pragma GCC unroll 4
-      for (int line = 0; line < NV * L; line += 64) prefetch(q + (j + kPrefetchRows / 2) * N + n + line);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, whole[v], lo[v]);
-#pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) {
-        const F a = V::set1(xt[(j * MT + i) * 2]);
-        const F b = V::set1(xt[(j * MT + i) * 2 + 1]);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, whole[v], V::fma(a, lo[v], acc[i][v]));
-      }
-    }
-  }
-
+  const int64_t N = p.n;
   float* y = p.y + m0 * N + n;
-  if constexpr (KIND == kF32) {
+  if constexpr (is_float(KIND)) {
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 4
@@ -317,7 +346,63 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
   }
 }
 
+// [K, N], few rows: one panel (MT rows of x, NV vectors of columns at n) over rows [k0, k1)
+// of one group g, reading and widening the weights in registers.
+
+template <class V, int MT, int NV, int KIND, int OFF>
+inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k1, int64_t g, bool last) {
+  using F = typename V::F;
+  constexpr int L = V::L;
+  const int64_t N = p.n, K = p.k;
+  const float* xt = p.xt + m0 * K;
+  F acc[MT][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
+
+  if constexpr (KIND != kU4) {
+    // One row streams well on the hardware prefetchers alone (float32 rows are 4 lines a panel).
+    const bool pf = KIND != kF32 || p.m > 1;
+    constexpr int kBytes = elem_bytes(KIND);
+    for (int64_t k = k0; k < k1; ++k) {
+      F wv[NV];
+      if (KIND != kF32 || pf)
+#pragma GCC unroll 4
+        for (int line = 0; line < NV * L * kBytes; line += 64)
+          prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) wv[v] = load_w<V, KIND>(p.w, k * N + n + v * L);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F xb = V::set1(xt[k * MT + i]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
+      }
+    }
+  } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high nibble)
+    const uint8_t* q = static_cast<const uint8_t*>(p.w);
+    for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
+      F whole[NV], lo[NV];
+#pragma GCC unroll 4
+      for (int line = 0; line < NV * L; line += 64) prefetch(q + (j + kPrefetchRows / 2) * N + n + line);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, whole[v], lo[v]);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F a = V::set1(xt[(j * MT + i) * 2]);
+        const F b = V::set1(xt[(j * MT + i) * 2 + 1]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, whole[v], V::fma(a, lo[v], acc[i][v]));
+      }
+    }
+  }
+  fold<V, MT, NV, KIND, OFF>(p, acc, m0, n, g, last);
+}
+
 // Scalar, for the columns [n0, n1) past the last whole vector: rows [m0, m0 + mt), all of K.
+// Its order (per group: a sequential sum of x * w, then scaled into the total) is its own,
+// fixed, the same for any rows.
 template <int KIND, int OFF>
 void tail_columns(const Problem& p, int64_t m0, int64_t mt, int64_t n0, int64_t n1) {
   const int64_t N = p.n, K = p.k;
@@ -329,17 +414,15 @@ void tail_columns(const Problem& p, int64_t m0, int64_t mt, int64_t n0, int64_t 
         float acc = 0.f;
         for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) {
           float v;
-          if constexpr (KIND == kF32)
-            v = static_cast<const float*>(p.w)[k * N + n];
-          else if constexpr (KIND == kI8)
-            v = static_cast<const int8_t*>(p.w)[k * N + n];
-          else {
+          if constexpr (KIND == kU4) {
             const uint8_t b = static_cast<const uint8_t*>(p.w)[(k / 2) * N + n];
             v = (k & 1) ? (b >> 4) : (b & 15);
+          } else {
+            v = w_at<KIND>(p.w, k * N + n);
           }
           acc += x[k] * v;
         }
-        if constexpr (KIND == kF32) {
+        if constexpr (is_float(KIND)) {
           total += acc;
         } else {
           const float xs = OFF != kNoOffset ? p.xsum[i * p.groups + g] : 0.f;
@@ -386,9 +469,142 @@ void tile_dispatch(const Problem& p, int64_t m0, int mt, int64_t c0, int64_t c1)
   }
 }
 
+// ---------------------------------------------------------------------------
+// [K, N], many rows: per block, the band's weights converted once into a float32 panel
+// (`wb`, row stride `ws`; int4: per byte row j of the block, its lo floats then its whole
+// floats), then every row tile over it with the few-row path's multiply-adds and fold.
+
+float* scratch(size_t floats) {
+  static thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
+template <class V, int MT, int NV, int KIND, int OFF>
+inline void micro(const Problem& p, const float* wb, int64_t ws, int64_t m0, int64_t n, int64_t k0, int64_t k1,
+                  int64_t g, bool last) {
+  using F = typename V::F;
+  constexpr int L = V::L;
+  const float* xt = p.xt + m0 * p.k;
+  F acc[MT][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
+  if constexpr (KIND != kU4) {
+    for (int64_t k = k0; k < k1; ++k, wb += ws) {
+      F wv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) wv[v] = V::load(wb + v * L);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F xb = V::set1(xt[k * MT + i]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
+      }
+    }
+  } else {
+    for (int64_t j = k0 / 2; j < k1 / 2; ++j, wb += 2 * ws) {
+      F whole[NV], lo[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        lo[v] = V::load(wb + v * L);
+        whole[v] = V::load(wb + ws + v * L);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F a = V::set1(xt[(j * MT + i) * 2]);
+        const F b = V::set1(xt[(j * MT + i) * 2 + 1]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, whole[v], V::fma(a, lo[v], acc[i][v]));
+      }
+    }
+  }
+  fold<V, MT, NV, KIND, OFF>(p, acc, m0, n, g, last);
+}
+
+template <int NV, int KIND, int OFF, int MT = kGemmRows - 1>
+void micro_rest(const Problem& p, int mt, const float* wb, int64_t ws, int64_t m0, int64_t n, int64_t k0, int64_t k1,
+                int64_t g, bool last) {
+  if constexpr (MT >= 1) {
+    if (mt == MT)
+      micro<Vec, MT, NV, KIND, OFF>(p, wb, ws, m0, n, k0, k1, g, last);
+    else
+      micro_rest<NV, KIND, OFF, MT - 1>(p, mt, wb, ws, m0, n, k0, k1, g, last);
+  }
+}
+
+// Every row of x over one panel of NV vectors (columns n...) of a converted block.
+template <int NV, int KIND, int OFF>
+void all_rows(const Problem& p, const float* wb, int64_t ws, int64_t n, int64_t k0, int64_t k1, int64_t g,
+              bool last) {
+  int64_t m0 = 0;
+  for (; m0 + kGemmRows <= p.m; m0 += kGemmRows)
+    micro<Vec, kGemmRows, NV, KIND, OFF>(p, wb, ws, m0, n, k0, k1, g, last);
+  if (m0 < p.m) micro_rest<NV, KIND, OFF>(p, static_cast<int>(p.m - m0), wb, ws, m0, n, k0, k1, g, last);
+}
+
+// Rows [k0, k1) of w over columns [c0, c0 + W) (whole vectors) into buf, float32, row stride W.
+template <int KIND>
+void convert_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t W, float* buf) {
+  using V = Vec;
+  constexpr int L = V::L;
+  const int64_t N = p.n;
+  if constexpr (KIND == kU4) {
+    const uint8_t* q = static_cast<const uint8_t*>(p.w);
+    for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
+      const uint8_t* row = q + j * N + c0;
+      float* lo = buf + 2 * (j - k0 / 2) * W;
+      for (int64_t c = 0; c < W; c += L) {
+        if ((c & 63) < L) prefetch(row + kPrefetchRows / 2 * N + c);
+        typename V::F whole, low;
+        V::load_u4(row + c, whole, low);
+        V::store(lo + c, low);
+        V::store(lo + W + c, whole);
+      }
+    }
+  } else {
+    constexpr int64_t kBytes = elem_bytes(KIND);
+    const char* base = static_cast<const char*>(p.w);
+    for (int64_t k = k0; k < k1; ++k) {
+      float* dst = buf + (k - k0) * W;
+      for (int64_t c = 0; c < W; c += L) {
+        if (((c * kBytes) & 63) < L * kBytes) prefetch(base + ((k + kPrefetchRows) * N + c0 + c) * kBytes);
+        V::store(dst + c, load_w<V, KIND>(p.w, k * N + c0 + c));
+      }
+    }
+  }
+}
+
+template <int KIND, int OFF>
+void item_kn_blocked(const Problem& p, int64_t c0, int64_t c1) {
+  constexpr int L = Vec::L;
+  constexpr int NV = kGemmVecs;
+  const int64_t N = p.n;
+  const int64_t vec_end = c0 + (c1 - c0) / L * L, W = vec_end - c0;
+  if (W > 0) {
+    for (int64_t i = 0; i < p.m; ++i) std::fill(p.y + i * N + c0, p.y + i * N + vec_end, 0.f);
+    float* buf = scratch(static_cast<size_t>(kKBlock * W));
+    const int64_t wide = W / (NV * L) * (NV * L);
+    const int64_t block = std::min<int64_t>(kKBlock, p.group);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int64_t g0 = g * p.group, g1 = g0 + p.group;
+      for (int64_t k0 = g0; k0 < g1; k0 += block) {
+        const int64_t k1 = std::min(g1, k0 + block);
+        const bool last = k1 == g1;
+        convert_block<KIND>(p, k0, k1, c0, W, buf);
+        for (int64_t c = 0; c < wide; c += NV * L) all_rows<NV, KIND, OFF>(p, buf + c, W, c0 + c, k0, k1, g, last);
+        for (int64_t c = wide; c < W; c += L) all_rows<1, KIND, OFF>(p, buf + c, W, c0 + c, k0, k1, g, last);
+      }
+    }
+  }
+  if (vec_end < c1) tail_columns<KIND, OFF>(p, 0, p.m, vec_end, c1);
+}
+
 template <int KIND, int OFF>
 void item_kn(const Problem& p, int64_t item) {
   const int64_t c0 = item * p.band, c1 = std::min(p.n, c0 + p.band);
+  if (p.blocked) return item_kn_blocked<KIND, OFF>(p, c0, c1);
   for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTile) {
     const int mt = static_cast<int>(std::min<int64_t>(kMaxTile, p.m - m0));
     tile_dispatch<KIND, OFF>(p, m0, mt, c0, c1);
@@ -396,21 +612,21 @@ void item_kn(const Problem& p, int64_t item) {
 }
 
 // ---------------------------------------------------------------------------
-// [N, K] layout (float32): y[m, n] = sum_k x[m, k] w[n, k]
+// [N, K] layout (float32, bf16, f16): y[m, n] = sum_k x[m, k] w[n, k]
 
 // A transposed tile: kTileT rows of x by kRowsT weight rows, kTileT * kRowsT accumulators
 // (measured on AVX-512, 1 to 16 rows: 4 x 6 beats 2 x 8, 3 x 8 and 4 x 4).
 constexpr int kTileT = Vec::L == 16 ? 4 : 2;
 constexpr int kRowsT = Vec::L == 16 ? 6 : 4;
 
-template <int MT, int NT>
+template <int MT, int NT, int KIND>
 inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
   using V = Vec;
   using F = V::F;
   constexpr int L = V::L;
   const int64_t K = p.k;
   const float* x = p.x + m0 * K;
-  const float* w = static_cast<const float*>(p.w) + n0 * K;
+  const int64_t w0 = n0 * K;  // element offset of weight row n0
   F acc[MT][NT];
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
@@ -423,7 +639,7 @@ inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
     for (int i = 0; i < MT; ++i) xv[i] = V::load(x + i * K + k);
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      const F wv = V::load(w + t * K + k);
+      const F wv = load_w<V, KIND>(p.w, w0 + t * K + k);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) acc[i][t] = V::fma(xv[i], wv, acc[i][t]);
     }
@@ -431,31 +647,32 @@ inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
   for (int i = 0; i < MT; ++i)
     for (int t = 0; t < NT; ++t) {
       float r = V::sum(acc[i][t]);
-      for (int64_t kk = k; kk < K; ++kk) r += x[i * K + kk] * w[t * K + kk];
+      for (int64_t kk = k; kk < K; ++kk) r += x[i * K + kk] * w_at<KIND>(p.w, w0 + t * K + kk);
       p.y[(m0 + i) * p.n + n0 + t] = r;
     }
 }
 
-template <int MT>
+template <int MT, int KIND>
 void tile_t(const Problem& p, int64_t m0, int64_t r0, int64_t r1) {
   constexpr int NT = kRowsT;
   int64_t r = r0;
-  for (; r + NT <= r1; r += NT) panel_t<MT, NT>(p, m0, r);
-  for (; r < r1; ++r) panel_t<MT, 1>(p, m0, r);
+  for (; r + NT <= r1; r += NT) panel_t<MT, NT, KIND>(p, m0, r);
+  for (; r < r1; ++r) panel_t<MT, 1, KIND>(p, m0, r);
 }
 
+template <int KIND>
 void item_t(const Problem& p, int64_t item) {
   const int64_t r0 = item * p.band, r1 = std::min(p.n, r0 + p.band);
   for (int64_t m0 = 0; m0 < p.m; m0 += kTileT) {
     const int64_t mt = std::min<int64_t>(kTileT, p.m - m0);
     if (mt == 1)
-      tile_t<1>(p, m0, r0, r1);
+      tile_t<1, KIND>(p, m0, r0, r1);
     else if (mt == 2 || kTileT == 2)
-      tile_t<2>(p, m0, r0, r1);
+      tile_t<2, KIND>(p, m0, r0, r1);
     else if (mt == 3)
-      tile_t<3>(p, m0, r0, r1);
+      tile_t<3, KIND>(p, m0, r0, r1);
     else
-      tile_t<kTileT>(p, m0, r0, r1);
+      tile_t<kTileT, KIND>(p, m0, r0, r1);
   }
 }
 
@@ -591,9 +808,19 @@ void item_qt(const Problem& p, int64_t item) {
 // work sharing
 
 void run_item(const Problem& p, int64_t item) {
-  if (p.transposed) return p.kind == kI8 ? item_qt(p, item) : item_t(p, item);
+  if (p.transposed) {
+    switch (p.kind) {
+      case kI8: return item_qt(p, item);
+      case kF32: return item_t<kF32>(p, item);
+      case kBF16: return item_t<kBF16>(p, item);
+      case kF16: return item_t<kF16>(p, item);
+      default: return;
+    }
+  }
   switch (p.kind * 3 + p.offset_mode) {
     case kF32 * 3 + kNoOffset: return item_kn<kF32, kNoOffset>(p, item);
+    case kBF16 * 3 + kNoOffset: return item_kn<kBF16, kNoOffset>(p, item);
+    case kF16 * 3 + kNoOffset: return item_kn<kF16, kNoOffset>(p, item);
     case kI8 * 3 + kNoOffset: return item_kn<kI8, kNoOffset>(p, item);
     case kI8 * 3 + kOffset: return item_kn<kI8, kOffset>(p, item);
     case kU4 * 3 + kOffset: return item_kn<kU4, kOffset>(p, item);
@@ -622,11 +849,14 @@ inline void cpu_relax() {
 #endif
 }
 
-// Fills `buf` with x repacked per tile (see Problem::xt).
+// Chooses the [K, N] path (few rows: one tile, weights widened in registers; more: blocked
+// over converted panels) and fills `buf` with x repacked per tile of that path (see Problem::xt).
 void pack_x(Problem& p, std::vector<float>& buf) {
+  p.blocked = p.m > kMaxTile;
+  p.tile = p.blocked ? kGemmRows : kMaxTile;
   buf.resize(p.m * p.k);
-  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTile) {
-    const int64_t mt = std::min<int64_t>(kMaxTile, p.m - m0);
+  for (int64_t m0 = 0; m0 < p.m; m0 += p.tile) {
+    const int64_t mt = std::min<int64_t>(p.tile, p.m - m0);
     float* dst = buf.data() + m0 * p.k;
     const float* x = p.x + m0 * p.k;
     if (p.kind == kU4) {
@@ -685,12 +915,28 @@ std::string dims_str(ffi::Span<const int64_t> d) {
   return s + "]";
 }
 
-ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, int64_t w_contract,
-                    bool share, ffi::ResultBuffer<ffi::F32> y) {
+const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::U8: return "uint8";
+    default: return "another type";
+  }
+}
+
+ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, int64_t w_contract,
+                       bool share, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("cpu matmul: x, w and y must be 2-D; got x " + dims_str(xd) + ", w " +
                                        dims_str(wd) + ", y " + dims_str(yd));
+  const ffi::DataType wt = w.element_type();
+  if (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16 && wt != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument(std::string("cpu matmul: w must be float32, bfloat16 or float16, got ") +
+                                       dtype_name(wt));
   if (w_contract != 0 && w_contract != 1)
     return ffi::Error::InvalidArgument("cpu matmul: w_contract must be 0 or 1, got " + std::to_string(w_contract));
   Problem p;
@@ -706,15 +952,19 @@ ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                                        std::to_string(p.n) + "]");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.x = x.typed_data();
-  p.w = w.typed_data();
+  p.w = w.untyped_data();
   p.y = y->typed_data();
-  p.kind = kF32;
+  p.kind = wt == ffi::DataType::F32 ? kF32 : (wt == ffi::DataType::BF16 ? kBF16 : kF16);
   p.group = std::max<int64_t>(1, p.k);
   p.groups = p.k == 0 ? 0 : 1;
   p.transposed = w_contract == 1;
   std::vector<float> xt;
-  if (!p.transposed) pack_x(p, xt);
-  run(pool, share, p, p.transposed ? kRowsT : 4 * Vec::L, p.k * p.n * 4);
+  if (p.transposed) {
+    run(pool, share, p, kRowsT, p.k * p.n * elem_bytes(p.kind));
+  } else {
+    pack_x(p, xt);
+    run(pool, share, p, 4 * Vec::L, p.k * p.n * elem_bytes(p.kind));
+  }
   return ffi::Error::Success();
 }
 
@@ -836,11 +1086,11 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 
 extern "C" const char* JaxinferMatmulIsa() { return kIsa; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulF32, MatmulF32,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulFloat, MatmulFloat,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
+                                  .Arg<ffi::AnyBuffer>()         // w f32 / bf16 / f16 [K, N] or [N, K]
                                   .Attr<int64_t>("w_contract")   // the axis of w that meets x's K
                                   .Attr<bool>("share")           // share the items with the intra-op pool
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
