@@ -141,6 +141,41 @@ class PlanChannel:
         return None if key == _STOP else (key, host_args)
 
 
+BROADCAST_WORDS = 1 << 24  # int32 words per collective of `broadcast_arrays` (64 MiB)
+
+
+def broadcast_arrays(arrays: list) -> list:
+    """The leader's host arrays on every process, bit for bit (`jaxinfer.LLM.update_params`).
+
+    Every process calls it at the same point with arrays of the same shapes and dtypes (a
+    follower's contents are ignored). The bytes go as int32 words through
+    `jax.experimental.multihost_utils.broadcast_one_to_all` (a sum with the followers' zeros,
+    exact in integers, so no float's bits change), in chunks of `BROADCAST_WORDS`: one
+    compiled program per chunk size, reused by every later update of the same model; a host
+    holds the whole tree once more while it arrives.
+    """
+    from jax.experimental import multihost_utils
+
+    sizes = [int(np.asarray(a).nbytes) for a in arrays]
+    words = max(1, -(-sum(sizes) // 4))
+    chunk = min(BROADCAST_WORDS, words)
+    n = -(-words // chunk)
+    buf = np.zeros(n * chunk * 4, np.uint8)
+    if is_leader():
+        off = 0
+        for a, size in zip(arrays, sizes):
+            buf[off : off + size] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            off += size
+    got = buf.view(np.int32).reshape(n, chunk)
+    for i in range(n):
+        got[i] = multihost_utils.broadcast_one_to_all(got[i])
+    out, off = [], 0
+    for a, size in zip(arrays, sizes):
+        out.append(buf[off : off + size].view(np.asarray(a).dtype).reshape(np.shape(a)))
+        off += size
+    return out
+
+
 def _complete(out: Any) -> bool:
     return all(x.is_ready() for x in jax.tree.leaves(out) if isinstance(x, jax.Array))
 

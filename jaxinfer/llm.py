@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import queue
 import time
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -137,7 +139,7 @@ class LLM:
 
             progress.say(placement_report(self.runner))
         self.max_model_len = self.runner.max_model_len
-        self.engine = Engine(
+        self.engine = _Engine(
             self.runner,
             enable_prefix_caching=enable_prefix_caching,
             policy=scheduling_policy,
@@ -302,6 +304,69 @@ class LLM:
                     if s.output is None:
                         s.abort()
 
+    # -- the weights (research loops) -----------------------------------------------
+
+    @property
+    def params(self) -> Any:
+        """The model's canonical parameter tree: the structure `jaxinfer.models` defines for
+        `model_config` (float, the LM head ``[hidden, vocab]``), the one `from_params` and
+        `update_params` take.
+
+        On one device, float weights: a view, no copy and no cost: the leaves are the very
+        arrays the engine runs (immutable; a later `update_params` does not change them, but
+        while you hold them they stay alive beside the new weights). Do not donate them to a
+        jitted training step (``donate_argnums``): that deletes the engine's weights; copy
+        them first (``jax.tree.map(jnp.copy, llm.params)``). Where the runner holds another
+        form, each such leaf is a gathered copy, made on the devices by a small jitted program
+        (compiled on first use): a leaf re-laid out for tensor parallelism (``wqkv``, ``wo``,
+        ``w_gate_up``, ``w_down``) back in the model's order, and a quantized leaf dequantized
+        to float32 (the exact values the engine multiplies by; `update_params` of them gives
+        the same integers back). Each copy costs its float size in device memory. The other
+        leaves are still the engine's own arrays. Not available on several processes.
+        """
+        return self.runner.canonical_params()
+
+    def update_params(self, params: Any) -> int:
+        """Swap new weights into the running engine, in place: no recompilation, no reload.
+
+        ``params`` is a canonical tree (`params`' structure and shapes; numpy or JAX arrays of
+        any floating dtype, anywhere this process can read them). It is checked first: a tree
+        that differs raises ValueError naming the first leaf that differs (its path, shape and
+        dtype, and the model's), and the engine keeps serving the weights it had. Then it is
+        stored as loading stores it -- float leaves cast to the dtypes the engine holds (on the
+        host, where a dtype differs), weights quantized on the host by the model's scheme when
+        the engine runs quantized -- on the calling thread, while the engine keeps serving.
+
+        The swap itself runs on the engine thread between two steps: the tree is laid out and
+        placed as loading places it (the same shapes, dtypes and shardings, so every compiled
+        program runs as it is), every request in flight (running or waiting) is aborted
+        (finish_reason "abort", with the tokens it had: no request ever mixes two models'
+        tokens), the prefix cache is emptied (its KV pages were computed by the old weights),
+        and the old weights are dropped: their buffers are freed once the last step that
+        reads them is done. A request submitted after this returns runs on the new weights.
+        The engine never keeps the caller's buffers: a device array already where the engine
+        needs it is copied, so a training step may donate the arrays it passed.
+
+        Costs: peak device memory is the old weights, the new ones and whatever ``params``
+        holds; a leaf cast or quantized goes through host memory (a device-to-host copy and a
+        pass of numpy); tensor-parallel leaves are re-laid out on the devices by the programs
+        loading compiled. On several processes (`jaxinfer.distributed`), call it on process 0:
+        it publishes an update plan and broadcasts the stored tree to the followers, which
+        place it too before the next step.
+
+        Returns the number of requests aborted.
+        """
+        stored = self.runner.prepare_params(params)
+        engine = self.engine
+
+        def swap() -> int:
+            self.runner.swap_params(stored)
+            aborted = engine.abort_in_flight()
+            engine.forget_cached_pages()
+            return aborted
+
+        return engine.call_between_steps(swap)
+
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Wait until the engine has no requests and nothing in flight (tests, shutdown)."""
         return self.engine.wait_idle(timeout)
@@ -339,6 +404,56 @@ class LLM:
             "tensor_parallel_size": e.tensor_parallel_size,
             "processes": jax.process_count(),
         }
+
+
+class _Engine(Engine):
+    """The engine with what `LLM.update_params` needs of it: a call run on the engine thread
+    between two steps, aborting every request in flight, emptying the prefix cache.
+    (These belong in `jaxinfer.engine.Engine` and `jaxinfer.page_allocator.PageAllocator`.)"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+
+    def call_between_steps(self, fn) -> Any:
+        """Run ``fn()`` on the engine thread before its next step; return its result (or raise
+        its exception) here. Without a thread of its own (``autostart=False``: the caller
+        drives `step`), it runs on the calling thread."""
+        if not self.autostart:
+            return fn()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, done))
+        self._ensure_running()
+        self._wake.set()
+        return done.result()
+
+    def step(self) -> None:
+        while True:
+            try:
+                fn, done = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # the caller gets it; the engine goes on
+                done.set_exception(e)
+        super().step()
+
+    def abort_in_flight(self) -> int:
+        """Engine thread: abort every request the engine holds (finish_reason "abort"); how many."""
+        n = 0
+        for r in list(self._requests.values()):
+            if not r.finished:
+                r.abort("abort")
+                self._finish(r, "")
+                n += 1
+        return n
+
+    def forget_cached_pages(self) -> None:
+        """Engine thread: the prefix cache forgets every page it names (their contents were
+        computed by other weights); pages in use stay allocated, unnamed."""
+        self.allocator._hash_of.clear()
+        self.allocator._page_of.clear()
 
 
 def _one_choice(params) -> None:

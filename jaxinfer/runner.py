@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import cpu_matmul, distributed
@@ -22,15 +23,21 @@ from jaxinfer.buckets import bucket_for, pages_needed
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.distributed import to_host
 from jaxinfer.kv_cache import init_cache, slots_for
-from jaxinfer.mesh import TPLayout, cache_sharding, make_mesh, place_params, replicated
+from jaxinfer.mesh import TPLayout, cache_sharding, make_mesh, place_params, replicated, sharding_for
+from jaxinfer.mesh import _leaf_name, _relayouts
+from jaxinfer.models import get_family
 from jaxinfer.outputs import Logprob
 from jaxinfer.programs import ProgramKey, ProgramTable
+from jaxinfer.quant import is_quantized
 from jaxinfer.request import Request, TokenRef
 from jaxinfer.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
 from jaxinfer.sampling_params import MAX_LOGIT_BIAS
+from jaxinfer.spec import is_spec
+from jaxinfer.weights import canonical_specs, check_param_tree, stored_tree
 
 
 WARMUP = "warmup"  # a plan that lists programs to compile, not a step
+UPDATE_PARAMS = "update_params"  # a plan: new weights, broadcast from the leader right after it
 
 
 @dataclass
@@ -75,6 +82,7 @@ class ModelRunner:
         )
         self.programs = ProgramTable(self)
         self._neutral_bias: dict = {}  # batch rows -> (bias_ids, bias_values) of no logit_bias, on device
+        self.params_updates = 0  # weights swapped in since loading (`swap_params`)
 
     # -- padded inputs ---------------------------------------------------
 
@@ -200,6 +208,95 @@ class ModelRunner:
             self.plans.publish(WARMUP, (list(keys), complete))  # compiles only: no step to wait for
         return self.programs.warmup(keys, complete)
 
+    # -- the weights (`jaxinfer.LLM.params`, `jaxinfer.LLM.update_params`) ------
+
+    def canonical_params(self) -> Any:
+        """The model's canonical tree (`jaxinfer.weights.canonical_specs`) from the weights the runner
+        holds: a leaf the layout leaves as loaded, float, is the runner's own array (no copy); a leaf
+        re-laid out for tensor parallelism is gathered back into the model's order, and a quantized
+        one dequantized to float32, each by a small jitted program (compiled on first use) into a
+        new array on the mesh, split as the rules split the canonical leaf."""
+        if self.plans is not None:
+            raise ValueError(
+                "LLM.params is not available on several processes: every process would have to "
+                "run the gathers; read the weights in the training code that made them"
+            )
+        specs = jax.tree.leaves(canonical_specs(self.model_cfg), is_leaf=is_spec)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self.params, is_leaf=is_quantized)
+        maps = _relayouts(self.model_cfg, self.layout)
+        out = []
+        for (path, x), spec in zip(flat, specs, strict=True):
+            name = _leaf_name(path)
+            m = maps.get((name, 2 if is_quantized(x) else np.ndim(x)))
+            if m is None and not is_quantized(x):
+                out.append(x)
+                continue
+            axis, inv = (0, None) if m is None else (m[0], _inverse_map(m[1], spec.shape[m[0]]))
+            fn = _canonical_fn(axis, is_quantized(x) and name == "lm_head", sharding_for(spec, self.mesh))
+            out.append(fn(x, inv))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def prepare_params(self, params: Any) -> Any:
+        """A canonical tree from the caller, checked (`jaxinfer.weights.check_param_tree`: ValueError
+        naming the first leaf that differs) and stored as loading stores it
+        (`jaxinfer.weights.stored_tree`: float leaves in the dtypes the runner holds, quantized ones
+        quantized on the host by the model's scheme). Touches no runner state: any thread."""
+        tree = check_param_tree(params, canonical_specs(self.model_cfg))
+        return stored_tree(tree, self._stored_targets())
+
+    def swap_params(self, stored: Any) -> None:
+        """Lay out and place ``stored`` (`prepare_params`) as loading does and make it the weights of
+        every later step; the old arrays are dropped (freed once the steps that use them are done).
+        Same shapes, dtypes and shardings: no program recompiles. The caller runs it between
+        steps, on the thread that dispatches them. The leader of several processes publishes an
+        update plan and broadcasts the stored tree to the followers (`jaxinfer.distributed
+        .broadcast_arrays`), which place it in the same order."""
+        if self.plans is None:
+            self.params = self._place(stored)
+            self.params_updates += 1
+            return
+        leaves, treedef = jax.tree.flatten(stored)
+        leaves = [np.asarray(x) for x in leaves]  # a single process's arrays: `stored_tree` checked them
+        step = self.plans.publish(UPDATE_PARAMS, sum(x.nbytes for x in leaves))
+        try:
+            stored = jax.tree.unflatten(treedef, distributed.broadcast_arrays(leaves))
+            self.params = self._place(stored)
+        except BaseException as e:
+            distributed.lost_step(step, e)
+        self.params_updates += 1
+
+    def _place(self, stored: Any) -> Any:
+        """``stored`` laid out and placed like the weights held now, in arrays of the runner's own."""
+        new = place_params(stored, self.model_cfg, self.layout, self.mesh)
+        # place_params keeps a device array that is already where it belongs: copy it, so the
+        # runner never shares a buffer with the caller (a training step may donate its arrays)
+        given = {id(x) for x in jax.tree.leaves(stored)}
+        new = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False) if id(x) in given else x, new)
+        held = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        for (path, a), b in zip(held, jax.tree.leaves(new), strict=True):
+            if (a.shape, a.dtype, a.sharding) != (b.shape, b.dtype, b.sharding):
+                raise RuntimeError(f"params{jax.tree_util.keystr(path)}: placed as {b.shape} {b.dtype} "
+                                   f"{b.sharding}, the programs take {a.shape} {a.dtype} {a.sharding}")
+        return new
+
+    def _stored_targets(self) -> list:
+        """Per canonical leaf, how the runner stores it: its dtype, or a `QuantizedWeight` of specs."""
+        specs = get_family(self.model_cfg.architecture).param_specs(self.model_cfg)
+        stored = jax.tree.leaves(specs, is_leaf=lambda s: is_spec(s) or is_quantized(s))
+        held = jax.tree.leaves(self.params, is_leaf=is_quantized)
+        return [s if is_quantized(s) else np.dtype(h.dtype) for s, h in zip(stored, held, strict=True)]
+
+    def _stored_zeros(self) -> Any:
+        """Zeros in the structure, shapes and dtypes of a stored tree (a follower's receive buffers)."""
+        specs = get_family(self.model_cfg.architecture).param_specs(self.model_cfg)
+        is_leaf = lambda s: is_spec(s) or is_quantized(s)  # noqa: E731
+        leaves, treedef = jax.tree.flatten(specs, is_leaf=is_leaf)
+        zeros = lambda s, dtype=None: np.zeros(s.shape, dtype or s.dtype)  # noqa: E731
+        return jax.tree.unflatten(treedef, [
+            jax.tree.map(zeros, s) if is_quantized(s) else zeros(s, t)
+            for s, t in zip(leaves, self._stored_targets(), strict=True)
+        ])
+
     # -- several processes ---------------------------------------------------
 
     def follow(self) -> int:
@@ -213,6 +310,9 @@ class ModelRunner:
                 self.programs.warmup(*host_args)
                 self.warmups_followed += 1
                 continue
+            if key == UPDATE_PARAMS:
+                self._receive_params(host_args)
+                continue
             prog = self.programs.get(key)
             args = distributed.global_inputs(host_args, replicated(self.mesh))
             out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)
@@ -221,10 +321,45 @@ class ModelRunner:
             n += 1
         return n
 
+    def _receive_params(self, nbytes: int) -> None:
+        """A follower: the leader's new weights (`swap_params`), broadcast to every process."""
+        zeros = self._stored_zeros()
+        leaves, treedef = jax.tree.flatten(zeros)
+        if sum(x.nbytes for x in leaves) != nbytes:
+            raise RuntimeError(f"the leader sends {nbytes} bytes of weights, this process expects "
+                               f"{sum(x.nbytes for x in leaves)}: the processes hold different models")
+        stored = jax.tree.unflatten(treedef, distributed.broadcast_arrays(leaves))
+        self.params = self._place(stored)
+        self.params_updates += 1
+
     def stop_followers(self) -> None:
         """The leader: tell the followers there are no more steps."""
         if self.plans is not None and distributed.is_leader():
             self.plans.stop()
+
+
+def _inverse_map(idx: np.ndarray, size: int) -> np.ndarray:
+    """For a layout's index map (laid-out position -> original, -1 a pad): original -> a laid-out
+    position that holds it (a KV head replicated over several shards: any of its copies)."""
+    inv = np.full(size, -1, np.int32)
+    real = np.nonzero(idx >= 0)[0]
+    inv[idx[real]] = real
+    if (inv < 0).any():
+        raise RuntimeError(f"the layout drops positions {np.nonzero(inv < 0)[0][:5]} of a leaf")
+    return inv
+
+
+@functools.lru_cache(maxsize=None)
+def _canonical_fn(axis: int, transpose: bool, out_sharding: Any):
+    """A laid-out (and maybe quantized) leaf -> its canonical float value (`canonical_params`)."""
+
+    def f(x, inv):
+        w = x.dequantize(jnp.float32) if is_quantized(x) else x
+        if inv is not None:
+            w = jnp.take(w, inv, axis=axis)
+        return w.T if transpose else w
+
+    return jax.jit(f, out_shardings=out_sharding)
 
 
 def read_output(out: SamplerOutput, reqs: Sequence[Request], rows: Optional[Sequence[int]] = None) -> list:

@@ -512,3 +512,108 @@ def _load_hf(source: ModelSource, dtype: np.dtype,
         raise ValueError(f"{d}: unexpected tensors for a {config.architecture} model: {unknown[:8]}")
     _check_complete(tensors, config, d)
     return LoadedWeights(config=config, tensors=tensors, generation=generation, source=source)
+
+
+# --------------------------------------------------------------------------- #
+# A parameter tree in memory (`jaxinfer.LLM.params`, `jaxinfer.LLM.update_params`)
+# --------------------------------------------------------------------------- #
+
+
+def canonical_specs(config: ModelConfig, dtype: Any = np.float32) -> Any:
+    """The model's canonical parameter tree as specs: the float tree `jaxinfer.models` defines for
+    ``config`` and `jaxinfer.LLM.from_params` takes (``config.quant`` dropped: no quantized leaves,
+    the LM head ``[hidden, vocab]``), every leaf of ``dtype``."""
+    import dataclasses
+
+    logical = dataclasses.replace(config, quant="") if config.quant else config
+    return get_family(config.architecture).param_specs(logical, dtype)
+
+
+def _path_text(path: tuple) -> str:
+    import jax
+
+    return "params" + jax.tree_util.keystr(path)
+
+
+def check_param_tree(params: Any, specs: Any) -> Any:
+    """``params`` checked against the canonical ``specs`` (`canonical_specs`) and rebuilt in their
+    structure (a tuple where the model has a list is accepted); raises one ValueError naming the
+    first leaf that differs: a leaf missing or extra, its shape, or a dtype that is not floating."""
+    import itertools
+
+    import jax
+
+    from jaxinfer.spec import is_spec
+
+    want, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    got = jax.tree_util.tree_flatten_with_path(params)[0]
+    want_paths = [_path_text(p) for p, _ in want]
+    got_paths = [_path_text(p) for p, _ in got]
+    if want_paths != got_paths:
+        missing = [p for p in want_paths if p not in set(got_paths)]
+        extra = [p for p in got_paths if p not in set(want_paths)]
+        if missing:
+            why = f"{missing[0]} is missing" + (f" (and {len(missing) - 1} more leaves)" if len(missing) > 1 else "")
+        elif extra:
+            why = f"{extra[0]} is not a parameter of the model" + (
+                f" (and {len(extra) - 1} more leaves)" if len(extra) > 1 else "")
+        else:
+            first = next(i for i, (a, b) in enumerate(itertools.zip_longest(want_paths, got_paths)) if a != b)
+            why = f"the leaves come in another order from {got_paths[first]} (expected {want_paths[first]})"
+        raise ValueError(f"params: the tree does not match the model's canonical tree: {why}")
+    for (path, spec), (_, x) in zip(want, got):
+        shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None)
+        if shape != tuple(spec.shape) or not _floating(dtype):
+            raise ValueError(
+                f"{_path_text(path)}: shape {shape} {dtype}, the model's is {tuple(spec.shape)} "
+                f"{np.dtype(spec.dtype).name} (any floating dtype is taken)"
+            )
+    return jax.tree_util.tree_unflatten(treedef, [x for _, x in got])
+
+
+def _floating(dtype: Any) -> bool:
+    import jax.numpy as jnp
+
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:
+        return False
+
+
+def stored_tree(params: Any, targets: list) -> Any:
+    """A canonical tree (checked by `check_param_tree`) as the engine stores it before its
+    tensor-parallel layout, leaf by leaf as `jaxinfer.LLM.from_params` stores a float tree:
+
+    ``targets`` has one entry per leaf, in the tree's order: a dtype (a float leaf: cast to it, on the
+    host, when it has another dtype; a device array already of it is kept) or a
+    `jaxinfer.quant.QuantizedWeight` of specs (the weight is read to the host in float32 and
+    quantized there by `jaxinfer.quant.quantize`, round to nearest with that scheme, group and
+    orientation: the LM head ``[hidden, vocab]`` is stored ``[vocab, hidden]``).
+    """
+    import jax
+
+    from jaxinfer import quant
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = []
+    for (path, x), t in zip(flat, targets, strict=True):
+        if quant.is_quantized(t):
+            w = _host(x, path, np.float32)
+            if str(getattr(path[-1], "key", "")) == "lm_head":
+                w = w.T
+            out.append(quant.quantize(w, quant.Scheme(t.bits, t.group, t.offset is not None), axis=t.axis))
+        elif np.dtype(x.dtype) == np.dtype(t) and isinstance(x, jax.Array):
+            out.append(x)
+        else:
+            out.append(_host(x, path, t))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _host(x: Any, path: tuple, dtype: Any) -> np.ndarray:
+    """``x`` as a numpy array of ``dtype``."""
+    if not getattr(x, "is_fully_addressable", True):
+        raise ValueError(
+            f"{_path_text(path)} is an array over several processes: pass arrays this process can read "
+            f"(numpy, or on its own devices)"
+        )
+    return np.asarray(x).astype(dtype, copy=False)
