@@ -364,6 +364,8 @@ class Engine:
             self.scheduler.register_full_pages(r)
             stream = self._streams.get(r.request_id)
             delta = StreamDelta(r.request_id, text, [tok], [lp] if lp is not None else None, r.finish_reason)
+            if r.prompt_logprobs is not None and len(r.output_ids) == 1:
+                delta.prompt_logprobs = list(r.prompt_logprobs)
             if r.finished:
                 self._finish(r, text, delta)
             elif stream is not None:
@@ -454,6 +456,7 @@ def read_prompt_logprobs(out, scored) -> None:
     prompt tokens and are left out, and one already filled is filled again with the same value.
     """
     lp, ids, top = to_host(out.prompt_logprob), to_host(out.prompt_top_ids), to_host(out.prompt_top_logprobs)
+    rank = to_host(out.prompt_rank)
     for r, i, start, length in scored:
         if r.finished:
             continue
@@ -462,4 +465,4 @@ def read_prompt_logprobs(out, scored) -> None:
         for j in range(min(length - 1, r.prompt_len - 1 - start)):
             p = start + j + 1
             alts = {int(t): float(v) for t, v in zip(ids[i, j, :k], top[i, j, :k])}
-            r.prompt_logprobs[p] = Logprob(prompt[p], float(lp[i, j]), alts)
+            r.prompt_logprobs[p] = Logprob(prompt[p], float(lp[i, j]), alts, int(rank[i, j]))

@@ -19,6 +19,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict  # token id -> logprob (the N most likely tokens of the raw distribution)
+    rank: Optional[int] = None  # prompt tokens: 1 + how many tokens were likelier (vLLM's rank)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class StreamDelta:
     logprobs: Optional[list] = None
     finish_reason: Optional[str] = None
     output: Optional[RequestOutput] = None  # set on the final delta
+    prompt_logprobs: Optional[list] = None  # on the first token's delta, with SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:

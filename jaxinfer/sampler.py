@@ -107,6 +107,7 @@ class SamplerOutput:
     prompt_logprob: Optional[jax.Array] = None  # [B, T] f32
     prompt_top_ids: Optional[jax.Array] = None  # [B, T, N] i32
     prompt_top_logprobs: Optional[jax.Array] = None  # [B, T, N] f32
+    prompt_rank: Optional[jax.Array] = None  # [B, T] i32, rank of token j + 1 at j (1: the likeliest)
 
 
 def init_sampler_state(num_slots: int, vocab_size: int) -> SamplerState:
@@ -280,9 +281,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tupl
     return SamplerOutput(tokens, chosen, top_ids, top_lp), state
 
 
-def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, n: int, *, rank: bool = False) -> tuple:
     """The logprob of ``tokens`` [R] under each row of ``raw_logits`` [R, V] (float32, the model's own
-    distribution: no bias, penalty or temperature), and the row's ``n`` most likely (ids, logprobs).
+    distribution: no bias, penalty or temperature), and the row's ``n`` most likely (ids, logprobs);
+    with ``rank``, also each token's rank [R] (1 + how many tokens are likelier), as vLLM reports it.
 
     The one definition of a reported logprob: the drawn tokens' (`sample`) and the prompt tokens'
     (`jaxinfer.step`) both come from here, so scoring a finished sequence as a prompt gives back
@@ -290,11 +292,16 @@ def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, n: int) -> tuple[ja
     """
     lp = jax.nn.log_softmax(raw_logits, axis=-1)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    r = raw_logits.shape[0]
     if n == 0:
-        r = raw_logits.shape[0]
-        return chosen, jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0), jnp.float32)
-    top_lp, top_ids = jax.lax.top_k(lp, n)
-    return chosen, top_ids.astype(jnp.int32), top_lp
+        top_ids, top_lp = jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0), jnp.float32)
+    else:
+        top_lp, top_ids = jax.lax.top_k(lp, n)
+        top_ids = top_ids.astype(jnp.int32)
+    if not rank:
+        return chosen, top_ids, top_lp
+    ranks = 1 + jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return chosen, top_ids, top_lp, ranks
 
 
 def build_metadata(

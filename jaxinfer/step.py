@@ -45,13 +45,13 @@ PROMPT_LOGPROB_ROWS = 32
 def prompt_logprobs(
     params: Any, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, last_index: jax.Array,
     sampling: SamplingMetadata,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The logprob of each chunk token given the ones before it, from the chunk's hidden states.
 
     hidden: [B, T, D]; tokens: [B, T]. Returns (logprob [B, T], top ids [B, T, N], top logprobs
-    [B, T, N]), N = ``sampling.max_logprobs``: at index j < ``last_index`` of a row that asked
-    (``sampling.want_prompt_logprobs``) the logprob of token j + 1 under the distribution at j and
-    the N most likely tokens there; zeros elsewhere. The row's last token is scored by the sampler
+    [B, T, N], rank [B, T]), N = ``sampling.max_logprobs``: at index j < ``last_index`` of a row
+    that asked (``sampling.want_prompt_logprobs``) the logprob of token j + 1 under the
+    distribution at j, its rank there and the N most likely tokens; zeros elsewhere. The row's last token is scored by the sampler
     (it is the drawn token's position) or, mid-prompt, by the next chunk (`jaxinfer.scheduler`
     starts that one a token earlier). Logits are made `PROMPT_LOGPROB_ROWS` rows at a time, and a
     block without a row that asked is skipped.
@@ -70,22 +70,24 @@ def prompt_logprobs(
         return jnp.pad(x.reshape(rows, *tail), [(0, pad)] + [(0, 0)] * len(tail)).reshape(nb, r, *tail)
 
     def zeros(m):
-        return jnp.zeros((m,), jnp.float32), jnp.zeros((m, n), jnp.int32), jnp.zeros((m, n), jnp.float32)
+        return (jnp.zeros((m,), jnp.float32), jnp.zeros((m, n), jnp.int32), jnp.zeros((m, n), jnp.float32),
+                jnp.zeros((m,), jnp.int32))
 
     def block(args):
         h, tg, sc = args
         return jax.lax.cond(
             jnp.any(sc),
-            lambda: token_logprobs(family.logits(params, cfg, h), tg, n),
+            lambda: token_logprobs(family.logits(params, cfg, h), tg, n, rank=True),
             lambda: zeros(r),
         )
 
     def every_block():
-        lp, ids, top = jax.lax.map(block, (blocks(hidden, d), blocks(targets), blocks(scored)))
-        return lp.reshape(nb * r)[:rows], ids.reshape(nb * r, n)[:rows], top.reshape(nb * r, n)[:rows]
+        lp, ids, top, rank = jax.lax.map(block, (blocks(hidden, d), blocks(targets), blocks(scored)))
+        m = nb * r
+        return lp.reshape(m)[:rows], ids.reshape(m, n)[:rows], top.reshape(m, n)[:rows], rank.reshape(m)[:rows]
 
-    lp, ids, top = jax.lax.cond(jnp.any(scored), every_block, lambda: zeros(rows))
-    return lp.reshape(b, t), ids.reshape(b, t, n), top.reshape(b, t, n)
+    lp, ids, top, rank = jax.lax.cond(jnp.any(scored), every_block, lambda: zeros(rows))
+    return lp.reshape(b, t), ids.reshape(b, t, n), top.reshape(b, t, n), rank.reshape(b, t)
 
 
 def _step_core(
@@ -110,8 +112,9 @@ def _step_core(
         sampler_state = record_prompt_if_needed(sampler_state, tokens, attn.positions, valid, sampling)
     out, sampler_state = sample(logits, sampling, sampler_state)
     if record:  # a prefill chunk: prompt logprobs for the rows that ask
-        lp, ids, top = prompt_logprobs(params, cfg, hidden, tokens, last_index, sampling)
-        out = dataclasses.replace(out, prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=top)
+        lp, ids, top, rank = prompt_logprobs(params, cfg, hidden, tokens, last_index, sampling)
+        out = dataclasses.replace(out, prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=top,
+                                  prompt_rank=rank)
     return out, kv_cache, sampler_state
 
 

@@ -153,8 +153,9 @@ def test_top_alternatives_are_the_distributions_best_sorted(scored_runs):
             assert ids[0] == int(tf[p - 1].argmax())  # the argmax is among them, first
             np.testing.assert_allclose(vals, np.sort(tf[p - 1])[::-1][:3], rtol=0, atol=TOL)
             assert lp.logprob <= vals[0]
+            assert lp.rank == 1 + int((tf[p - 1] > tf[p - 1][lp.token_id]).sum())  # vLLM's rank
             if lp.token_id in lp.top:
-                assert lp.top[lp.token_id] == lp.logprob
+                assert lp.top[lp.token_id] == lp.logprob and ids.index(lp.token_id) + 1 == lp.rank
         scored = run["scored"]
         assert all(lp.top == {} for lp in scored.prompt_logprobs[1:])  # k = 0: the token's own only
 
@@ -257,8 +258,10 @@ def test_prompt_logprob_requests_bypass_the_prefix_cache_and_never_fork(llm):
 def test_one_token_prompt_and_streaming(llm):
     out = llm.generate([[7]], SP(max_tokens=2, temperature=0, prompt_logprobs=2))[0]
     assert out.prompt_logprobs == [None]
-    *_, last = llm.stream([5, 9, 11, 13, 17], SP(max_tokens=2, temperature=0, prompt_logprobs=0, ignore_eos=True))
+    first, *_, last = llm.stream([5, 9, 11, 13, 17], SP(max_tokens=3, temperature=0, prompt_logprobs=0, ignore_eos=True))
     assert [lp.token_id for lp in last.output.prompt_logprobs[1:]] == [9, 11, 13, 17]
+    assert first.prompt_logprobs == last.output.prompt_logprobs  # streamed with the first token
+    assert last.prompt_logprobs is None
     assert llm.generate([[5, 6]], SP(max_tokens=1))[0].prompt_logprobs is None
 
 
