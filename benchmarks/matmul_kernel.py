@@ -14,19 +14,23 @@ Prints:
   blocks: each band one contiguous run), both by the kernel, and XLA on the [V, H] one;
 * the whole model chained in one jitted call (30 layers of wqkv, wo, w_gate_up, w_down,
   then the LM head, each a distinct weight, so the weights stream from memory as in a
-  decode step): time per step and fraction of the floor, for M = 1 and then per M, the
-  kernel against XLA (dequantize then dot; the plain dot for float32).
+  decode step): time per step and fraction of the floor, per M from decode's 1 row to
+  prefill's 64-256, for every weight form (float32, bfloat16, int8, int4), the kernel
+  against XLA's path.
 
 Times are medians of ``--repeats`` rounds, with the best round next to them: on a shared
 host the median carries other processes' load (the load average is printed), the best
 round is the figure the hardware gives.
 
-XLA's path for a quantized weight is ``w.dequantize()`` then ``lax.dot_general``, as the
-engine's pure-JAX path does. Weights are random (quantized leaves are random integers and
-scales: the kernel's speed does not depend on the values).
+XLA's path is what `jaxinfer.models.decoder.matmul` does without the kernel: a quantized
+weight is ``w.dequantize()`` then ``lax.dot_general`` in float32; a bfloat16 weight's dot
+takes x rounded to bfloat16 (one row padded to two, as the decoder does); float32 is the
+plain dot. The kernel keeps x in float32 for every form. Weights are random (quantized
+leaves are random integers and scales: the kernel's speed does not depend on the values).
 
     python -m benchmarks.matmul_kernel                  # everything (~2-4 minutes on 2 cores)
     python -m benchmarks.matmul_kernel --quick          # fewer repeats, fewer row counts
+    python -m benchmarks.matmul_kernel --no-single --head-rows --rows 1 128   # the chained model only
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ SHAPES = {  # name: (K, N)
     "w_gate_up": (HIDDEN, 2 * INTER),
     "w_down": (INTER, HIDDEN),
 }
-KINDS = ("int8", "int4", "f32")  # int8: per output channel; int4: groups of 32 with an offset
+KINDS = ("int8", "int4", "f32", "bf16")  # int8: per output channel; int4: groups of 32 with an offset
 
 
 def axis1_weight(q, scale, group):
@@ -64,9 +68,9 @@ def make_weight(rng, kind: str, k: int, n: int, transposed: bool = False):
         q = rng.integers(-127, 128, (n, k), dtype=np.int8)
         scale = (rng.random((n, 1)) * 0.02 / np.sqrt(k)).astype(np.float16)
         return axis1_weight(jnp.asarray(q), jnp.asarray(scale), k)
-    if kind == "f32":
+    if kind in ("f32", "bf16"):
         w = (rng.standard_normal((n, k) if transposed else (k, n), np.float32) / np.sqrt(k)).astype(np.float32)
-        return jnp.asarray(w)
+        return jnp.asarray(w, jnp.float32 if kind == "f32" else jnp.bfloat16)
     if kind == "int8":
         q = rng.integers(-127, 128, (k, n), dtype=np.int8)
         scale = (rng.random((1, n)) * 0.02 / np.sqrt(k)).astype(np.float16)
@@ -80,7 +84,19 @@ def make_weight(rng, kind: str, k: int, n: int, transposed: bool = False):
 def nbytes(w) -> int:
     if isinstance(w, QuantizedWeight):
         return w.nbytes
-    return int(np.prod(w.shape)) * 4
+    return int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize
+
+
+def xla_product(x, w, w_contract: int = 0):
+    """`jaxinfer.models.decoder.matmul` without the kernel (XLA's path on CPU)."""
+    if isinstance(w, QuantizedWeight):
+        return cpu_matmul.xla_matmul(x, w, w_contract)
+    x2 = x.astype(w.dtype)
+    pad = x2.shape[0] == 1 and w.dtype != jnp.float32
+    if pad:
+        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
+    y = jax.lax.dot_general(x2, w, (((1,), (w_contract,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:1] if pad else y
 
 
 def timed(fn, repeats: int, calls: int = 1) -> tuple[float, float]:
@@ -114,7 +130,7 @@ def bandwidth(mbytes: int = 512, repeats: int = 7) -> dict:
 def product(path: str, w_contract: int = 0):
     if path == "kernel":
         return lambda x, w: cpu_matmul.matmul(x, w, w_contract)
-    return lambda x, w: cpu_matmul.xla_matmul(x, w, w_contract)
+    return lambda x, w: xla_product(x, w, w_contract)
 
 
 def single_products(rng, bw: float, repeats: int) -> None:
@@ -125,6 +141,7 @@ def single_products(rng, bw: float, repeats: int) -> None:
     cases = [(name, k, n, 0) for name, (k, n) in SHAPES.items()] + [("lm_head", HIDDEN, VOCAB, 0)]
     for kind in KINDS:
         extra = {"f32": [("lm_head (tied, [V, H])", HIDDEN, VOCAB, 1)],
+                 "bf16": [("lm_head (tied, [V, H])", HIDDEN, VOCAB, 1)],
                  "int8": [("lm_head [V, H] axis 1", HIDDEN, VOCAB, 1)]}.get(kind, [])
         for name, k, n, wc in cases + extra:
             w = make_weight(rng, kind, k, n, transposed=wc == 1)
@@ -177,9 +194,9 @@ def head_layouts(rng, bw: float, repeats: int, rows: list, cache_mb: int = 300) 
 
 
 def model_weights(rng, kind: str) -> tuple[list, object, int]:
-    """30 layers' weights and the LM head (f32: the tied head [V, H]), and w_contract of the head."""
+    """30 layers' weights and the LM head (f32, bf16: the tied head [V, H]), and w_contract of the head."""
     layers = [{name: make_weight(rng, kind, k, n) for name, (k, n) in SHAPES.items()} for _ in range(LAYERS)]
-    if kind == "f32":
+    if kind in ("f32", "bf16"):
         return layers, make_weight(rng, kind, HIDDEN, VOCAB, transposed=True), 1
     return layers, make_weight(rng, kind, HIDDEN, VOCAB), 0
 
@@ -199,13 +216,13 @@ def model_step(path: str, head_contract: int):
     return jax.jit(step)
 
 
-def chained(rng, bw: float, repeats: int, rows: list) -> None:
+def chained(rng, bw: float, repeats: int, rows: list, kinds=KINDS) -> None:
     print(f"\nThe whole model chained in one jitted call: {LAYERS} layers x 4 products + the LM head, "
           "distinct weights (cold caches)")
     print("ms: median / best round; floor: the floor's share of the median / best round")
     print(f"{'kind':<5} {'M':>3} {'MB':>7} {'floor ms':>9} | {'kernel ms':>15} {'floor':>11} | {'XLA ms':>15} "
           f"{'floor':>11} | {'speed-up':>8} | {'GFLOP/s kernel':>14} {'XLA':>6}")
-    for kind in KINDS:
+    for kind in kinds:
         layers, lm_head, hc = model_weights(rng, kind)
         b = sum(nbytes(w) for lw in layers for w in lw.values()) + nbytes(lm_head)
         flops_per_row = 2 * (sum(k * n for k, n in SHAPES.values()) * LAYERS + HIDDEN * VOCAB)
@@ -213,7 +230,9 @@ def chained(rng, bw: float, repeats: int, rows: list) -> None:
         steps = {path: model_step(path, hc) for path in ("kernel", "xla")}
         for m in rows:
             h = jnp.asarray(rng.standard_normal((m, HIDDEN), np.float32))
-            res = {p: timed(lambda: f(h, layers, lm_head).block_until_ready(), repeats)
+            # prefill's rows: fewer rounds (a round is ~m times a decode step's work)
+            reps = repeats if m <= 64 else max(3, repeats // 2)
+            res = {p: timed(lambda: f(h, layers, lm_head).block_until_ready(), reps)
                    for p, f in steps.items()}
             (kt, kb), (xt, xb) = res["kernel"], res["xla"]
             print(f"{kind:<5} {m:3d} {b / 1e6:7.1f} {floor * 1e3:9.2f} | {kt * 1e3:7.2f}/{kb * 1e3:7.2f} "
@@ -226,19 +245,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="*", default=None, help="row counts for the chained sweep")
-    ap.add_argument("--quick", action="store_true", help="3 repeats; rows 1 2 4 8 16")
+    ap.add_argument("--quick", action="store_true", help="3 repeats; rows 1 4 16 64 128")
+    ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS, help="weight forms for the chained sweep")
     ap.add_argument("--no-single", action="store_true", help="skip the one-product table")
     ap.add_argument("--no-chained", action="store_true", help="skip the whole-model table")
-    ap.add_argument("--head-rows", type=int, nargs="*", default=None, help="row counts for the cold LM head table")
+    ap.add_argument("--head-rows", type=int, nargs="*", default=None,
+                    help="row counts for the cold LM head table (the flag alone: skip it)")
     a = ap.parse_args()
     repeats = 3 if a.quick else a.repeats
-    rows = a.rows or ([1, 2, 4, 8, 16] if a.quick else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+    rows = a.rows or ([1, 4, 16, 64, 128] if a.quick else [1, 2, 4, 8, 16, 32, 48, 64, 128, 256])
     if not cpu_matmul.prepare():
         raise SystemExit("the native matmul kernel is unavailable (JAXINFER_CPU_KERNELS=0, or no compiler)")
     simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
     print(f"CPU: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; SIMD flags: {' '.join(simd)}")
-    print(f"kernel SIMD path: {cpu_matmul.isa()}; jax {jax.__version__}; MAX_ROWS {cpu_matmul.MAX_ROWS} "
-          f"(quantized), {cpu_matmul.MAX_ROWS_FLOAT} (float32)")
+    print(f"kernel SIMD path: {cpu_matmul.isa()}; jax {jax.__version__}; XLA threads: the intra-op pool "
+          f"({os.cpu_count()} cores)")
     bws = bandwidth(repeats=max(3, repeats))
     bw = max(bws["jax_sum"], bws["jax_matvec"])
     print(f"memory bandwidth (512 MiB): jitted sum {bws['jax_sum']:.1f} GB/s, jitted matvec {bws['jax_matvec']:.1f} "
@@ -246,9 +267,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if not a.no_single:
         single_products(rng, bw, repeats)
-    head_layouts(rng, bw, repeats, a.head_rows or ([1, 16] if a.quick else [1, 2, 4, 8, 16, 32, 48]))
+    head_rows = [1, 16] if a.quick else [1, 2, 4, 8, 16, 32, 48]
+    if a.head_rows is None or a.head_rows:
+        head_layouts(rng, bw, repeats, a.head_rows or head_rows)
     if not a.no_chained:
-        chained(rng, bw, repeats, rows)
+        chained(rng, bw, repeats, rows, a.kinds)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import cpu_matmul, quant
+from jaxinfer import cpu_matmul, invariant, quant
 from jaxinfer.attention import AttentionMetadata, paged_attention
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.models import moe
@@ -209,9 +209,12 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm in float32, scaled by ``offset + weight`` (offset 1 for Gemma's zero-centred weights)."""
+    """RMSNorm in float32, scaled by ``offset + weight`` (offset 1 for Gemma's zero-centred weights).
+
+    The mean square and the reciprocal root are the batch-invariant forms (`jaxinfer.invariant`):
+    a row's norm does not depend on how many rows are normalised with it."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * invariant.rsqrt(invariant.row_mean(xf * xf, keepdims=True) + eps)
     w = weight.astype(jnp.float32)
     return (xf * (w + offset if offset else w)).astype(x.dtype)
 
@@ -284,22 +287,28 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
 def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """x @ w in the weights' dtype, accumulated and returned in float32.
 
-    On CPU, the few-row products of decode go to the native kernel
-    (`jaxinfer.cpu_matmul`) where it takes the weight: float32 or quantized. A quantized
-    weight (`jaxinfer.quant.QuantizedWeight`) is otherwise dequantized to float32 inside
-    the program and multiplied (GPU and TPU fuse the dequantization into the product; on
-    CPU this is prefill's path, where the many rows pay for the float copy).
+    On CPU every product goes to the native kernel (`jaxinfer.cpu_matmul`) where it takes
+    the weight: float32, bfloat16, float16 or quantized, any number of rows (decode's few,
+    prefill's many). It reads each weight element once, widens it to float32 in registers
+    (a quantized one: dequantizes a cache-sized panel at a time for many rows, never a
+    float copy of the whole weight) and keeps the activations in float32, so with 16-bit
+    weights it computes x (float32) times the exact weight values. Each output element is
+    summed in one fixed order whatever the rows in the step: a row's result is bitwise the
+    same alone or in any batch.
+
+    Elsewhere (GPU, TPU, ``JAXINFER_CPU_KERNELS=0``, a multi-device mesh) XLA computes it:
+    a quantized weight (`jaxinfer.quant.QuantizedWeight`) is dequantized to float32 inside
+    the program and multiplied (GPU and TPU fuse the dequantization into the product). With
+    float32 weights this is a plain float32 matmul. With bfloat16 weights the activations
+    are rounded to bfloat16 just for the product, which the hardware runs natively;
+    everything between matmuls (residual stream, norms, RoPE, attention) stays float32.
 
     ``w_contract`` is the axis of ``w`` that meets x's last axis (1 for the tied
-    embedding, stored [vocab, hidden]). With float32 weights this is a plain float32
-    matmul. With bfloat16 weights the activations are rounded to bfloat16 just for
-    the product, which XLA's CPU backend runs natively (AVX512-BF16 where present:
-    about twice float32's rate, measured); everything between matmuls (residual
-    stream, norms, RoPE, attention) stays float32.
+    embedding, stored [vocab, hidden]).
 
-    A single bfloat16 row is padded to two: XLA's CPU backend turns a one-row
-    product into a matrix-vector one that it runs ~12x slower than two rows in
-    bfloat16 (measured, 30 SmolLM2 layers and head: 127 ms vs 10 ms).
+    On XLA's path a single bfloat16 row is padded to two: XLA's CPU backend turns a one-row
+    product into a matrix-vector one that it runs ~12x slower than two rows in bfloat16
+    (measured, 30 SmolLM2 layers and head: 127 ms vs 10 ms).
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)

@@ -1,15 +1,17 @@
-"""The native CPU matmul kernel (`jaxinfer.cpu_matmul`) against a float64 numpy reference.
+"""The native CPU matmul kernel (`jaxinfer.cpu_matmul`) against a float64 numpy reference,
+and its one reduction order: a row's result is bitwise the same alone and among others.
 
 Every weight form it takes (int8 per channel and in groups of 32, int8 with an offset, int4
-with an offset in groups of 32 and 64, int4 without an offset, float32 [K, N] and transposed [N, K]), every row
-count of one tile and several up to the limit (AVX-512 tiles are 16 rows, AVX2 ones 12), column
-counts that are not a multiple of the vector width, under jit. The AVX2 and scalar builds of
-the same source (compiled with AVX-512 or AVX2 turned off) are checked the same way, so a
-host with only AVX2 runs tested code. The transposed int8 layout (``axis`` 1: q [N, K], scale
+with an offset in groups of 32 and 64, int4 without an offset, float32, bfloat16 and float16
+[K, N] and transposed [N, K]), every row count of one decode tile (AVX-512 tiles are 16 rows,
+AVX2 ones 12, scalar 8), the many-row (blocked, prefill) path past it, column counts that are
+not a multiple of the vector width, under jit. The AVX2 and scalar builds of the same source
+(compiled with AVX-512 or AVX2 turned off) are checked the same way, so a host with only
+AVX2 runs tested code. The transposed int8 layout (``axis`` 1: q [N, K], scale
 [N, K / group], GGUF's row blocks) is checked on all three builds over row counts, groups of
-32, per row, and groups that are not a multiple of the vector width. Errors name what is wrong; `fits` says no where the
-kernel must not be staged. Tolerances are relative to sum |x| |w| (the accumulation order
-differs from numpy's).
+32, per row, and groups that are not a multiple of the vector width. Errors name what is
+wrong; `fits` says no where the kernel must not be staged. Tolerances are relative to
+sum |x| |w| (the accumulation order differs from numpy's); invariance is bitwise.
 """
 
 from __future__ import annotations
@@ -27,17 +29,20 @@ from jaxinfer.quant import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.prepare(), reason="native CPU matmul kernel unavailable")
 
-SCHEMES = ("int8", "int8-g32", "int8-off", "int4-g32", "int4-g64", "int4-sym", "f32", "f32T")
+SCHEMES = ("int8", "int8-g32", "int8-off", "int4-g32", "int4-g64", "int4-sym", "f32", "f32T", "bf16", "bf16T",
+           "f16", "f16T")
+FLOATS = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 TOL = 2e-6
+DECODE_TILE = 16  # the most rows one tile of the few-row path holds (AVX-512; AVX2 12, scalar 8)
 
 
 def make_weight(rng, scheme: str, k: int, n: int):
     """(the weight as the kernel takes it, w_contract, its float64 [K, N] value)."""
     w = rng.standard_normal((k, n)).astype(np.float32)
-    if scheme == "f32":
-        return jnp.asarray(w), 0, w.astype(np.float64)
-    if scheme == "f32T":
-        return jnp.asarray(np.ascontiguousarray(w.T)), 1, w.astype(np.float64)
+    if scheme.rstrip("T") in FLOATS:  # float32 / bfloat16 / float16, [K, N] or (T) [N, K]
+        wd = jnp.asarray(w, FLOATS[scheme.rstrip("T")])
+        ref = np.asarray(wd.astype(jnp.float32), np.float64)
+        return (wd.T.copy(), 1, ref) if scheme.endswith("T") else (wd, 0, ref)
     if scheme == "int4-sym":  # int4 without an offset: v = u - 8, groups of 32
         u = rng.integers(0, 16, (k, n))
         scale = (rng.random((k // 32, n)) * 0.1 + 0.01).astype(np.float16)
@@ -98,7 +103,7 @@ def run_transposed(rows_list, targets=None, cases_=None) -> None:
             check(np.asarray(y), xs[c[0]], ws[c][1])
 
 
-T_ROWS = (*range(1, 17), 17, 33, cpu_matmul.MAX_ROWS)
+T_ROWS = (*range(1, 17), 17, 33, 48, 64)
 
 
 def test_transposed_int8():
@@ -140,13 +145,14 @@ def run_all(rows: int, shapes, targets=None) -> None:
 SHAPES = ((64, 100), (576, 49))
 
 
-# Every tile size (AVX-512 tiles are 16 rows, AVX2 12), then several tiles up to the limit.
-ROWS = sorted({*range(1, 17), 17, 24, 31, 33, cpu_matmul.MAX_ROWS_FLOAT, cpu_matmul.MAX_ROWS - 1, cpu_matmul.MAX_ROWS})
+# Every decode tile size (AVX-512 tiles are 16 rows, AVX2 12), then the blocked path's row
+# tiles (6 rows; 4 scalar) and their remainders, up to prefill's sizes.
+ROWS = sorted({*range(1, 18), 24, 31, 33, 47, 48, 49, 100, 130})
 
 
 @pytest.mark.parametrize("rows", ROWS)
 def test_every_scheme_and_row_count(rows):
-    shapes = SHAPES if rows in (1, 2, 5, 16, cpu_matmul.MAX_ROWS) else SHAPES[:1]
+    shapes = SHAPES if rows in (1, 2, 5, 16, 48, 130) else SHAPES[:1]
     run_all(rows, shapes)
 
 
@@ -154,6 +160,86 @@ def test_wide_and_threaded():
     """Shapes large enough to be shared with the pool threads, several bands and a tail."""
     run_all(3, ((576, 1000),))
     run_all(1, ((1536, 200),))
+    run_all(70, ((576, 1000),))
+
+
+# ---------------------------------------------------------------------------
+# one reduction order: bitwise the same alone and among others
+
+PROBES = 5  # rows whose results are compared alone (M = 1) and inside every batch
+INV_ROWS = (*range(1, 49), 49, 64, 100, 128, 300)  # decode's tiles, past them, prefill's sizes
+
+
+@functools.lru_cache(maxsize=None)
+def invariance_forms() -> dict:
+    """Every weight form: {(name, K, N): (weight, w_contract, float64 [K, N] value)}. N = 100
+    and 37 leave columns past the last whole vector; K = 68 (float forms) leaves a contraction
+    tail on the transposed layout; int8 [N, K] in groups of 32 and per row."""
+    forms = {(s, 64, 100): cases(64, 100)[s] for s in SCHEMES}
+    rng = np.random.default_rng(12)
+    for s in ("f32", "bf16", "f16", "f32T", "bf16T", "f16T"):
+        forms[(s, 68, 37)] = make_weight(rng, s, 68, 37)
+    for (k, n, g) in ((64, 100, 32), (72, 37, 0)):
+        w, ref = transposed_cases()[(k, n, g)]
+        forms[(f"int8T-g{g}", k, n)] = (w, 1, ref)
+    return forms
+
+
+def check_invariance(rows_list, targets=None, share=None) -> None:
+    """For each M in ``rows_list``: PROBES rows at random positions among random others give,
+    for every weight form, bitwise the result each gives alone; and every row is within the
+    float64 reference's tolerance."""
+    forms = invariance_forms()
+    wcs = {key: v[1] for key, v in forms.items()}
+    weights = {key: v[0] for key, v in forms.items()}
+    ks = sorted({key[1] for key in forms})
+    rng = np.random.default_rng(11)
+    probes = {k: rng.standard_normal((PROBES, k)).astype(np.float32) for k in ks}
+
+    @jax.jit
+    def f(xs, weights):
+        return {key: cpu_matmul.matmul(xs[key[1]], w, wcs[key], targets=targets, share=share)
+                for key, w in weights.items()}
+
+    alone = [f({k: jnp.asarray(probes[k][j:j + 1]) for k in ks}, weights) for j in range(PROBES)]
+    for m in rows_list:
+        pos = rng.choice(m, size=min(PROBES, m), replace=False)
+        xs = {k: rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10) for k in ks}
+        for k in ks:
+            xs[k][pos] = probes[k][:len(pos)]
+        out = f({k: jnp.asarray(v) for k, v in xs.items()}, weights)
+        for key, y in out.items():
+            y = np.asarray(y)
+            for j, r in enumerate(pos):
+                got, want = y[r], np.asarray(alone[j][key])[0]
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (
+                    f"{key}: row {r} of {m} differs from the row alone at columns "
+                    f"{np.flatnonzero(got != want)[:8]}")
+            check(y, xs[key[1]], forms[key][2])
+
+
+def test_rows_bitwise_the_same_alone_and_among_others():
+    """Every form, M = 1..48 (every decode tile), 49 and prefill's 64, 100, 128, 300 (the
+    blocked path): the probe rows' bits never change."""
+    check_invariance(INV_ROWS)
+
+
+def test_thread_split_does_not_change_bits():
+    """One thread against the shared pool (other bands per thread), few and many rows."""
+    shapes = ((576, 1000),)
+    ws = {(s, k, n): cases(k, n)[s] for k, n in shapes for s in SCHEMES}
+    rng = np.random.default_rng(5)
+    for m in (3, 100):
+        x = jnp.asarray(rng.standard_normal((m, 576)).astype(np.float32))
+
+        @functools.partial(jax.jit, static_argnums=1)
+        def f(weights, share):
+            return {key: cpu_matmul.matmul(x, w, ws[key][1], share=share) for key, w in weights.items()}
+
+        weights = {key: v[0] for key, v in ws.items()}
+        one, pool = f(weights, False), f(weights, True)
+        for key in ws:
+            assert np.array_equal(np.asarray(one[key]), np.asarray(pool[key])), (key, m)
 
 
 def test_eager_and_x_dtype():
@@ -184,16 +270,20 @@ def _variant(flags, isa, required):
 
 @pytest.mark.parametrize("name", ["avx2", "scalar"])
 def test_other_builds(name):
-    """The AVX2 path (8 lanes, 12-row tiles) and the scalar fallback, against the reference."""
+    """The AVX2 path (8 lanes, 12-row decode tiles) and the scalar fallback (8-row tiles):
+    against the reference, and the same row bits alone and among others across their tiles."""
     if name == "avx2":
         targets = _variant(["-O3", "-march=native", "-mno-avx512f", "-fopenmp-simd"], "avx2", {"avx2", "fma", "f16c"})
-        rows = (1, 5, 12, 13, 25, cpu_matmul.MAX_ROWS)
+        rows = (1, 5, 12, 13, 25, 48, 130)
+        inv = (1, 2, 7, 12, 13, 19, 48, 64, 128)
     else:
         targets = _variant(["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma"], "scalar", set())
-        rows = (1, 9, cpu_matmul.MAX_ROWS)
+        rows = (1, 9, 48, 130)
+        inv = (1, 3, 8, 9, 13, 48, 100)
     for m in rows:
         run_all(m, SHAPES, targets=targets)
-    run_transposed(T_ROWS if name == "avx2" else (1, 2, 3, 5, 9, cpu_matmul.MAX_ROWS), targets=targets)
+    run_transposed(T_ROWS if name == "avx2" else (1, 2, 3, 5, 9, 48, 70), targets=targets)
+    check_invariance(inv, targets=targets)
 
 
 def _raises(match, fn):
@@ -208,9 +298,15 @@ def test_errors_name_the_problem():
         target, jax.ShapeDtypeStruct(shape, f32))(*args, **attrs)
     share = dict(share=True)
     _raises(r"INVALID_ARGUMENT.*do not agree on the contraction",
-            lambda: call(cpu_matmul.TARGET_F32, (2, 8), x, jnp.ones((63, 8), f32), w_contract=np.int64(0), **share))
+            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((63, 8), f32), w_contract=np.int64(0), **share))
     _raises(r"w_contract must be 0 or 1",
-            lambda: call(cpu_matmul.TARGET_F32, (2, 8), x, jnp.ones((64, 8), f32), w_contract=np.int64(2), **share))
+            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((64, 8), f32), w_contract=np.int64(2), **share))
+    _raises(r"w must be float32, bfloat16 or float16, got int8",
+            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((64, 8), jnp.int8), w_contract=np.int64(0),
+                         **share))
+    _raises(r"x \[2, 64\] and w \[8, 60\] do not agree",
+            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((8, 60), jnp.bfloat16), w_contract=np.int64(1),
+                         **share))
     q8, s = jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float16)
     none = jnp.zeros((0, 8), jnp.float16)
     def qattrs(bits, group, wc=0):
@@ -249,20 +345,22 @@ def test_errors_name_the_problem():
 def test_fits(monkeypatch):
     qw = cases(64, 100)["int4-g32"][0]
     f = jnp.ones((64, 100), jnp.float32)
-    assert cpu_matmul.fits(1, qw) and cpu_matmul.fits(cpu_matmul.MAX_ROWS, qw)
-    assert cpu_matmul.fits(1, f) and cpu_matmul.fits(1, f, 1)
-    assert not cpu_matmul.fits(cpu_matmul.MAX_ROWS + 1, qw)
-    assert not cpu_matmul.fits(cpu_matmul.MAX_ROWS_FLOAT + 1, f)
+    assert cpu_matmul.fits(1, qw) and cpu_matmul.fits(48, qw) and cpu_matmul.fits(4096, qw)  # any rows
+    assert cpu_matmul.fits(1, f) and cpu_matmul.fits(1, f, 1) and cpu_matmul.fits(4096, f)
+    assert not cpu_matmul.fits(0, qw) and not cpu_matmul.fits(0, f)
     assert not cpu_matmul.fits(1, qw, 1)  # quantized weights contract over their rows only
-    assert not cpu_matmul.fits(1, f.astype(jnp.bfloat16))
+    for dt in (jnp.bfloat16, jnp.float16):
+        assert cpu_matmul.fits(1, f.astype(dt)) and cpu_matmul.fits(1, f.astype(dt), 1)
+        assert cpu_matmul.fits(512, f.astype(dt))
+    assert not cpu_matmul.fits(1, f.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.int32))
     assert not cpu_matmul.fits(1, jnp.ones((2, 64, 100), jnp.float32))
     odd = QuantizedWeight(qw.q, qw.scale, qw.offset, 4, 48)  # a group that does not divide K
     assert not cpu_matmul.fits(1, odd)
     # axis 1 ([N, K]): int8 without an offset, contracted over axis 1 only
     wt, _ = transposed_cases()[(64, 100, 32)]
-    assert cpu_matmul.fits(1, wt, 1) and cpu_matmul.fits(cpu_matmul.MAX_ROWS, wt, 1)
+    assert cpu_matmul.fits(1, wt, 1) and cpu_matmul.fits(300, wt, 1)
     assert cpu_matmul.fits(1, transposed_cases()[(64, 49, 0)][0], 1)
-    assert not cpu_matmul.fits(1, wt, 0) and not cpu_matmul.fits(cpu_matmul.MAX_ROWS + 1, wt, 1)
+    assert not cpu_matmul.fits(1, wt, 0)
     assert not cpu_matmul.fits(1, axis1_weight(wt.q, wt.scale, wt.scale, 8, 32), 1)  # an offset
     assert not cpu_matmul.fits(1, axis1_weight(jnp.ones((100, 32), jnp.uint8), wt.scale, None, 4, 32), 1)  # int4
     assert not cpu_matmul.fits(1, axis1_weight(wt.q, wt.scale, None, 8, 48), 1)  # 48 does not divide 64

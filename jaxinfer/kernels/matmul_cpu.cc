@@ -109,6 +109,18 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
+// a * b + c for the scalar loops (tails, odd groups): one rounding where the build has FMA
+// (every SIMD build), two otherwise, spelled out so that the compiler cannot contract
+// `c += a * b` in one template instance (one tile size) and not in another: that gave a
+// row other bits alone than among others.
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // bfloat16 is float32's upper half: widening is a shift.
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -420,15 +432,15 @@ void tail_columns(const Problem& p, int64_t m0, int64_t mt, int64_t n0, int64_t 
           } else {
             v = w_at<KIND>(p.w, k * N + n);
           }
-          acc += x[k] * v;
+          acc = madd(x[k], v, acc);
         }
         if constexpr (is_float(KIND)) {
           total += acc;
         } else {
           const float xs = OFF != kNoOffset ? p.xsum[i * p.groups + g] : 0.f;
-          if constexpr (OFF == kMinus8) acc += -8.f * xs;
-          total += half_to_float(p.scale[g * N + n]) * acc;
-          if constexpr (OFF == kOffset) total += half_to_float(p.offset[g * N + n]) * xs;
+          if constexpr (OFF == kMinus8) acc += -8.f * xs;  // exact: a power of two
+          total = madd(half_to_float(p.scale[g * N + n]), acc, total);
+          if constexpr (OFF == kOffset) total = madd(half_to_float(p.offset[g * N + n]), xs, total);
         }
       }
       p.y[i * N + n] = total;
@@ -647,7 +659,7 @@ inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
   for (int i = 0; i < MT; ++i)
     for (int t = 0; t < NT; ++t) {
       float r = V::sum(acc[i][t]);
-      for (int64_t kk = k; kk < K; ++kk) r += x[i * K + kk] * w_at<KIND>(p.w, w0 + t * K + kk);
+      for (int64_t kk = k; kk < K; ++kk) r = madd(x[i * K + kk], w_at<KIND>(p.w, w0 + t * K + kk), r);
       p.y[(m0 + i) * p.n + n0 + t] = r;
     }
 }
@@ -710,8 +722,8 @@ inline void panel_qt(const Problem& p, int64_t m0, int64_t n0) {
         float total = 0.f;
         for (int64_t g = 0; g < G; ++g) {
           float acc = 0.f;
-          for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) acc += x[i * K + k] * w[t * K + k];
-          total += V::h2f(sc[t * G + g]) * acc;
+          for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) acc = madd(x[i * K + k], w[t * K + k], acc);
+          total = madd(V::h2f(sc[t * G + g]), acc, total);
         }
         p.y[(m0 + i) * p.n + n0 + t] = total;
       }
@@ -763,7 +775,7 @@ inline void panel_qt(const Problem& p, int64_t m0, int64_t n0) {
       for (int t = 0; t < NT; ++t) {
         float r = V::sum(acc[i][t]);
         if constexpr (MODE == kQtRow) {
-          for (int64_t kk = k; kk < K; ++kk) r += x[i * K + kk] * w[t * K + kk];
+          for (int64_t kk = k; kk < K; ++kk) r = madd(x[i * K + kk], w[t * K + kk], r);
           r *= V::h2f(sc[t]);
         }
         p.y[(m0 + i) * p.n + n0 + t] = r;
