@@ -158,8 +158,8 @@ class SamplingParams:
             raise ValueError(f"Requested logprobs of {self.logprobs}, which is greater than max allowed: {max_logprobs}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
             raise ValueError(
-                f"Requested prompt_logprobs of {self.prompt_logprobs}, which is greater than max allowed: "
-                f"{max_logprobs}."
+                f"prompt_logprobs must be at most the engine's max_logprobs ({max_logprobs}), got "
+                f"{self.prompt_logprobs}."
             )
         for t in self.stop_token_ids:
             if t >= vocab_size:

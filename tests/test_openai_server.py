@@ -208,6 +208,58 @@ def test_completions_logprobs_format(oai, llm):
                for i, t in enumerate(lp.top_logprobs))
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt_then_the_completion(server, oai, llm):
+    """As vLLM answers it: the prompt's tokens first (the first with null logprob and top_logprobs), then the
+    completion's, each the library's own prompt logprob / drawn-token logprob; streamed, the same numbers."""
+    want = llm.generate(["hello jax"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2,
+                                                      prompt_logprobs=2))[0]
+    p = len(want.prompt_token_ids)
+    r = oai.completions.create(model=llm.model_name, prompt="hello jax", echo=True, logprobs=2, **greedy(5))
+    choice = r.choices[0]
+    assert choice.text == "hello jax" + want.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == p + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:p] == pytest.approx([x.logprob for x in want.prompt_logprobs[1:]], abs=1e-6)
+    assert lp.token_logprobs[p:] == pytest.approx([x.logprob for x in want.outputs[0].logprobs], abs=1e-6)
+    for i in range(1, p):  # the top alternatives at each prompt position, as for drawn tokens
+        assert 1 <= len(lp.top_logprobs[i]) <= 2 and max(lp.top_logprobs[i].values()) >= lp.token_logprobs[i]
+    assert lp.text_offset[:p] == sorted(lp.text_offset[:p]) and lp.text_offset[p] == len("hello jax")
+    body = {"model": llm.model_name, "prompt": "hello jax", "echo": True, "logprobs": 2, "stream": True,
+            "temperature": 0, "max_tokens": 5, "ignore_eos": True}
+    with httpx.stream("POST", server.http_url + "/v1/completions", json=body, timeout=60) as resp:
+        events = [e for e in sse_events(resp)[:-1] if e["choices"]]
+    assert events[0]["choices"][0]["text"] == "hello jax"  # the echo comes first, with the prompt's logprobs
+    assert "".join(e["choices"][0]["text"] for e in events) == choice.text
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert sum((s["token_logprobs"] for s in streamed), []) == lp.token_logprobs
+    assert sum((s["tokens"] for s in streamed), []) == lp.tokens
+
+
+def test_prompt_logprobs_field_on_both_endpoints_in_vllms_shape(server, llm):
+    """vLLM's extra request field: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} with the token itself and the k likeliest; in each choice for completions, beside the
+    choices for chat."""
+    want = llm.generate(["hello jax"], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    body = {"model": llm.model_name, "prompt": "hello jax", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    r = httpx.post(server.http_url + "/v1/completions", json=body, timeout=60).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_token_ids) == r["usage"]["prompt_tokens"]
+    for entry, lp in zip(got[1:], want.prompt_logprobs[1:]):
+        own = entry[str(lp.token_id)]
+        assert own["logprob"] == pytest.approx(lp.logprob, abs=1e-6) and own["rank"] == lp.rank >= 1
+        assert own["decoded_token"] == llm.tokenizer.token_text(lp.token_id)
+        assert 1 <= len(entry) <= 2 and any(v["rank"] == 1 for v in entry.values())
+    plain = httpx.post(server.http_url + "/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60).json()
+    assert "prompt_logprobs" not in plain["choices"][0]  # only when asked: OpenAI's shape otherwise
+    chat = {"model": llm.model_name, "messages": MSG, "max_tokens": 2, "prompt_logprobs": 0}
+    c = httpx.post(server.http_url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in c["prompt_logprobs"][1:])  # k = 0: the token's own only
+    refused = httpx.post(server.http_url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_n_choices_are_reproducible_and_each_is_seed_plus_index(oai, llm):
     kw = dict(model=llm.model_name, messages=MSG, n=3, seed=7, temperature=1.0, max_tokens=10,
               extra_body={"ignore_eos": True})
@@ -289,7 +341,8 @@ def test_bad_chat_requests_get_an_openai_error_naming_the_field(server, body, st
 @pytest.mark.parametrize("body, words", [
     ({"prompt": []}, "must not be empty"),
     ({"prompt": [[1, 2], "mixed"]}, "none of the accepted types"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "prompt logprobs"),
+    ({"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "not available when stream is true"),
+    ({"prompt": "hi", "prompt_logprobs": 99}, "prompt_logprobs must be at most"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
     ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "not supported yet"),
     ({"prompt": [1, 2, 99999]}, "out of range"),

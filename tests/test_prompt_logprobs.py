@@ -278,7 +278,7 @@ def test_sampling_params_accepts_the_limits():
     assert SP(prompt_logprobs=0).prompt_logprobs == 0
     assert SP().prompt_logprobs is None
     SP(prompt_logprobs=20).check_against(vocab_size=100, max_logprobs=20)
-    with pytest.raises(ValueError, match=r"prompt_logprobs of 21, which is greater than max allowed: 20"):
+    with pytest.raises(ValueError, match=r"^prompt_logprobs must be at most the engine's max_logprobs \(20\), got 21"):
         SP(prompt_logprobs=21).check_against(vocab_size=100, max_logprobs=20)
 
 

@@ -92,6 +92,7 @@ class _Sampling(_Body):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: Optional[bool] = None
     priority: int = 0
+    prompt_logprobs: Optional[int] = None  # the response's prompt_logprobs (vLLM's shape); not with stream
 
 
 class TextPart(BaseModel):

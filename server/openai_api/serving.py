@@ -45,6 +45,7 @@ _FIELDS = (
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
     "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "stop_token_ids", "priority", "chat_template_kwargs", "tools", "echo",
+    "prompt_logprobs",
 )
 # Fields copied one-to-one onto SamplingParams when the body sets them (the rest take the model's defaults).
 _DIRECT = (
@@ -142,13 +143,15 @@ class OpenAIServing:
 
     # -- sampling parameters ------------------------------------------------------------
 
-    def sampling_params(self, body, *, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, body, *, max_tokens: Optional[int], logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """The model's generation defaults overridden by every field the body sets; 400 when out of range."""
         kw = {name: getattr(body, name) for name in _DIRECT if getattr(body, name) is not None}
         kw["max_tokens"] = max_tokens  # None: the rest of the context (as vLLM), never SamplingParams' 16
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         kw["stop_token_ids"] = list(body.stop_token_ids or [])
         kw["logprobs"] = logprobs
+        kw["prompt_logprobs"] = prompt_logprobs
         if body.logit_bias:
             kw["logit_bias"] = dict(body.logit_bias)
         try:
@@ -266,7 +269,9 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+        _refuse_streamed_prompt_logprobs(body)
+        params = self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs,
+                                      prompt_logprobs=body.prompt_logprobs)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         if self._keeps_special_tokens(parse_tools):  # the parser's markers are special tokens: keep them in the text
             params = params.clone(skip_special_tokens=False)
@@ -282,10 +287,13 @@ class OpenAIServing:
             return self._chat_stream(body, rid, calls, parse_tools, prompt_text, disconnected)
         outputs = await self._whole(calls, disconnected)
         choices = [self._chat_choice(i, o, parse_tools, logprobs, prompt_text) for i, o in enumerate(outputs)]
-        return {
+        answer = {
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
             "choices": choices, "usage": _usage(outputs, len(reqs)), "system_fingerprint": None,
         }
+        if body.prompt_logprobs is not None:  # vLLM's extra, beside the choices
+            answer["prompt_logprobs"] = self._prompt_logprobs(outputs[0].prompt_logprobs, body.prompt_logprobs)
+        return answer
 
     def _keeps_special_tokens(self, parse_tools: bool) -> bool:
         parsers = [self._reasoning_parser] + ([self._tool_parser] if parse_tools else [])
@@ -429,11 +437,14 @@ class OpenAIServing:
             raise unsupported("suffix", "is not supported.")
         if body.best_of is not None and body.best_of != body.n:
             raise unsupported("best_of", f"is not supported (got {body.best_of}); use n.")
-        if body.echo and body.logprobs is not None:
-            raise unsupported("echo", "with logprobs needs prompt logprobs, which this server does not compute yet.")
+        _refuse_streamed_prompt_logprobs(body)
         prompts = _prompt_list(body.prompt)
         self.check_capacity(len(prompts) * max(1, body.n))
-        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                      prompt_logprobs=prompt_logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         groups = []
         for k, p in enumerate(prompts):
@@ -443,18 +454,24 @@ class OpenAIServing:
         n = len(groups[0])
         echoes = [self._echo_text(g[0]) if body.echo else "" for g in groups]
         if body.stream:
-            return self._completion_stream(body, rid, calls, n, echoes, disconnected)
+            prompt_ids = [g[0].prompt_ids for g in groups]
+            return self._completion_stream(body, rid, calls, n, echoes, prompt_ids, disconnected)
         outputs = await self._whole(calls, disconnected)
         choices = []
         for i, out in enumerate(outputs):
             comp = out.outputs[0]
             echo = echoes[i // n]
-            choices.append({
-                "index": i, "text": echo + comp.text,
-                "logprobs": self._completion_logprobs(comp.logprobs or [], body.logprobs, len(echo))
-                if body.logprobs is not None else None,
-                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
-            })
+            lps = None
+            if body.logprobs is not None:
+                lps = self._completion_logprobs(comp.logprobs or [], body.logprobs, len(echo))
+                if body.echo:
+                    lps = _join_logprobs(self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                             body.logprobs), lps)
+            choice = {"index": i, "text": echo + comp.text, "logprobs": lps,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if body.prompt_logprobs is not None:  # vLLM's extra, in each choice
+                choice["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs, body.prompt_logprobs)
+            choices.append(choice)
         usage = _usage_groups(outputs, n)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage, "system_fingerprint": None}
@@ -464,6 +481,47 @@ class OpenAIServing:
             return req.prompt
         tok = self.llm.tokenizer
         return tok.decode(req.prompt_ids, skip_special_tokens=False) if tok is not None else ""
+
+    def _echo_logprobs(self, prompt_ids: list, plps: Optional[list], top: Optional[int]) -> dict:
+        """The echoed prompt's part of a completion's logprobs (OpenAI's format, as vLLM fills it): every
+        prompt token, the first with null logprob and null top_logprobs (nothing precedes it)."""
+        token_str = self.servicer._token_str
+        plps = plps if plps is not None else [None] * len(prompt_ids)
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, lp in zip(prompt_ids, plps):
+            s = token_str(int(tid))
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            if lp is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(_finite(lp.logprob))
+            tops.append({} if top else None)
+            for i, v in list(lp.top.items())[: top or 0]:  # tokens that read the same share a key: the likeliest
+                tops[-1].setdefault(token_str(int(i)), _finite(v))
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, plps: Optional[list], k: int) -> Optional[list]:
+        """vLLM's ``prompt_logprobs``: per prompt token null (the first) or {token id: {logprob, rank,
+        decoded_token}} holding the token itself and the ``k`` likeliest at its position."""
+        if plps is None:
+            return None
+        token_str = self.servicer._token_str
+        out: list = []
+        for lp in plps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": token_str(int(lp.token_id))}}
+            for rank, (tid, v) in enumerate(list(lp.top.items())[:k], start=1):
+                entry.setdefault(str(int(tid)), {"logprob": _finite(v), "rank": rank,
+                                                 "decoded_token": token_str(int(tid))})
+            out.append(entry)
+        return out
 
     def _completion_logprobs(self, lps: list, top: Optional[int], offset: int) -> dict:
         token_str = self.servicer._token_str
@@ -483,7 +541,7 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _completion_stream(self, body: CompletionRequest, rid: str, calls: list, n: int, echoes: list,
-                                 disconnected) -> AsyncIterator[bytes]:
+                                 prompt_ids: list, disconnected) -> AsyncIterator[bytes]:
         created = int(time.time())
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -506,11 +564,16 @@ class OpenAIServing:
                                     "total_tokens": p + n_tokens[index]}
             return _sse(obj)
 
+        # echo with logprobs: the prompt's chunk waits for its logprobs, which come with the first token
+        echo_later = body.echo and body.logprobs is not None
         try:
-            if any(echoes):
+            if any(echoes) and not echo_later:
                 for i in range(len(calls)):
                     yield chunk(i, echoes[i // n])
             async for i, delta in _merged(calls, disconnected):
+                if echo_later and delta.prompt_logprobs is not None:
+                    yield chunk(i, echoes[i // n],
+                                self._echo_logprobs(prompt_ids[i // n], delta.prompt_logprobs, body.logprobs))
                 n_tokens[i] += len(delta.token_ids)
                 lps = None
                 if body.logprobs is not None and delta.logprobs:
@@ -545,6 +608,23 @@ class OpenAIServing:
 
 class _EngineFailed(Exception):
     pass
+
+
+def _refuse_streamed_prompt_logprobs(body) -> None:
+    """vLLM's rule: prompt_logprobs are not streamed (completions stream an echoed prompt's logprobs instead)."""
+    if body.stream and body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "is not available when stream is true (as in vLLM); with /v1/completions, "
+                          "echo with logprobs streams the prompt tokens' logprobs.")
+
+
+def _finite(x: float) -> float:
+    """A logprob JSON can carry: -inf (a token the model rules out) as vLLM writes it, -9999.0."""
+    return max(float(x), -9999.0)
+
+
+def _join_logprobs(first: dict, then: dict) -> dict:
+    """Two pieces of a completion's logprobs (OpenAI's format) one after the other."""
+    return {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
