@@ -19,15 +19,24 @@
 //
 // Query token at position p attends keys 0..p of its row (causal; grouped-query heads share
 // their kv head); with the `window` attribute w > 0, only keys p-w+1..p (sliding window: the
-// blocks before a row's window are never read, so those pages may be gone). Work items are (row, kv head, tile of query tokens), shared with XLA's
-// intra-op thread pool. Keys and values are read from the cache a vector (16 elements of
-// head_dim) at a time, converted from bfloat16 on the fly. Two inner loops:
-//   * one query token (decode): keys are scored by dot products over head_dim;
-//   * a tile of tokens (prefill): the tile's query rows (tokens x grouped heads) are held
-//     transposed, so each key element is broadcast against vectors of rows and the
-//     scores, the running max and the softmax weights are all row-vectors; no horizontal
-//     reductions, no transposes of the cache. Four keys (and two rows for the values)
-//     are in flight at once so the multiply-adds do not wait on each other.
+// blocks before a row's window are never read, so those pages may be gone). Work items are (row,
+// kv head, tile of query tokens), shared with XLA's intra-op thread pool; a decode step is a tile
+// of one token. Keys and values are read from the cache a vector (16 elements of head_dim) at a
+// time, converted from bfloat16 on the fly.
+//
+// One order per output element, whatever else is computed with it. A query row's output is
+// bitwise the same in a decode step, anywhere in a prefill chunk of any size, beside any other
+// rows, sequences or padding, and whichever thread runs it: every row is computed on its own
+// by the one routine (`attend_rows`), and nothing in it depends on the other rows of its item:
+//   * keys come in blocks fixed by absolute position (every kBlock positions from 0, split at
+//     page boundaries), never by where a chunk or window starts;
+//   * each score q.k is `dot`: lane i sums elements i, i+16, ... in order, then a fixed tree;
+//   * per block: the max, exp of the scores less it, the tree sum of the weights, one rescale
+//     of the running sum and the accumulators; keys outside the row's range (causal, window)
+//     are masked out of the max and the sum and never touch the accumulators;
+//   * values are added to each row in key order, one multiply-add per key; the output is the
+//     accumulator times 1 / sum.
+// tests/test_attention_invariance.py checks it bitwise.
 // head_dim must be 16, 32, 64, 128 or 256 (Gemma 3) (jaxinfer/attention.py checks before calling).
 
 #include <algorithm>
@@ -55,7 +64,7 @@ constexpr int kMaxDV = 16;        // head_dim / 16, at most
 constexpr int kMaxGroup = 64;     // query heads per kv head
 constexpr int kBlock = kLanes;    // keys per block (never more than what is left of a page)
 constexpr int kTileRows = 48;     // target query rows (tokens x grouped heads) per prefill tile
-constexpr int kMaxNV = 4;         // row vectors per tile
+constexpr int kMaxRows = 64;      // query rows per work item (one token of kMaxGroup heads)
 constexpr float kNeg = -1e30f;    // masked score (finite: no inf - inf)
 
 inline vf splat(float x) { return vf{} + x; }
@@ -145,11 +154,9 @@ inline vf vexp(vf x) {
 
 // Per-thread working memory (kept off the stack).
 struct Scratch {
-  vf acc[kMaxNV * kLanes][kMaxDV];  // output accumulators, one row per query row
-  vf qt[kMaxDV * kLanes][kMaxNV];   // tile queries transposed: qt[i] is element i of every row
-  vf q[kMaxGroup][kMaxDV];          // decode queries
-  vf w[kBlock][kMaxNV];             // tile softmax weights: w[j] holds key j's weight for every row
-  float s[kMaxGroup][kBlock];       // decode scores / weights
+  vf q[kMaxRows][kMaxDV];    // the item's query rows, scaled
+  vf acc[kMaxRows][kMaxDV];  // output accumulators, one per query row
+  float s[kMaxRows][kBlock]; // scores, then softmax weights, of the current key block
 };
 
 Scratch& scratch() {
@@ -178,199 +185,156 @@ const T* kv_row(const Problem& p, const int32_t* table, int64_t kvh, int64_t pos
          ((page * p.page_size + pos % p.page_size) * 2 * p.kv_heads + 2 * kvh + which) * p.head_dim;
 }
 
-// One query token (decode): rows are its grouped heads, keys are scored by dot products.
+// Key blocks are fixed by absolute positions: boundaries at every multiple of kBlock and at every
+// page boundary. A query row meets the same blocks, holding its keys in the same slots, whatever
+// chunk, tile or step it is computed in.
+inline int64_t block_start(int64_t pos, int64_t page_size) {
+  return std::max(pos - pos % kBlock, pos - pos % page_size);
+}
+inline int64_t block_end(int64_t start, int64_t page_size) {
+  return std::min(start - start % kBlock + kBlock, start - start % page_size + page_size);
+}
+
+// q.k of one query row and one key: lane i sums elements i, i + 16, ... in order, then the
+// fixed halving tree of hsum. The one order of every score, in decode and prefill alike.
+template <int DV>
+inline float dot(const vf* q, const vf* k) {
+  vf acc = q[0] * k[0];
+  for (int dv = 1; dv < DV; ++dv) acc += q[dv] * k[dv];
+  return hsum(acc);
+}
+
+// acc += w[j] * v[j] for keys j0 <= j < j1, in order of j (one row, or two rows sharing the loads).
 template <typename T, int DV>
-void attend_token(const Problem& p, int64_t b, int64_t t, int64_t kvh) {
-  constexpr int64_t d = DV * kLanes;
-  const int64_t g = p.group;
-  const int64_t base = ((b * p.tokens + t) * p.heads + kvh * g) * d;
-  float* out = p.out + base;
-  const int64_t pos = p.positions[b * p.tokens + t];
-  if (pos < 0) {
-    std::fill(out, out + g * d, 0.0f);
-    return;
+inline void add_values(vf* acc, const float* w, const T* v0, int64_t stride, int64_t j0, int64_t j1) {
+  if (j0 >= j1) return;
+  vf a[DV];
+  for (int dv = 0; dv < DV; ++dv) a[dv] = acc[dv];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float wj = w[j];
+    for (int dv = 0; dv < DV; ++dv) a[dv] += wj * load(v0 + j * stride + dv * kLanes);
   }
-  Scratch& sc = scratch();
-  float m[kMaxGroup], l[kMaxGroup];
-  for (int64_t h = 0; h < g; ++h) {
+  for (int dv = 0; dv < DV; ++dv) acc[dv] = a[dv];
+}
+
+template <typename T, int DV>
+inline void add_values2(vf* acc0, const float* w0, vf* acc1, const float* w1, const T* v0, int64_t stride,
+                        int64_t j0, int64_t j1) {
+  if (j0 >= j1) return;
+  vf a0[DV], a1[DV];
+  for (int dv = 0; dv < DV; ++dv) {
+    a0[dv] = acc0[dv];
+    a1[dv] = acc1[dv];
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float x0 = w0[j], x1 = w1[j];
     for (int dv = 0; dv < DV; ++dv) {
-      sc.q[h][dv] = load(p.q + base + h * d + dv * kLanes) * p.scale;
-      sc.acc[h][dv] = splat(0.0f);
-    }
-    m[h] = kNeg;
-    l[h] = 0.0f;
-  }
-  const int32_t* table = p.page_table + b * p.pages_per_row;
-  for (int64_t start = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0; start <= pos;) {
-    const int64_t n = std::min<int64_t>({pos + 1 - start, p.page_size - start % p.page_size, kBlock});
-    const T* k0 = kv_row<T>(p, table, kvh, start, 0);
-    start += n;
-    if (k0 == nullptr) continue;
-    const int64_t stride = 2 * p.kv_heads * d;  // between consecutive positions of a page
-    for (int64_t j = 0; j < n; ++j) {
-      vf k[DV];
-      for (int dv = 0; dv < DV; ++dv) k[dv] = load(k0 + j * stride + dv * kLanes);
-      for (int64_t h = 0; h < g; ++h) {
-        vf acc = sc.q[h][0] * k[0];
-        for (int dv = 1; dv < DV; ++dv) acc += sc.q[h][dv] * k[dv];
-        sc.s[h][j] = hsum(acc);
-      }
-    }
-    const T* v0 = k0 + d;
-    for (int64_t h = 0; h < g; ++h) {
-      vf sv;
-      std::memcpy(&sv, sc.s[h], sizeof(sv));
-      for (int64_t j = n; j < kBlock; ++j) sv[j] = kNeg;
-      const float mx = std::max(m[h], hmax(sv));
-      vf e = vexp(sv - mx);
-      for (int64_t j = n; j < kBlock; ++j) e[j] = 0.0f;
-      const float c = m[h] == mx ? 1.0f : std::exp(m[h] - mx);
-      l[h] = l[h] * c + hsum(e);
-      m[h] = mx;
-      vf acc[DV];
-      for (int dv = 0; dv < DV; ++dv) acc[dv] = sc.acc[h][dv] * c;
-      for (int64_t j = 0; j < n; ++j)
-        for (int dv = 0; dv < DV; ++dv) acc[dv] += e[j] * load(v0 + j * stride + dv * kLanes);
-      for (int dv = 0; dv < DV; ++dv) sc.acc[h][dv] = acc[dv];
+      const vf x = load(v0 + j * stride + dv * kLanes);
+      a0[dv] += x0 * x;
+      a1[dv] += x1 * x;
     }
   }
-  for (int64_t h = 0; h < g; ++h) {
-    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-    for (int dv = 0; dv < DV; ++dv) {
-      const vf o = sc.acc[h][dv] * inv;
-      std::memcpy(out + h * d + dv * kLanes, &o, sizeof(o));
-    }
+  for (int dv = 0; dv < DV; ++dv) {
+    acc0[dv] = a0[dv];
+    acc1[dv] = a1[dv];
   }
 }
 
-// A tile of query tokens (prefill): NV vectors of rows, row r = token (r / group), head (r % group).
-template <typename T, int DV, int NV>
-void attend_tile(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
+// A work item: query rows (tokens t0 .. t0 + nt - 1 of row b, x the kv head's grouped heads; a
+// decode step is one token). Every row is computed on its own, in the same order whatever the
+// other rows of the item are: its keys, in absolute blocks; per block its scores by `dot`, the
+// block max, exp, the halving-tree sum of the weights, one rescale; its values in key order.
+// Keys outside a row's range (causal, window) never touch its sums.
+template <typename T, int DV>
+void attend_rows(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
   constexpr int64_t d = DV * kLanes;
   const int64_t g = p.group;
   const int64_t t0 = tile * p.tile_tokens;
-  const int64_t nt = std::min(p.tile_tokens, p.tokens - t0);
-  const int64_t rows = nt * g;
+  const int64_t rows = std::min(p.tile_tokens, p.tokens - t0) * g;
   Scratch& sc = scratch();
-  vi qpos[NV];
-  vf m[NV], l[NV];
-  int64_t maxpos = -1, minpos = INT64_MAX;
-  vi qlow[NV];  // a key is attended when qlow < kpos <= qpos
-  for (int v = 0; v < NV; ++v) {
-    for (int lane = 0; lane < kLanes; ++lane) {
-      const int64_t r = v * kLanes + lane;
-      qpos[v][lane] = r < rows ? p.positions[b * p.tokens + t0 + r / g] : -1;
-      qlow[v][lane] = p.window > 0 ? qpos[v][lane] - static_cast<int32_t>(p.window) : -1;
-      maxpos = std::max<int64_t>(maxpos, qpos[v][lane]);
-      if (qpos[v][lane] >= 0) minpos = std::min<int64_t>(minpos, qpos[v][lane]);
+  int64_t lo[kMaxRows], hi[kMaxRows];  // row r attends keys lo[r] <= pos < hi[r]
+  float m[kMaxRows], l[kMaxRows];
+  int64_t first = INT64_MAX, last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t bt = b * p.tokens + t0 + r / g;
+    const int64_t pos = p.positions[bt];
+    lo[r] = pos < 0 ? 0 : p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+    hi[r] = pos < 0 ? 0 : pos + 1;
+    if (hi[r] > lo[r]) {
+      first = std::min(first, lo[r]);
+      last = std::max(last, hi[r]);
     }
-    m[v] = splat(kNeg);
-    l[v] = splat(0.0f);
-  }
-  for (int64_t r = 0; r < NV * kLanes; ++r) {
-    const float* qr = r < rows ? p.q + ((b * p.tokens + t0 + r / g) * p.heads + kvh * g + r % g) * d : nullptr;
-    for (int64_t i = 0; i < d; ++i) sc.qt[i][r / kLanes][r % kLanes] = qr ? qr[i] * p.scale : 0.0f;
-    for (int dv = 0; dv < DV; ++dv) sc.acc[r][dv] = splat(0.0f);
+    const float* qr = p.q + (bt * p.heads + kvh * g + r % g) * d;
+    for (int dv = 0; dv < DV; ++dv) {
+      sc.q[r][dv] = load(qr + dv * kLanes) * p.scale;
+      sc.acc[r][dv] = splat(0.0f);
+    }
+    m[r] = kNeg;
+    l[r] = 0.0f;
   }
   const int32_t* table = p.page_table + b * p.pages_per_row;
-  const int64_t stride = 2 * p.kv_heads * d;
-  const int64_t first_key = p.window > 0 && maxpos >= 0 ? std::max<int64_t>(0, minpos - p.window + 1) : 0;
-  for (int64_t start = first_key; start <= maxpos;) {
-    const int64_t n = std::min<int64_t>({maxpos + 1 - start, p.page_size - start % p.page_size, kBlock});
-    const T* k0 = kv_row<T>(p, table, kvh, start, 0);
-    const int32_t first = static_cast<int32_t>(start);
+  const int64_t stride = 2 * p.kv_heads * d;  // between consecutive positions of a page
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  int64_t jlo[kMaxRows], jhi[kMaxRows];
+  for (int64_t start = first < last ? block_start(first, p.page_size) : last; start < last;) {
+    const int64_t bs = start, n = std::min(block_end(start, p.page_size), last) - start;
     start += n;
+    const T* k0 = kv_row<T>(p, table, kvh, bs, 0);
     if (k0 == nullptr) continue;
-    // Scores, four keys at a time: 4 * NV independent multiply-add chains.
-    vf bmax[NV];
-    for (int v = 0; v < NV; ++v) bmax[v] = m[v];
-    for (int64_t j0 = 0; j0 < n; j0 += 4) {
-      const int64_t nk = std::min<int64_t>(4, n - j0);
-      vf s[4][NV] = {};
-      const T* kp[4];
-      for (int kk = 0; kk < 4; ++kk) kp[kk] = k0 + (j0 + std::min<int64_t>(kk, nk - 1)) * stride;
-      for (int64_t i = 0; i < d; ++i) {
-        const float x0 = to_float(kp[0][i]), x1 = to_float(kp[1][i]), x2 = to_float(kp[2][i]),
-                    x3 = to_float(kp[3][i]);
-        for (int v = 0; v < NV; ++v) {
-          const vf qv = sc.qt[i][v];
-          s[0][v] += qv * x0;
-          s[1][v] += qv * x1;
-          s[2][v] += qv * x2;
-          s[3][v] += qv * x3;
-        }
-      }
-      for (int64_t kk = 0; kk < nk; ++kk) {
-        const int32_t kpos = first + static_cast<int32_t>(j0 + kk);
-        for (int v = 0; v < NV; ++v) {
-          const vf sv = (kpos <= qpos[v]) & (kpos > qlow[v]) ? s[kk][v] : splat(kNeg);  // causal, window
-          sc.w[j0 + kk][v] = sv;
-          bmax[v] = bmax[v] > sv ? bmax[v] : sv;
-        }
-      }
-    }
-    vf c[NV];
-    for (int v = 0; v < NV; ++v) {
-      c[v] = vexp(m[v] - bmax[v]);
-      l[v] *= c[v];
-      m[v] = bmax[v];
-    }
     for (int64_t j = 0; j < n; ++j) {
-      const int32_t kpos = first + static_cast<int32_t>(j);
-      for (int v = 0; v < NV; ++v) {
-        const vf e = (kpos <= qpos[v]) & (kpos > qlow[v]) ? vexp(sc.w[j][v] - m[v]) : splat(0.0f);
-        sc.w[j][v] = e;
-        l[v] += e;
-      }
+      vf k[DV];
+      for (int dv = 0; dv < DV; ++dv) k[dv] = load(k0 + j * stride + dv * kLanes);
+      for (int64_t r = 0; r < rows; ++r) sc.s[r][j] = dot<DV>(sc.q[r], k);
     }
-    // Values, two rows at a time: 2 * DV independent chains.
+    for (int64_t r = 0; r < rows; ++r) {
+      jlo[r] = std::max<int64_t>(lo[r] - bs, 0);
+      jhi[r] = std::min<int64_t>(hi[r] - bs, n);
+      if (jlo[r] >= jhi[r]) continue;  // no key of this block for this row
+      const vi in = (lane >= static_cast<int32_t>(jlo[r])) & (lane < static_cast<int32_t>(jhi[r]));
+      vf sv;
+      std::memcpy(&sv, sc.s[r], sizeof(sv));
+      sv = in ? sv : splat(kNeg);
+      const float mx = std::max(m[r], hmax(sv));
+      vf e = vexp(sv - mx);
+      e = in ? e : splat(0.0f);
+      const float c = m[r] == mx ? 1.0f : std::exp(m[r] - mx);
+      l[r] = l[r] * c + hsum(e);
+      m[r] = mx;
+      std::memcpy(sc.s[r], &e, sizeof(e));
+      if (c != 1.0f)
+        for (int dv = 0; dv < DV; ++dv) sc.acc[r][dv] = sc.acc[r][dv] * c;
+    }
+    // The rescaled accumulators go through memory: no multiply-add may fuse the rescale into
+    // the first value of the block in one loop and not in another.
+    asm volatile("" ::: "memory");
     const T* v0 = k0 + d;
     for (int64_t r = 0; r < rows; r += 2) {
-      const int64_t r1 = std::min(r + 1, rows - 1);
-      const float c0 = c[r / kLanes][r % kLanes], c1 = c[r1 / kLanes][r1 % kLanes];
-      vf a0[DV], a1[DV];
-      for (int dv = 0; dv < DV; ++dv) {
-        a0[dv] = sc.acc[r][dv] * c0;
-        a1[dv] = sc.acc[r1][dv] * c1;
+      if (r + 1 == rows) {
+        add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, jlo[r], jhi[r]);
+        break;
       }
-      for (int64_t j = 0; j < n; ++j) {
-        const float w0 = sc.w[j][r / kLanes][r % kLanes], w1 = sc.w[j][r1 / kLanes][r1 % kLanes];
-        for (int dv = 0; dv < DV; ++dv) {
-          const vf x = load(v0 + j * stride + dv * kLanes);
-          a0[dv] += w0 * x;
-          a1[dv] += w1 * x;
-        }
+      const int64_t r1 = r + 1;
+      const int64_t a = std::max(jlo[r], jlo[r1]), z = std::min(jhi[r], jhi[r1]);
+      if (a >= z) {  // disjoint ranges: one row at a time
+        add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, jlo[r], jhi[r]);
+        add_values<T, DV>(sc.acc[r1], sc.s[r1], v0, stride, jlo[r1], jhi[r1]);
+        continue;
       }
-      for (int dv = 0; dv < DV; ++dv) {
-        sc.acc[r1][dv] = a1[dv];
-        sc.acc[r][dv] = a0[dv];  // after a1: when r1 == r, a0 is the one to keep
-      }
+      // each row's keys stay in order: its part before the shared range, the shared range, after
+      add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, jlo[r], a);
+      add_values<T, DV>(sc.acc[r1], sc.s[r1], v0, stride, jlo[r1], a);
+      add_values2<T, DV>(sc.acc[r], sc.s[r], sc.acc[r1], sc.s[r1], v0, stride, a, z);
+      add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, z, jhi[r]);
+      add_values<T, DV>(sc.acc[r1], sc.s[r1], v0, stride, z, jhi[r1]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int v = r / kLanes, lane = r % kLanes;
     float* out = p.out + ((b * p.tokens + t0 + r / g) * p.heads + kvh * g + r % g) * d;
-    const float inv = (qpos[v][lane] >= 0 && l[v][lane] > 0.0f) ? 1.0f / l[v][lane] : 0.0f;
+    const float inv = (hi[r] > lo[r] && l[r] > 0.0f) ? 1.0f / l[r] : 0.0f;
     for (int dv = 0; dv < DV; ++dv) {
       const vf o = sc.acc[r][dv] * inv;
       std::memcpy(out + dv * kLanes, &o, sizeof(o));
     }
-  }
-}
-
-template <typename T, int DV>
-void run_item_dv(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
-  if (p.tile_tokens == 1) return attend_token<T, DV>(p, b, tile, kvh);
-  const int64_t rows = std::min(p.tile_tokens, p.tokens - tile * p.tile_tokens) * p.group;
-  switch ((rows + kLanes - 1) / kLanes) {
-    case 1:
-      return attend_tile<T, DV, 1>(p, b, tile, kvh);
-    case 2:
-      return attend_tile<T, DV, 2>(p, b, tile, kvh);
-    case 3:
-      return attend_tile<T, DV, 3>(p, b, tile, kvh);
-    default:
-      return attend_tile<T, DV, 4>(p, b, tile, kvh);
   }
 }
 
@@ -381,15 +345,15 @@ void run_item(const Problem& p, int64_t item) {
   const int64_t tile = rest % p.tiles, b = rest / p.tiles;
   switch (p.head_dim) {
     case 16:
-      return run_item_dv<T, 1>(p, b, tile, kvh);
+      return attend_rows<T, 1>(p, b, tile, kvh);
     case 32:
-      return run_item_dv<T, 2>(p, b, tile, kvh);
+      return attend_rows<T, 2>(p, b, tile, kvh);
     case 64:
-      return run_item_dv<T, 4>(p, b, tile, kvh);
+      return attend_rows<T, 4>(p, b, tile, kvh);
     case 128:
-      return run_item_dv<T, 8>(p, b, tile, kvh);
+      return attend_rows<T, 8>(p, b, tile, kvh);
     default:
-      return run_item_dv<T, 16>(p, b, tile, kvh);
+      return attend_rows<T, 16>(p, b, tile, kvh);
   }
 }
 
@@ -472,8 +436,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   for (int64_t i = 0; i < p.batch * p.tokens; ++i)
     if (positions.typed_data()[i] >= capacity)
       return ffi::Error::InvalidArgument("paged attention: a position lies past the pages given");
-  p.tile_tokens = p.tokens == 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(p.tokens, kTileRows / p.group));
-  if (p.tile_tokens * p.group > kMaxNV * kLanes) p.tile_tokens = 1;
+  p.tile_tokens = std::max<int64_t>(1, std::min<int64_t>(p.tokens, kTileRows / p.group));
   p.tiles = (p.tokens + p.tile_tokens - 1) / p.tile_tokens;
   p.q = q.typed_data();
   p.cache = cache->untyped_data();
