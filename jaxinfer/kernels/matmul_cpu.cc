@@ -32,8 +32,8 @@
 //
 //   [K, N]: y = 0; for each block of kKBlock contraction rows (never straddling a scale
 //     group; K itself for a float weight in blocks of kKBlock): acc = 0, then acc =
-//     fma(x[k], w[k, n], acc) for k in order (int4: per byte row j, acc = fma(b, whole,
-//     fma(a, lo, acc)), see Problem::xt); then float: y = y + acc; quantized: y =
+//     fma(x[k], w[k, n], acc) for k in order (w: the float value, the int8, or the nibble
+//     u of row k, each exact in float32); then float: y = y + acc; quantized: y =
 //     fma(scale, acc', y), with acc' = acc - 8 xsum at a group's last block (int4 without
 //     offset) and, at a group's last block with an offset, y = fma(offset, xsum, y).
 //     Columns past the last whole vector: a scalar loop of its own fixed order (tail_columns).
@@ -46,12 +46,11 @@
 // MT x NV vector registers: each weight vector is loaded and converted once and multiplied
 // into every row (x, repacked at the start of a call, broadcast from one pointer). At the
 // end of a block the sums go into y (in cache) as above. Each panel prefetches its next
-// block. Columns past the last whole vector are done by a scalar loop. int4 bytes are
-// converted whole (lo + 16 hi) and by their low nibble only, with x repacked so that two
-// multiply-adds give x[2j] lo + x[2j+1] hi (see Problem::xt).
+// block. Columns past the last whole vector are done by a scalar loop. An int4 byte row j
+// is converted to its low nibbles (row 2j) and high nibbles (row 2j + 1).
 //
 // [K, N] layout, more rows (prefill): per band and block, the block's weights over the
-// band's whole vectors are converted once to float32 (int4: the same lo / whole floats)
+// band's whole vectors are converted once to float32 (int4: a row of each nibble)
 // into a thread-local panel (kKBlock x band, in L2), then every tile of kGemmRows rows runs
 // over it, panel of kGemmVecs vectors by panel (a panel's 2-4 KB stay in L1 across the
 // tiles). Converting is exact, and the multiply-adds and the fold into y are the ones the
@@ -144,10 +143,10 @@ struct Scalar {
   static F mul(F a, F b) { return a * b; }
   static F fma(F a, F b, F c) { return a * b + c; }
   static F load_i8(const int8_t* p) { return static_cast<float>(*p); }
-  // A byte of two nibbles: `whole` = the byte's value lo + 16 hi, `lo` = the low nibble.
-  static void load_u4(const uint8_t* p, F& whole, F& lo) {
-    whole = static_cast<float>(*p);
+  // A byte of two nibbles: `lo` = the low nibble, `hi` = the high one, as floats.
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
     lo = static_cast<float>(*p & 15);
+    hi = static_cast<float>(*p >> 4);
   }
   static F load_h(const uint16_t* p) { return half_to_float(*p); }
   static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
@@ -170,11 +169,11 @@ struct Avx512 {
   static F load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static void load_u4(const uint8_t* p, F& whole, F& lo) {
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
     const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    whole = _mm512_cvtepi32_ps(u);
     // vpermps reads the low 4 bits of each index: a table lookup gives the low nibble as a float
     lo = _mm512_permutexvar_ps(u, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4));
   }
   static F load_h(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -202,10 +201,10 @@ struct Avx2 {
   static F load_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  static void load_u4(const uint8_t* p, F& whole, F& lo) {
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
     const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    whole = _mm256_cvtepi32_ps(u);
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(u, 4));
   }
   static F load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F load_bf16(const uint16_t* p) {
@@ -294,10 +293,8 @@ inline typename V::F load_w(const void* w, int64_t i) {
 
 struct Problem {
   const float* x = nullptr;  // [M, K]
-  // x repacked per tile of rows (`tile` rows; the tile at row m0 with mt rows: mt * K floats
-  // at m0 * K): [K][mt] (float, int8), or for int4 [K/2][mt][2]: (x[2j] - x[2j+1]/16,
-  // x[2j+1]/16), so that a * lo + b * (lo + 16 hi) = x[2j] lo + x[2j+1] hi. The repacked
-  // values of a row do not depend on the tile it is in.
+  // x transposed per tile of rows (`tile` rows; the tile at row m0 with mt rows: mt * K
+  // floats at m0 * K, [K][mt]), so a tile's rows at one k are broadcast from one pointer.
   const float* xt = nullptr;
   const void* w = nullptr;   // f32 / bf16 / f16 [K, N] or [N, K], int8 [K, N] or [N, K], uint8 [K/2, N]
   const uint16_t* scale = nullptr;   // [G, N] f16
@@ -392,20 +389,20 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
         for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
       }
     }
-  } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high nibble)
+  } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high nibble), summed in order
     const uint8_t* q = static_cast<const uint8_t*>(p.w);
     for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
-      F whole[NV], lo[NV];
+      F lo[NV], hi[NV];
 #pragma GCC unroll 4
       for (int line = 0; line < NV * L; line += 64) prefetch(q + (j + kPrefetchRows / 2) * N + n + line);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, whole[v], lo[v]);
+      for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, lo[v], hi[v]);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
-        const F a = V::set1(xt[(j * MT + i) * 2]);
-        const F b = V::set1(xt[(j * MT + i) * 2 + 1]);
+        const F a = V::set1(xt[2 * j * MT + i]);        // x[2j]
+        const F b = V::set1(xt[(2 * j + 1) * MT + i]);  // x[2j + 1]
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, whole[v], V::fma(a, lo[v], acc[i][v]));
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, hi[v], V::fma(a, lo[v], acc[i][v]));
       }
     }
   }
@@ -483,8 +480,8 @@ void tile_dispatch(const Problem& p, int64_t m0, int mt, int64_t c0, int64_t c1)
 
 // ---------------------------------------------------------------------------
 // [K, N], many rows: per block, the band's weights converted once into a float32 panel
-// (`wb`, row stride `ws`; int4: per byte row j of the block, its lo floats then its whole
-// floats), then every row tile over it with the few-row path's multiply-adds and fold.
+// (`wb`, row stride `ws`; int4: byte row j gives rows 2j and 2j + 1, its low and high
+// nibbles), then every row tile over it with the few-row path's multiply-adds and fold.
 
 float* scratch(size_t floats) {
   static thread_local std::vector<float> buf;
@@ -503,33 +500,15 @@ inline void micro(const Problem& p, const float* wb, int64_t ws, int64_t m0, int
   for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
-  if constexpr (KIND != kU4) {
-    for (int64_t k = k0; k < k1; ++k, wb += ws) {
-      F wv[NV];
+  for (int64_t k = k0; k < k1; ++k, wb += ws) {
+    F wv[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) wv[v] = V::load(wb + v * L);
+    for (int v = 0; v < NV; ++v) wv[v] = V::load(wb + v * L);
 #pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) {
-        const F xb = V::set1(xt[k * MT + i]);
+    for (int i = 0; i < MT; ++i) {
+      const F xb = V::set1(xt[k * MT + i]);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
-      }
-    }
-  } else {
-    for (int64_t j = k0 / 2; j < k1 / 2; ++j, wb += 2 * ws) {
-      F whole[NV], lo[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) {
-        lo[v] = V::load(wb + v * L);
-        whole[v] = V::load(wb + ws + v * L);
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < MT; ++i) {
-        const F a = V::set1(xt[(j * MT + i) * 2]);
-        const F b = V::set1(xt[(j * MT + i) * 2 + 1]);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, whole[v], V::fma(a, lo[v], acc[i][v]));
-      }
+      for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
     }
   }
   fold<V, MT, NV, KIND, OFF>(p, acc, m0, n, g, last);
@@ -566,13 +545,13 @@ void convert_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t
     const uint8_t* q = static_cast<const uint8_t*>(p.w);
     for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
       const uint8_t* row = q + j * N + c0;
-      float* lo = buf + 2 * (j - k0 / 2) * W;
+      float* lo = buf + (2 * j - k0) * W;  // rows 2j and 2j + 1 of the block
       for (int64_t c = 0; c < W; c += L) {
         if ((c & 63) < L) prefetch(row + kPrefetchRows / 2 * N + c);
-        typename V::F whole, low;
-        V::load_u4(row + c, whole, low);
-        V::store(lo + c, low);
-        V::store(lo + W + c, whole);
+        typename V::F l, h;
+        V::load_u4(row + c, l, h);
+        V::store(lo + c, l);
+        V::store(lo + W + c, h);
       }
     }
   } else {
@@ -871,17 +850,8 @@ void pack_x(Problem& p, std::vector<float>& buf) {
     const int64_t mt = std::min<int64_t>(p.tile, p.m - m0);
     float* dst = buf.data() + m0 * p.k;
     const float* x = p.x + m0 * p.k;
-    if (p.kind == kU4) {
-      for (int64_t j = 0; j < p.k / 2; ++j)
-        for (int64_t i = 0; i < mt; ++i) {
-          const float x0 = x[i * p.k + 2 * j], x1 = x[i * p.k + 2 * j + 1];
-          dst[(j * mt + i) * 2] = x0 - x1 * 0.0625f;
-          dst[(j * mt + i) * 2 + 1] = x1 * 0.0625f;
-        }
-    } else {
-      for (int64_t k = 0; k < p.k; ++k)
-        for (int64_t i = 0; i < mt; ++i) dst[k * mt + i] = x[i * p.k + k];
-    }
+    for (int64_t k = 0; k < p.k; ++k)
+      for (int64_t i = 0; i < mt; ++i) dst[k * mt + i] = x[i * p.k + k];
   }
   p.xt = buf.data();
 }
