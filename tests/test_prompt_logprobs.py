@@ -60,16 +60,16 @@ def small_chunks(params):
 _fwd = jax.jit(llama.forward, static_argnums=1)
 
 
-def teacher_forced(params, seq) -> np.ndarray:
+def teacher_forced(params, seq, cfg=TINY) -> np.ndarray:
     """log_softmax of the logits at every position of ``seq``, from one pure forward over all of it
     (`jaxinfer.models`: forward + logits + log_softmax; nothing of the engine's)."""
     n, ps = len(seq), TINY_ENGINE.page_size
-    cache = kv_cache.init_cache(TINY, EngineConfig(page_size=ps, num_pages=n // ps + 2))
+    cache = kv_cache.init_cache(cfg, EngineConfig(page_size=ps, num_pages=n // ps + 2))
     pos = np.arange(n, dtype=np.int32)[None]
     table = np.arange(1, 1 + -(-n // ps), dtype=np.int32)[None]
     attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, ps), table, np.array([n], np.int32))
-    h, _ = _fwd(params, TINY, jnp.asarray([seq], jnp.int32), cache, attn)
-    return np.asarray(jax.nn.log_softmax(llama.logits(params, TINY, h[0]), axis=-1))
+    h, _ = _fwd(params, cfg, jnp.asarray([seq], jnp.int32), cache, attn)
+    return np.asarray(jax.nn.log_softmax(llama.logits(params, cfg, h[0]), axis=-1))
 
 
 def plp_values(out) -> np.ndarray:
@@ -230,6 +230,22 @@ def test_logits_rows_made_at_once_are_bounded(params):
     seen = _vocab_rows(jaxpr.jaxpr, vocab)
     assert seen and max(seen) <= max(step.PROMPT_LOGPROB_ROWS, b, 4)
     assert b * t > step.PROMPT_LOGPROB_ROWS
+
+
+def test_sliding_window_pages_given_back_keep_what_the_token_back_reads(params):
+    """A 6-position sliding window, chunks of at most 4: pages behind the window are given back as the
+    prompt advances, but never the one the next chunk's first (recomputed) position still attends to."""
+    cfg = dataclasses.replace(TINY, architecture="mistral", sliding_window=6, name="tiny-sw")
+    m = jaxinfer.LLM.from_params(cfg, params, engine_config=TINY_ENGINE, max_num_batched_tokens=4)
+    try:
+        prompt = rand_prompt(np.random.default_rng(6), 30)
+        out = m.generate([prompt], SP(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True))[0]
+        tf = teacher_forced(params, prompt, cfg)
+        np.testing.assert_allclose(plp_values(out), tf[np.arange(29), prompt[1:]], rtol=0, atol=TOL)
+        assert len(out.metrics.prefill_chunks) >= 9
+        m.engine.allocator.check_all_free()
+    finally:
+        m.close()
 
 
 # ---------------------------------------------------------------------------------------------------
