@@ -39,6 +39,22 @@ the kernel only when it is already loaded, else the pure-JAX path.
 On a device mesh (`jaxinfer.mesh`) attention runs inside ``jax.shard_map`` over the
 KV-head axis: each device attends its own query heads over its own shard of the cache.
 
+Batch invariance (a query token's output bitwise the same whatever else is computed with it):
+
+- CPU kernel: yes. Decode steps and prefill tiles run one per-row routine with one order per
+  output element (key blocks at absolute positions, a fixed tree for each q.k, the same softmax
+  steps); a token gives the same bits in a decode step, anywhere in a chunk of any size, beside
+  any other rows, and on any thread (tests/test_attention_invariance.py).
+- Pure-JAX path on CPU (``JAXINFER_CPU_KERNELS=0``): no, measured op by op. The q.k einsum
+  changes its order of summation with the number of query rows in the chunk and with the keys
+  gathered (XLA's CPU dot goes to Eigen, whose matrix product picks a kernel by shape), and
+  ``jax.nn.softmax``'s sum over the keys changes order with the number of rows reduced (batch,
+  heads, chunk) and the keys gathered (the page bucket). The value einsum was invariant in the
+  cases tried. A rewrite in elementwise adds of one fixed tree was not invariant either (XLA fuses
+  it differently per shape, and the fused loops contract multiply-adds differently) and was 2-10x
+  slower, so it was not kept. On GPU and TPU the same einsums and reduction go to cuBLAS/XLA's
+  emitters and the MXU, whose orders also follow the shapes; not measured here.
+
 Compile keys: the kernel reads each row's real context length (it stops at
 the row's last position), so with it the page table is passed at its full
 width and pages attended are not a compile key (`reads_row_lengths`). The

@@ -193,7 +193,17 @@ def test_kernel_output_does_not_depend_on_the_batch(h, kvh, d, cache_dtype, wind
     check_invariance(kernel_path, h, kvh, d, cache_dtype, window)
 
 
-@pytest.mark.xfail(strict=True, reason="the pure-JAX path is not invariant yet")
+# Known and strict: when XLA's CPU code for these ops stops depending on the shape, this XPASSes
+# and the mark goes. The ops, measured op by op (jaxinfer/attention.py says the same):
+# the q.k einsum changes order with the chunk's query rows and the keys gathered (Eigen's
+# matrix product picks its kernel by shape); the softmax's sum over keys changes order with the
+# number of rows reduced and the keys gathered (XLA's reduction). A rewrite in elementwise adds
+# of one fixed tree was not invariant either (XLA fuses it differently per shape and the fused
+# loops contract multiply-adds differently) and ran 2-10x slower.
+PURE_JAX_VARIES = "XLA's CPU dot and reduce order depend on the shapes (jaxinfer/attention.py)"
+
+
+@pytest.mark.xfail(strict=True, reason=PURE_JAX_VARIES)
 @pytest.mark.parametrize("h,kvh,d,cache_dtype,window", CONFIGS)
 def test_pure_jax_output_does_not_depend_on_the_batch(h, kvh, d, cache_dtype, window):
     check_invariance(gather_path, h, kvh, d, cache_dtype, window)
