@@ -67,7 +67,7 @@ SAMPLING_FLAGS = (
 
 # Engine flags that override a field of the preset (None: not given), as LLM(...) keywords.
 ENGINE_OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "num_pages", "max_num_batched_tokens",
-                    "tensor_parallel_size", "quantization")
+                    "tensor_parallel_size", "quantization", "batch_invariant")
 
 positive_int = int_in(1)
 non_negative_int = int_in(0)
@@ -120,6 +120,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, warmup: Optional[str] = None
     g.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
                    help="token budget of one engine step (default: the preset's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--batch-invariant", action="store_const", const=True, default=None,
+                   help="batch-invariant mode for the pure-JAX path (GPU, TPU, CPU without native kernels): a "
+                   "request's numbers do not depend on the rest of the batch, at some cost in speed (also "
+                   "JAXINFER_BATCH_INVARIANT=1); CPU's native kernels are invariant without it")
     if warmup is not None:
         g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                        help=f"compile (or load from the program cache) every program the engine can run {warmup}")

@@ -356,4 +356,4 @@ def _device_code_digest() -> bytes:
 
 # The modules whose code ends up in a step program (with kernels/ and models/).
 _DEVICE_SOURCES = ("step.py", "sampler.py", "attention.py", "attention_pallas.py", "kv_cache.py", "config.py",
-                   "spec.py", "programs.py", "mesh.py", "quant.py", "cpu_matmul.py")
+                   "spec.py", "programs.py", "mesh.py", "quant.py", "cpu_matmul.py", "invariant.py")

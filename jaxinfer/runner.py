@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import cpu_matmul, distributed
+from jaxinfer import cpu_matmul, distributed, invariant
 from jaxinfer.attention import AttentionMetadata, prepare_cpu_kernel, reads_row_lengths
 from jaxinfer.buckets import bucket_for, pages_needed
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -76,6 +76,8 @@ class ModelRunner:
         self.warmups_followed = 0  # a follower: warm-up plans of the leader it ran
         prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace
         self.matmul_kernel = cpu_matmul.prepare()  # likewise the products' kernel (jaxinfer.cpu_matmul)
+        if engine_cfg.batch_invariant:  # read while the steps are traced; on for the process from here
+            invariant.set_mode(True)
         self.reads_row_lengths = reads_row_lengths(
             self.cfg.num_heads // self.layout.shards, self.cfg.num_kv_heads // self.layout.shards,
             self.cfg.head_dim, engine_cfg.cache_dtype, engine_cfg.page_size,

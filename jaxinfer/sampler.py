@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import invariant
 from jaxinfer.sampling_params import GREEDY_EPS, MAX_LOGIT_BIAS
 
 NUM_BANNED = 16  # width of the per-row banned-token list (stop ids before min_tokens)
@@ -210,8 +211,8 @@ def _cut_by_search(logits, lse, md: SamplingMetadata, v: int):
     kth = _least(lambda c: jnp.sum(keys > c[:, None], axis=-1) < md.top_k, lo, hi)
     kth = jnp.where(has_k, kth, lo)
     mass = jnp.where(keys >= kth[:, None], probs, 0.0)
-    total = jnp.sum(mass, axis=-1)
-    pth = _least(lambda c: jnp.sum(jnp.where(keys > c[:, None], mass, 0.0), axis=-1) < md.top_p * total, lo, hi)
+    total = invariant.row_sum(mass)
+    pth = _least(lambda c: invariant.row_sum(jnp.where(keys > c[:, None], mass, 0.0)) < md.top_p * total, lo, hi)
     key = jnp.maximum(kth, jnp.where(md.top_p < 1.0, pth, lo))
     return jnp.where((has_k | (md.top_p < 1.0))[:, None], _unsortable(key)[:, None], neg)
 
@@ -220,10 +221,10 @@ def _apply_filters(logits, md: SamplingMetadata):
     """min-p, then top-k, then top-p, masking with the lowest float; logits are temperature-scaled."""
     b, v = logits.shape
     neg = jnp.finfo(jnp.float32).min
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = invariant.softmax(logits)
     max_p = jnp.max(probs, axis=-1, keepdims=True)
     logits = jnp.where(probs < md.min_p[:, None] * max_p, neg, logits)
-    thresh = _cut_by_search(logits, jax.nn.logsumexp(logits, axis=-1), md, v)
+    thresh = _cut_by_search(logits, invariant.logsumexp(logits), md, v)
     return jnp.where(logits < thresh, neg, logits)
 
 
@@ -290,7 +291,7 @@ def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, n: int, *, rank: bo
     (`jaxinfer.step`) both come from here, so scoring a finished sequence as a prompt gives back
     what was reported while it was drawn.
     """
-    lp = jax.nn.log_softmax(raw_logits, axis=-1)
+    lp = invariant.log_softmax(raw_logits)
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     r = raw_logits.shape[0]
     if n == 0:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import invariant
 from jaxinfer.config import ModelConfig
 from jaxinfer.spec import ArraySpec
 
@@ -73,7 +74,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], put: Callable[[np.ndarray],
 
 def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """[N, E] float32 logits -> (weights [N, k] float32, experts [N, k] int32), largest first."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    probs = invariant.softmax(router_logits.astype(jnp.float32))
     weights, experts = [], []
     rest = probs
     for _ in range(k):
@@ -83,7 +84,7 @@ def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array,
         rest = jnp.where(jax.nn.one_hot(e, probs.shape[-1], dtype=bool), -1.0, rest)
     w = jnp.stack(weights, axis=-1)
     if normalize:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        w = w / invariant.row_sum(w, keepdims=True)
     return w, jnp.stack(experts, axis=-1)
 
 
@@ -129,5 +130,8 @@ def routed_mlp(p: dict[str, jax.Array], cfg: ModelConfig, h: jax.Array) -> jax.A
     wd = p["w_down"][block_expert]
     out = jnp.einsum("bti,bid->btd", a.astype(wd.dtype), wd, preferred_element_type=jnp.float32)
     per_slot = out.reshape(nb * bt, d)[row_of_slot].reshape(n, k, d)
-    y = jnp.sum(per_slot * weights[..., None], axis=1)
+    weighted = per_slot * weights[..., None]
+    y = weighted[:, 0]
+    for j in range(1, k):  # in expert-rank order, not XLA's reduce order
+        y = y + weighted[:, j]
     return y.reshape(*lead, d)
