@@ -118,17 +118,19 @@ def test_a_layout_that_would_split_a_quantization_group_is_refused():
     np.testing.assert_array_equal(q_idx, np.concatenate([np.arange(16), -np.ones(16, int), np.arange(16, 32)]))
 
 
-def test_float_copy_check_sees_a_materialised_weight():
+def test_float_copy_check_sees_a_materialised_weight(monkeypatch):
     """The check device_check runs on GPU/TPU (where the dequantization must fuse into the dot): on
-    CPU, XLA's path for many rows does build the float weight, and it sees it; decode's few rows
-    go to the native kernel, which never does."""
+    CPU the native kernel takes decode's few rows and prefill's many without a float copy, and
+    XLA's path (the GPU/TPU code, kernels off) does build the float weight, which the check sees."""
     from jaxinfer import cpu_matmul
 
-    many = quant.float_copy_check(256, 256, cpu_matmul.MAX_ROWS + 16, "int4-g32")
-    assert not many["fused"] and many["temp_bytes"] >= many["float_copy_bytes"] and not many["custom_call"]
     if cpu_matmul.prepare():
-        few = quant.float_copy_check(256, 256, 1, "int8")
-        assert few["custom_call"] and few["fused"]
+        for rows in (1, 64):
+            got = quant.float_copy_check(256, 256, rows, "int4-g32")
+            assert got["custom_call"] and got["fused"], rows
+    monkeypatch.setenv("JAXINFER_CPU_KERNELS", "0")
+    many = quant.float_copy_check(256, 256, 80, "int4-g32")  # a row count not traced above
+    assert not many["fused"] and many["temp_bytes"] >= many["float_copy_bytes"] and not many["custom_call"]
 
 
 @pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32"])
