@@ -40,8 +40,8 @@ def non_negative_number(s: str) -> float:
 
 # The engine's --dtype choices (generate, bench, serve).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-DTYPE_HELP = ("weights' dtype (default: the preset's, auto: bfloat16 where the hardware multiplies it natively, "
-              "else float32; float32 is bit-faithful to transformers)")
+DTYPE_HELP = ("weights' dtype (default: the preset's, auto: bfloat16 on GPU/TPU and where the native CPU kernel "
+              "runs, else float32; the load line says why; float32 is bit-faithful to transformers)")
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 _ESCAPE = re.compile(r"\\([ntr\\])")

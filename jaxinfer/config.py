@@ -234,6 +234,12 @@ class EngineConfig:
     # channel; GGUF Q8_0 blocks kept) or "int4" (groups of 32 with scale and offset; GGUF Q4_0 and
     # Q4_1 blocks kept). Activations, norms and the KV cache stay in `dtype`.
     quantization: Optional[str] = None
+    # Batch-invariant mode for the pure-JAX path (GPU, TPU, CPU without the native kernels):
+    # fixed-shape product tiles and fixed-order row sums (`jaxinfer.invariant`). The CPU kernels
+    # are invariant without it. None: from $JAXINFER_BATCH_INVARIANT.
+    batch_invariant: Optional[bool] = None
+    # set by `resolved`: dtype was "auto" (the load line says why it chose); not part of what programs key on
+    dtype_auto: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -259,8 +265,14 @@ class EngineConfig:
             )
 
     def resolved(self, backend: Optional[str] = None) -> "EngineConfig":
-        """This config with dtype "auto" replaced by `resolve_dtype`'s choice."""
-        return self.replace(dtype=resolve_dtype(self.dtype, backend)) if self.dtype == "auto" else self
+        """This config with dtype "auto" replaced by `resolve_dtype`'s choice, and batch_invariant
+        None by $JAXINFER_BATCH_INVARIANT."""
+        out = self.replace(dtype=resolve_dtype(self.dtype, backend), dtype_auto=True) if self.dtype == "auto" else self
+        if out.batch_invariant is None:
+            from jaxinfer import invariant
+
+            out = out.replace(batch_invariant=invariant.requested())
+        return out
 
     def context_limit(self, model_max_len: int, kv_window: int = 0) -> int:
         """The longest sequence (prompt + output, tokens) this engine serves for a model of `model_max_len`.
@@ -343,22 +355,39 @@ def cpu_flags() -> frozenset:
 
 
 def resolve_dtype(dtype: str, backend: Optional[str] = None) -> str:
-    """The weights' dtype for "auto": bfloat16 where matmuls run natively in it, else float32.
+    """The weights' dtype for "auto" (`dtype_choice`); any other value is returned as given."""
+    return dtype if dtype != "auto" else dtype_choice(backend)[0]
 
-    GPUs and TPUs: bfloat16. CPUs: bfloat16 when the CPU has bfloat16 dot-product
-    instructions (x86 AVX512-BF16 or AMX-BF16, Arm BF16), where XLA runs bfloat16 matmuls
-    at about twice the float32 rate (measured: 860 vs 430 GFLOP/s on a 2-core Zen 5);
-    float32 otherwise. Any other value is returned as given.
+
+def dtype_choice(backend: Optional[str] = None) -> tuple[str, str]:
+    """What "auto" means here, and why: (dtype, reason).
+
+    GPUs and TPUs: bfloat16, which they multiply natively. CPUs: bfloat16 where the native
+    matmul kernel runs (`jaxinfer.cpu_matmul`: x86 with AVX2 or AVX-512 and a C++ compiler, kernels
+    not turned off):
+    it reads each bfloat16 weight once, widens it in registers and multiplies it by float32
+    activations with float32 sums, so a decode step moves half of float32's bytes, and the
+    products stay batch-invariant. Without the kernel, bfloat16 goes to XLA's own product, which
+    is fast only with bfloat16 dot instructions (AVX512-BF16, AMX-BF16, Arm BF16) and not
+    batch-invariant: float32 then.
     """
-    if dtype != "auto":
-        return dtype
     if backend is None:
         import jax
 
         backend = jax.default_backend()
     if backend != "cpu":
-        return "bfloat16"
-    return "bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"} else "float32"
+        return "bfloat16", f"{backend} multiplies bfloat16 natively"
+    from jaxinfer import kernels
+
+    simd = {"avx2", "fma", "f16c"} <= cpu_flags() or "avx512f" in cpu_flags()
+    if kernels.enabled() and kernels._compiler() is not None and simd:
+        return "bfloat16", ("the native CPU kernel reads bfloat16 weights (half of float32's bytes) "
+                            "against float32 activations")
+    if not kernels.enabled():
+        return "float32", "native CPU kernels are off (JAXINFER_CPU_KERNELS=0), and XLA's bfloat16 product is not batch-invariant"
+    if not simd:
+        return "float32", "the native CPU kernel has no SIMD path here (AVX2 or AVX-512), and XLA's bfloat16 product is not batch-invariant"
+    return "float32", "no C++ compiler for the native CPU kernel, and XLA's bfloat16 product is not batch-invariant"
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class LLM:
         # directory converts it and saves the engine's tree; later loads restore it.
         loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine),
                             quantization=engine.quantization)
-        progress.say(f"model {source.name}: {loaded.config.describe()}")
+        progress.say(f"model {source.name}: {loaded.config.describe()}; weights: {_weights_note(engine)}")
         self.model_source = source
         self.model_cache_path = loaded.cache_path
         self._setup(
@@ -462,6 +462,16 @@ def _one_choice(params) -> None:
             f"n={params.n} asks for several choices: use LLM.make_requests and LLM.submit_group (a stream "
             f"per choice), or generate / chat."
         )
+
+
+def _weights_note(engine: EngineConfig) -> str:
+    """How the weights are held, and why when dtype "auto" chose it (the load line)."""
+    from jaxinfer.config import dtype_choice
+
+    held = engine.dtype if not engine.quantization else f"{engine.quantization} (activations {engine.dtype})"
+    if engine.dtype_auto:
+        return f"{held}; dtype auto: {dtype_choice()[1]}"
+    return held
 
 
 def _engine_config(engine_config, dtype, max_model_len, overrides) -> EngineConfig:
