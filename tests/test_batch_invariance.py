@@ -150,3 +150,20 @@ def test_row_reductions_give_a_row_the_same_bits_whatever_the_rows(monkeypatch, 
                                atol=1e-4)
     np.testing.assert_allclose(np.asarray(invariant.log_softmax(jnp.asarray(x))),
                                np.asarray(jax.nn.log_softmax(jnp.asarray(x))), atol=1e-5)
+
+
+def test_mode_and_dtype_auto_follow_the_environment(monkeypatch):
+    from jaxinfer.config import EngineConfig, dtype_choice
+
+    monkeypatch.delenv(invariant.ENV, raising=False)
+    assert EngineConfig().resolved().batch_invariant is False
+    monkeypatch.setenv(invariant.ENV, "1")
+    assert EngineConfig().resolved().batch_invariant is True
+    assert EngineConfig(batch_invariant=False).resolved().batch_invariant is False  # explicit wins
+    assert "batch_invariant=True" in repr(EngineConfig().resolved())  # a compile key (program fingerprint)
+    monkeypatch.setenv("JAXINFER_CPU_KERNELS", "0")
+    dtype, why = dtype_choice("cpu")
+    assert dtype == "float32" and "JAXINFER_CPU_KERNELS=0" in why
+    assert dtype_choice("gpu")[0] == "bfloat16"
+    e = EngineConfig(dtype="auto").resolved("cpu")
+    assert e.dtype == "float32" and e.dtype_auto and e == EngineConfig(dtype="float32").resolved("cpu")
