@@ -196,10 +196,8 @@ def test_chunked_prefill_gives_the_values_of_one_chunk(llm, small_chunks):
     small_chunks.engine.allocator.check_all_free()
 
 
-def test_a_batch_of_prompt_logprob_rows_spans_several_row_blocks(llm):
-    """Four requests in one prefill step: 4 rows x 16 tokens = 64 positions, two blocks of
-    PROMPT_LOGPROB_ROWS; each request's values are its values alone (a plain request beside them too)."""
-    assert 4 * TINY_ENGINE.chunk_buckets[-1] > step.PROMPT_LOGPROB_ROWS
+def test_a_batch_of_prompt_logprob_rows_gives_each_its_values_alone(llm):
+    """Four requests in one prefill step (a plain one among them): each request's values are its values alone."""
     rng = np.random.default_rng(2)
     prompts = [rand_prompt(rng, n) for n in (30, 17, 44, 23)]
     sp = SP(max_tokens=3, temperature=0, prompt_logprobs=1, ignore_eos=True)
@@ -210,6 +208,29 @@ def test_a_batch_of_prompt_logprob_rows_spans_several_row_blocks(llm):
     for i in (0, 2, 3):
         np.testing.assert_allclose(plp_values(alone[i]), plp_values(together[i]), **TOL)
         assert together[i].outputs[0].token_ids == alone[i].outputs[0].token_ids
+
+
+def test_a_prompt_longer_than_a_row_block_in_one_chunk(params):
+    """A 200-token prompt in one 256-token chunk: its logits are made in two blocks of prompt_logprob_rows, and
+    the values are those of 16-token chunks (one block each) and of the teacher-forced forward."""
+    rows = step.prompt_logprob_rows(TINY.vocab_size)
+    assert 200 > rows
+    eng = TINY_ENGINE.replace(max_num_seqs=1, batch_buckets=(1,), chunk_buckets=(16, 256), page_buckets=(64,))
+    m = jaxinfer.LLM.from_params(TINY, params, engine_config=eng)
+    small = jaxinfer.LLM.from_params(TINY, params, engine_config=eng, max_num_batched_tokens=16)
+    try:
+        prompt = rand_prompt(np.random.default_rng(7), 200)
+        sp = SP(max_tokens=1, temperature=0, prompt_logprobs=2, ignore_eos=True)
+        whole = m.generate([prompt], sp)[0]
+        assert len(whole.metrics.prefill_chunks) == 1
+        pieces = small.generate([prompt], sp)[0]
+        assert len(pieces.metrics.prefill_chunks) == 14  # 16, then 15 new tokens (and the one back) each
+        np.testing.assert_allclose(plp_values(whole), plp_values(pieces), **TOL)
+        np.testing.assert_allclose(plp_values(whole), teacher_forced(params, prompt)[1], **TOL)
+        assert [list(x.top) for x in whole.prompt_logprobs[1:]] == [list(x.top) for x in pieces.prompt_logprobs[1:]]
+    finally:
+        m.close()
+        small.close()
 
 
 def _vocab_rows(jaxpr, vocab) -> list:
@@ -227,7 +248,7 @@ def _vocab_rows(jaxpr, vocab) -> list:
 
 def test_logits_rows_made_at_once_are_bounded(params):
     """A prefill of 4 x 64 positions asks for prompt logprobs: no vocabulary-wide array of the program
-    holds more rows than PROMPT_LOGPROB_ROWS (or the batch, for the sampler's own)."""
+    holds more rows than a block of prompt_logprob_rows (or the batch, for the sampler's own)."""
     b, t, vocab = 4, 64, TINY.vocab_size
     eng = EngineConfig(page_size=4, num_pages=80, max_num_seqs=4)
     cache = kv_cache.init_cache(TINY, eng)
@@ -241,8 +262,9 @@ def test_logits_rows_made_at_once_are_bounded(params):
     jaxpr = jax.make_jaxpr(fn)(params, cache, init_sampler_state(4, vocab), np.zeros((b, t), np.int32), attn,
                                np.full(b, t - 1, np.int32), md)
     seen = _vocab_rows(jaxpr.jaxpr, vocab)
-    assert seen and max(seen) <= max(step.PROMPT_LOGPROB_ROWS, b, 4)
-    assert b * t > step.PROMPT_LOGPROB_ROWS
+    rows_at_once = step.prompt_logprob_rows(vocab)
+    assert seen and max(seen) <= max(rows_at_once, b, 4)
+    assert b * t > rows_at_once
 
 
 def test_sliding_window_pages_given_back_keep_what_the_token_back_reads(params):
