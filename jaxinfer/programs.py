@@ -2,7 +2,8 @@
 
 A program is one of the two step functions (`jaxinfer.step`) at one padded
 shape, named by a `ProgramKey` (kind, batch rows, tokens per row, page-table
-width). Sampler settings, logprobs counts and context lengths are data, so
+width). Sampler settings, logprobs counts, prompt logprobs (a `lax.cond` on a
+data flag inside every prefill program) and context lengths are data, so
 the list depends only on the engine config: `ProgramTable.keys()` is the
 whole set (22 programs for the ``cpu`` preset), printed by ``jaxinfer
 programs`` and compiled by `ProgramTable.warmup`.
