@@ -184,6 +184,9 @@ def sampling_options(sampling_params=None, **kwargs) -> pb.SamplingOptions:
     if n != 1:  # one Generate call streams one choice
         raise TypeError(f"n={n}: a Generate call streams one choice; send one call per choice (seed + i each), "
                         "or use the HTTP API's n.")
+    if values.pop("prompt_logprobs", None) is not None:
+        raise TypeError("prompt_logprobs is not in the gRPC API: use the HTTP API's prompt_logprobs (or echo with "
+                        "logprobs) or the library's SamplingParams.")
     unknown = sorted(set(values) - _SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling option(s): {', '.join(unknown)}")

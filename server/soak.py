@@ -104,7 +104,7 @@ HTTP_INVALID = ["temperature<0", "top_p>1", "top_k<-1", "min_p>1", "presence_pen
                 "prompt_too_long", "token_id=vocab", "token_id<0", "prompt+max_tokens>max_model_len",
                 "too_many_stop_strings", "stop_string_too_long", "empty_stop_string", "logit_bias_too_many",
                 "logit_bias_bad_id", "logit_bias_not_a_number", "response_format", "response_format_completions",
-                "echo_with_logprobs", "max_tokens_wrong_type", "prompt_wrong_type", "stop_token_id>=vocab",
+                "prompt_logprobs>max", "max_tokens_wrong_type", "prompt_wrong_type", "stop_token_id>=vocab",
                 "empty_messages", "messages_wrong_type", "message_without_role", "top_logprobs>max",
                 "top_logprobs_without_logprobs", "tool_choice_required", "missing_prompt", "missing_messages",
                 "unknown_model", "unknown_route"]
@@ -678,7 +678,7 @@ class Soak:
             "logit_bias_bad_id": {"logit_bias": {str(self.vocab): 1.0}},
             "logit_bias_not_a_number": {"logit_bias": {"x": 1.0}},
             "response_format_completions": {"response_format": {"type": "json_object"}},
-            "echo_with_logprobs": {"echo": True, "logprobs": 1},
+            "prompt_logprobs>max": {"prompt_logprobs": self.max_lp + 1},
             "max_tokens_wrong_type": {"max_tokens": "ten"}, "prompt_wrong_type": {"prompt": {"text": "hi"}},
             "stop_token_id>=vocab": {"stop_token_ids": [self.vocab]},
         }

@@ -142,6 +142,8 @@ def test_logit_bias_over_grpc_is_the_librarys(llm, client):
         client.complete(prompt(4), max_tokens=2, logit_bias={10**6: 1.0})
     with pytest.raises(TypeError, match="one choice"):
         client.complete(prompt(4), max_tokens=2, n=2)
+    with pytest.raises(TypeError, match="prompt_logprobs is not in the gRPC API"):
+        client.complete(prompt(4), SamplingParams(max_tokens=2, prompt_logprobs=1))
 
 
 def test_32_concurrent_streams_half_cancelled_the_rest_complete_and_every_page_is_freed(llm, server):
