@@ -179,13 +179,27 @@ def test_requests_in_flight_are_aborted(llm, weights, fresh_b):
     a, b = weights
     llm.update_params(a)
     long = jaxinfer.SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-    stream = llm.submit(llm.make_request(PROMPTS[1], long))
-    assert next(iter(stream)).token_ids
-    # hold the engine between two steps, so the request is surely still running when the swap comes
-    reached, go = threading.Event(), threading.Event()
-    hold = threading.Thread(target=llm.engine.call_between_steps, args=(lambda: (reached.set(), go.wait()),))
-    hold.start()
-    assert reached.wait(10)
+    for _ in range(5):  # a loaded machine may finish the request before the hold lands: try again
+        request = llm.make_request(PROMPTS[1], long)
+        stream = llm.submit(request)
+        assert next(iter(stream)).token_ids
+        # hold the engine between two steps, so the request is surely still running when the swap comes
+        reached, go, running = threading.Event(), threading.Event(), []
+
+        def hold_here():
+            running.append(not request.finished)
+            reached.set()
+            go.wait()
+
+        hold = threading.Thread(target=llm.engine.call_between_steps, args=(hold_here,))
+        hold.start()
+        assert reached.wait(10)
+        if running[0]:
+            break
+        go.set()
+        hold.join(10)
+        stream.result()
+    assert running[0], "the request finished before the engine could be held, five times"
     aborted: list = []
     update = threading.Thread(target=lambda: aborted.append(llm.update_params(b)))
     update.start()
