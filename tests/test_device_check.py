@@ -55,7 +55,7 @@ def test_quick_check_prints_one_table_with_every_row_measured(quick_run):
     stdout, res, seconds, models = quick_run
     # ~30 s with the program cache warm, 45-65 s cold on two shared cores; a gross bound here
     # (the 1B model by mistake would take many minutes), the figure itself is in the report
-    assert seconds < 120, f"--quick took {seconds:.0f} s"
+    assert seconds < 240, f"--quick took {seconds:.0f} s"  # two test workers share the 2 CI cores
     table = res["table"]
     assert table in stdout and stdout.count("status: ") == 1
     assert "platform cpu" in table and f"jax {res['env']['jax']}" in table and "jaxlib" in table
