@@ -31,6 +31,7 @@ class CompletionOutput:
     logprobs: Optional[list] = None  # list[Logprob] when requested
     cumulative_logprob: Optional[float] = None
     index: int = 0
+    error: Optional[str] = None  # finish_reason "error": what went wrong (e.g. a grammar that allows no token)
 
     @property
     def finished(self) -> bool:

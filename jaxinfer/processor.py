@@ -74,6 +74,7 @@ class InputProcessor:
             if max_model_len is not None:
                 tokenizer.min_tokens("")  # the bound is computed now (~40 ms), not on the first request
         self.eos_token_ids = frozenset(stops)
+        self._grammars = None  # jaxinfer.structured.GrammarCompiler, made for the first constrained request
 
     @property
     def has_chat_template(self) -> bool:
@@ -236,6 +237,16 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids).")
 
+    @property
+    def grammars(self):
+        """The `jaxinfer.structured.GrammarCompiler` of this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            from jaxinfer.structured import GrammarCompiler
+
+            tok = self._need_tokenizer("structured output needs one to read the grammar's text.")
+            self._grammars = GrammarCompiler(tok, self.vocab_size or tok.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def max_tokens_for(self, prompt_len: int, params: SamplingParams, fit: bool = False) -> int:
         """How many tokens a request of `prompt_len` prompt tokens may generate; raises when it cannot fit."""
         limit = self.max_model_len
@@ -288,9 +299,13 @@ class InputProcessor:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}.")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
+        constraint = None
+        if params.structured_outputs is not None:  # compiled here: a bad one never reaches the engine
+            constraint = self.grammars.compile(params.structured_outputs)
         return Request(
             request_id or new_request_id(), prompt_ids, params, seed=seed, max_tokens=max_tokens,
             stop_token_ids=frozenset(stops), detokenizer=detok, prompt=prompt, metrics=metrics, priority=priority,
+            constraint=constraint,
         )
 
 

@@ -45,6 +45,7 @@ class Request:
         prompt: Optional[str] = None,
         metrics: Optional[RequestMetrics] = None,
         priority: int = 0,
+        constraint: Any = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -57,6 +58,11 @@ class Request:
         self.metrics = metrics or RequestMetrics()
         self.metrics.prompt_tokens = len(self.prompt_ids)
         self.priority = priority
+        # SamplingParams.structured_outputs compiled (`jaxinfer.structured.Constraint`): fed every
+        # output token as it is read back; the engine reads a constrained request's tokens before
+        # dispatching its next step, so the next mask is known
+        self.constraint = constraint
+        self.error: Optional[str] = None  # finish_reason "error": why
         self.arrival_order = 0
         # Several choices of one prompt (`SamplingParams.n`, `Engine.submit_group`): the group's
         # requests (one list shared by all, in choice order; None alone), this one's index in it,
@@ -133,6 +139,9 @@ class Request:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob.logprob
         n = len(self.output_ids)
+        c = self.constraint
+        if c is not None and not c.accept(token):
+            return self._fail(c.error)
         if token in self.stop_token_ids and n > self.params.min_tokens:
             self.finish_reason, self.stop_reason = "stop", token
             return self.detokenizer.finish()
@@ -140,10 +149,22 @@ class Request:
         if self.detokenizer.stop_reason is not None:
             self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_reason
             return delta
+        if c is not None and c.ended:  # only end-of-sequence could follow: the output is complete
+            if n < self.params.min_tokens:
+                return delta + self._fail(
+                    f"structured output ({c.kind}) is complete after {n} tokens, before min_tokens="
+                    f"{self.params.min_tokens}: the grammar allows nothing more")
+            self.finish_reason = "stop"
+            return delta + self.detokenizer.finish()
         if n >= self.max_tokens:
             self.finish_reason = "length"
             delta += self.detokenizer.finish()
         return delta
+
+    def _fail(self, message: str) -> str:
+        """End with finish_reason "error" and ``message`` (the text so far stays)."""
+        self.finish_reason, self.error = "error", message
+        return self.detokenizer.finish()
 
     def abort(self, reason: str = "abort") -> None:
         if self.finish_reason is None:
@@ -158,6 +179,7 @@ class Request:
             logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             index=self.choice_index,
+            error=self.error,
         )
         return RequestOutput(
             request_id=self.request_id,

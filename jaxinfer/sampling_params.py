@@ -26,6 +26,117 @@ MAX_STOP_TOKEN_IDS = 128
 MAX_LOGIT_BIAS = 300
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| limit, as OpenAI's
 MAX_N = 128  # choices per request (`n`)
+# Structured output (`StructuredOutputsParams`): a constraint is compiled for every request that carries
+# one and runs its matcher on every step, so its size is bounded (named in the error when exceeded).
+MAX_GRAMMAR_BYTES = 64 * 1024  # UTF-8 bytes of a JSON schema (serialised), a regex or a grammar
+MAX_CHOICES = 1024  # strings in a choice list
+MAX_CHOICE_BYTES = 1024  # UTF-8 bytes of one choice
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, with vLLM's names (v0.11+): exactly one of
+
+    - ``json``: a JSON Schema (a dict, or its text); the output is one JSON value it validates;
+    - ``json_object``: True: the output is any JSON object;
+    - ``regex``: the output matches the regular expression (whole);
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a Lark grammar, or llama.cpp's GBNF (told apart by its ``::=`` rules).
+
+    ``disable_any_whitespace`` (JSON only): True (jaxinfer's default, unlike vLLM's) gives compact JSON,
+    ``{"a":1,"b":[2,3]}``: no whitespace between tokens, so a sampled request cannot wander in runs of
+    spaces and newlines until max_tokens; False lets JSON's whitespace appear between tokens, as the
+    JSON grammar allows (``whitespace_pattern``, a regex, then says which whitespace).
+
+    The grammar engine is llguidance (`jaxinfer.structured`); a constraint that does not compile is a
+    ValueError naming its kind and llguidance's message, raised before the request reaches the engine.
+    """
+
+    json: Union[None, str, Mapping] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = True
+    whitespace_pattern: Optional[str] = None
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self):
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must give exactly one of json, json_object, regex, choice or grammar, got "
+                + (", ".join(given) if given else "none") + "."
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                text = self.json
+            elif isinstance(self.json, Mapping):
+                import json as _json
+
+                try:
+                    text = _json.dumps(self.json)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"structured_outputs.json: the schema is not JSON: {e}.") from None
+            else:
+                raise ValueError(f"structured_outputs.json must be a JSON Schema (a dict or its text), got "
+                                 f"{type(self.json).__name__}.")
+            _check_size("json", text)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}.")
+        for kind in ("regex", "grammar"):
+            v = getattr(self, kind)
+            if v is not None:
+                if not isinstance(v, str) or not v:
+                    raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {v!r}.")
+                _check_size(kind, v)
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, Sequence) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            self.choice = list(self.choice)
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice may hold at most {MAX_CHOICES} strings, got "
+                                 f"{len(self.choice)}.")
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {c!r}.")
+                if len(c.encode("utf-8", "surrogatepass")) > MAX_CHOICE_BYTES:
+                    raise ValueError(f"each choice may be at most {MAX_CHOICE_BYTES} bytes (UTF-8), got one of "
+                                     f"{len(c.encode('utf-8', 'surrogatepass'))} bytes: {c[:32]!r}...")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be true or false, got "
+                             f"{self.disable_any_whitespace!r}.")
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                     or not self.whitespace_pattern):
+            raise ValueError(f"structured_outputs.whitespace_pattern must be a non-empty regex, got "
+                             f"{self.whitespace_pattern!r}.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of `KINDS`."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "StructuredOutputsParams":
+        """From a JSON object with these field names (an HTTP body's ``structured_outputs``); an unknown
+        field is an error naming it."""
+        if isinstance(d, StructuredOutputsParams):
+            return d
+        if not isinstance(d, Mapping):
+            raise ValueError(f"structured_outputs must be an object, got {type(d).__name__}.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown field(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(names))}.")
+        return cls(**d)
+
+
+def _check_size(kind: str, text: str) -> None:
+    n = len(text.encode("utf-8", "surrogatepass"))
+    if n > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"structured_outputs.{kind} is {n:,} bytes; the limit is {MAX_GRAMMAR_BYTES:,} bytes.")
 
 
 @dataclass
@@ -56,8 +167,13 @@ class SamplingParams:
     # tokens before it, plus the top-k alternatives at that position (0: the token's own only).
     # Such a request is never served from the prefix cache nor forked (every position is computed).
     prompt_logprobs: Optional[int] = None
+    # A constraint on the output (JSON Schema, regex, choice, grammar): `StructuredOutputsParams`, or a
+    # dict of its fields. Applied on device as a token bitmask before every other sampling stage.
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
