@@ -15,6 +15,14 @@ like `jaxinfer.SamplingParams` fields (unset ones take the model's defaults on
 the server), or a whole `SamplingParams`. Leaving a stream early (``break``,
 closing the generator) cancels the call, and the server aborts the request.
 
+Structured output is ``structured_outputs=`` as in the library (a
+`jaxinfer.StructuredOutputsParams` or a dict of its fields)::
+
+    client.complete("A colour:", structured_outputs={"choice": ["red", "green"]}, max_tokens=8)
+
+A request that ends with finish_reason ``"error"`` (e.g. its grammar allows
+no token) says why in the last piece's ``error``.
+
 Errors raise `ServerError` (``.code`` is a ``grpc.StatusCode``, ``.details``
 the server's message); `InvalidArgument` is also a ValueError and
 `DeadlineExceeded` also a TimeoutError.
@@ -39,7 +47,10 @@ _FINISH = {
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_ERROR: "error",
 }
-_SAMPLING_FIELDS = {f.name for f in pb.SamplingOptions.DESCRIPTOR.fields}
+# SamplingOptions' structured-output fields: sent from SamplingParams.structured_outputs, not set by name.
+_STRUCTURED_FIELDS = tuple(f.name for f in pb.SamplingOptions.DESCRIPTOR.oneofs_by_name["structured_output"].fields) + (
+    "flexible_whitespace", "whitespace_pattern")
+_SAMPLING_FIELDS = {f.name for f in pb.SamplingOptions.DESCRIPTOR.fields} - set(_STRUCTURED_FIELDS)
 
 
 # --------------------------------------------------------------------------- #
@@ -109,6 +120,7 @@ class GenerationPiece:
     usage: Optional[dict] = None
     timings: Optional[dict] = None
     token_text: Optional[dict] = None  # token id -> text, for the ids in logprobs (models with a tokenizer)
+    error: Optional[str] = None  # finish_reason "error": what went wrong (the server's message)
 
     @property
     def finished(self) -> bool:
@@ -131,6 +143,7 @@ class Completion:
     usage: Optional[dict] = None
     timings: Optional[dict] = None
     token_text: dict = field(default_factory=dict)
+    error: Optional[str] = None  # finish_reason "error": what went wrong
 
     def add(self, piece: GenerationPiece) -> None:
         self.text += piece.text
@@ -141,6 +154,7 @@ class Completion:
         if piece.finished:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
             self.usage, self.timings = piece.usage, piece.timings
+            self.error = piece.error
 
 
 def _piece(r: pb.GenerateResponse) -> GenerationPiece:
@@ -155,6 +169,7 @@ def _piece(r: pb.GenerateResponse) -> GenerationPiece:
         p.stop_reason = None if which is None else getattr(r, which)
         p.usage = _to_dict(r.usage)
         p.timings = _to_dict(r.timings)
+        p.error = r.error or None
     return p
 
 
@@ -187,10 +202,16 @@ def sampling_options(sampling_params=None, **kwargs) -> pb.SamplingOptions:
     if values.pop("prompt_logprobs", None) is not None:
         raise TypeError("prompt_logprobs is not in the gRPC API: use the HTTP API's prompt_logprobs (or echo with "
                         "logprobs) or the library's SamplingParams.")
+    structured = values.pop("structured_outputs", None)
     unknown = sorted(set(values) - _SAMPLING_FIELDS)
     if unknown:
-        raise TypeError(f"unknown sampling option(s): {', '.join(unknown)}")
+        hint = ""
+        if set(unknown) & {"json", "regex", "choice", "grammar", "json_object", *_STRUCTURED_FIELDS}:
+            hint = " (a constraint is structured_outputs=StructuredOutputsParams(json=... | regex=... | ...))"
+        raise TypeError(f"unknown sampling option(s): {', '.join(unknown)}{hint}")
     opts = pb.SamplingOptions()
+    if structured is not None:
+        structured_outputs_to_proto(structured, opts)
     for k, v in values.items():
         if k == "stop":
             opts.stop.extend([v] if isinstance(v, str) else list(v or ()))
@@ -200,6 +221,29 @@ def sampling_options(sampling_params=None, **kwargs) -> pb.SamplingOptions:
             opts.logit_bias.update({int(t): float(b) for t, b in (v or {}).items()})
         elif v is not None:
             setattr(opts, k, v)
+    return opts
+
+
+def structured_outputs_to_proto(structured, opts: pb.SamplingOptions) -> pb.SamplingOptions:
+    """Set ``opts``' structured_output from a `StructuredOutputsParams` or a dict of its fields (checked
+    here, ValueError naming the field, as the library checks it); returns ``opts``."""
+    import json
+
+    from jaxinfer.sampling_params import StructuredOutputsParams
+
+    sop = StructuredOutputsParams.from_dict(structured)
+    kind = sop.kind
+    if kind == "json":
+        opts.json_schema = sop.json if isinstance(sop.json, str) else json.dumps(sop.json)
+    elif kind == "json_object":
+        opts.json_object = True
+    elif kind == "choice":
+        opts.choice.choices.extend(sop.choice)
+    else:  # regex, grammar
+        setattr(opts, kind, getattr(sop, kind))
+    opts.flexible_whitespace = not sop.disable_any_whitespace
+    if sop.whitespace_pattern is not None:
+        opts.whitespace_pattern = sop.whitespace_pattern
     return opts
 
 

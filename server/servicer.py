@@ -41,6 +41,13 @@ Rules the service keeps (the API doc in README.md says the same):
   response's and the request's sizes and the limit, instead of failing in
   grpc's send.
 
+Structured output: `SamplingOptions`' ``structured_output`` oneof becomes the
+request's `StructuredOutputsParams` (`structured_outputs_from_proto`); one that
+does not compile is INVALID_ARGUMENT with the library's message, which names
+the kind (``structured_outputs.json does not compile: ...``), refused before
+the request takes any engine resources. A request that ends with
+FINISH_REASON_ERROR says why in its last message's ``error``.
+
 Admission control: with ``max_waiting`` set, a call is refused at once with
 RESOURCE_EXHAUSTED when ``max_num_seqs + max_waiting`` Generate calls are
 already in flight (everything beyond the engine's batch capacity is counted
@@ -61,6 +68,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from jaxinfer.metrics import RequestMetrics
+from jaxinfer.sampling_params import StructuredOutputsParams
 from jaxinfer.server import jaxinfer_pb2 as pb
 from jaxinfer.server import jaxinfer_pb2_grpc as pb_grpc
 from jaxinfer.server.config import SERVICE_NAME, ServerConfig
@@ -72,6 +80,40 @@ log = logging.getLogger("jaxinfer.server")
 
 TOKENIZE_WORKERS = 4  # threads that build requests and tokenize, per server
 RELEASE_WAIT_S = 0.5  # how long a call waits for the running call that holds its request_id to end
+
+
+def structured_outputs_from_proto(opts: pb.SamplingOptions) -> Optional[StructuredOutputsParams]:
+    """The request's constraint (None when ``structured_output`` is unset); ValueError naming the field."""
+    kind = opts.WhichOneof("structured_output")
+    pattern = opts.whitespace_pattern or None
+    if kind is None:
+        if opts.flexible_whitespace or pattern is not None:
+            name = "flexible_whitespace" if opts.flexible_whitespace else "whitespace_pattern"
+            raise ValueError(f"sampling.{name} applies to a JSON constraint, but structured_output is unset: set "
+                             "json_schema or json_object too.")
+        return None
+    kw: dict = {"disable_any_whitespace": not opts.flexible_whitespace, "whitespace_pattern": pattern}
+    if kind == "json_schema":
+        kw["json"] = opts.json_schema
+    elif kind == "json_object":
+        if not opts.json_object:
+            raise ValueError("sampling.json_object is false: set it true for any JSON object, or leave "
+                             "structured_output unset.")
+        kw["json_object"] = True
+    elif kind == "choice":
+        kw["choice"] = list(opts.choice.choices)
+    else:  # regex, grammar
+        kw[kind] = getattr(opts, kind)
+    return StructuredOutputsParams(**kw)
+
+
+def response_for(delta, token_str: Callable[[int], str]) -> pb.GenerateResponse:
+    """`stream_delta_to_proto`, with the request's error on the last message when it ended with one."""
+    r = stream_delta_to_proto(delta, token_str)
+    out = delta.output
+    if out is not None and out.outputs and getattr(out.outputs[0], "error", None):
+        r.error = out.outputs[0].error
+    return r
 
 
 class MessageTooLarge(Exception):
@@ -228,6 +270,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _build_request(self, msg: pb.GenerateRequest, arrival: float):
         """The request through the engine's one front door (`jaxinfer.processor`); ValueError for bad input."""
         params = sampling_params_from_proto(msg.sampling, self.llm.get_default_sampling_params())
+        structured = structured_outputs_from_proto(msg.sampling)
+        if structured is not None:  # compiled by make_request: a bad one is a ValueError naming its kind
+            params = params.clone(structured_outputs=structured)
         kind = msg.WhichOneof("input")
         if kind is None:
             raise ValueError("the request has no input: set one of prompt, chat or token_ids.")
@@ -328,7 +373,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         deltas = stream.__aiter__()
         try:
             async for delta in deltas:
-                await context.write(stream_delta_to_proto(delta, self._token_str))
+                await context.write(response_for(delta, self._token_str))
         except RuntimeError as e:  # the engine failed this request
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:
