@@ -4,6 +4,8 @@
     jaxinfer chat                                   # a conversation; /help lists its commands
     echo "Explain paged attention" | jaxinfer generate - --json
     jaxinfer serve --port 50051 & jaxinfer generate --server localhost:50051 "Hi"   # the same output
+    jaxinfer generate "A colour:" --choice red --choice "green, dark" --temperature 1
+    jaxinfer generate "A user as JSON:" --json-schema user.schema.json
     jaxinfer tokenize --chat "Hello"
     jaxinfer convert model.gguf ./converted && jaxinfer generate "Hi" --model ./converted
     jaxinfer bench --num-prompts 64 --input-len 128 --output-len 32 --request-rate 8
@@ -14,7 +16,10 @@ command, with the same defaults whichever path runs. Bad input (a flag out of
 range, an empty prompt, an unknown model, a prompt longer than the context)
 exits with status 2 and one line on stderr, ``jaxinfer: error: <message>``.
 Sampling and engine flags are checked before the model is loaded, so they
-fail at once. Ctrl-C exits with status 130.
+fail at once, and so do a structured-output schema, regex or grammar that does
+not parse. A request that ends with finish_reason "error" (its grammar allowed
+no token) keeps the text it made, and exits with status 1 and the reason on
+stderr. Ctrl-C exits with status 130.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ __all__ = ["main", "build_parser", "one_line", "UsageError", "CLI_TEMPERATURE", 
 
 PROG = "jaxinfer"
 EXIT_USAGE = 2
+EXIT_REQUEST_FAILED = 1  # the request ended with finish_reason "error" (e.g. its structured output failed)
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
 
@@ -146,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("prompt", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
     add_model_flags(g)
-    add_sampling_flags(g)
+    add_sampling_flags(g, structured=True)
     add_prompt_format_flags(g)
     add_output_flags(g)
     add_engine_flags(g)
@@ -427,6 +433,7 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
             _write(out, "\n")
         raise KeyboardInterrupt
 
+    error = getattr(final.outputs[0], "error", None) if final is not None else None
     if args.json:
         comp, tok = final.outputs[0], llm.tokenizer
         result = generate_result(
@@ -434,6 +441,7 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, usage=final.usage,
             timings=final.metrics.summary(), logprobs=(comp.logprobs or []) if params.logprobs is not None else None,
             token_text=lambda i: tok.decode([i], skip_special_tokens=False) if tok is not None else None,
+            **({"error": error} if error else {}),
         )
         _write(out, json.dumps(result, ensure_ascii=False) + "\n")
     else:
@@ -444,6 +452,8 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
                            final.outputs[0].logprobs or [])
     if args.trace and final is not None:
         _write(sys.stderr, final.metrics.trace() + "\n")
+    if final is not None and final.outputs[0].finish_reason == "error":
+        return _fail(error or "the request failed", EXIT_REQUEST_FAILED)
     return 0
 
 

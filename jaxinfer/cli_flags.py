@@ -16,6 +16,8 @@ default, so ``generate``, ``generate --server``, ``serve``, ``warmup`` and
                                              --top-k --min-p --seed --stop --ignore-eos       and --server)
                                              --presence/frequency/repetition-penalty
                                              --logprobs
+                   (structured=True)         --json-schema --json-object --regex --choice     generate (local
+                                             --grammar (one of them) --any-whitespace         and --server)
     prompt format  add_prompt_format_flags   --chat/--no-chat --system                        generate tokenize
                                              --chat-template-kwargs JSON                      chat (no --chat)
     output         add_output_flags          --json --trace                                   generate (tokenize:
@@ -28,7 +30,9 @@ default, so ``generate``, ``generate --server``, ``serve``, ``warmup`` and
 What they turn into, also once: `llm_kwargs` (the ``LLM(...)`` keywords of
 every command that loads a model), `check_engine_flags` (the same engine
 checked before the slow load), `sampling_overrides` / `generate_sampling`
-(the SamplingParams fields of ``generate``, local or ``--server``),
+(the SamplingParams fields of ``generate``, local or ``--server``, its
+structured output included: `structured_outputs_from_args`, checked without
+the model by `check_structured_outputs`),
 `read_prompt`, `chat_mode` and `chat_messages` (the prompt a request is made
 of), `refuse_local_flags` (``--server``: the model and engine are the
 server's) and `configure_progress`.
@@ -64,6 +68,12 @@ SAMPLING_FLAGS = (
     "min_tokens",
     "logprobs",
 )
+
+# Structured-output flags: dest -> the StructuredOutputsParams kind each gives (at most one of them).
+STRUCTURED_FLAGS = {"json_schema": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}
+# ... and the flag that gives each kind, to name it in errors
+STRUCTURED_FLAG_OF = {kind: "--" + dest.replace("_", "-") for dest, kind in STRUCTURED_FLAGS.items()}
 
 # Engine flags that override a field of the preset (None: not given), as LLM(...) keywords.
 ENGINE_OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "num_pages", "max_num_batched_tokens",
@@ -130,8 +140,11 @@ def add_engine_flags(p: argparse.ArgumentParser, *, warmup: Optional[str] = None
     return g
 
 
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    """--max-tokens, --min-tokens and the SamplingParams fields; not given: the model's defaults, else the CLI's."""
+def add_sampling_flags(p: argparse.ArgumentParser, *, structured: bool = False) -> None:
+    """--max-tokens, --min-tokens and the SamplingParams fields; not given: the model's defaults, else the CLI's.
+
+    ``structured``: also the structured-output flags (`add_structured_output_flags`), in the same group.
+    """
     s = p.add_argument_group(
         "sampling",
         "A flag not given takes the model's generation default (generation_config.json); a model without a "
@@ -159,6 +172,29 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     s.add_argument("--logprobs", type=any_int, metavar="N",
                    help="report the logprob of each token and the N most likely alternatives")
+    if structured:
+        add_structured_output_flags(s)
+
+
+def add_structured_output_flags(group) -> None:
+    """--json-schema, --json-object, --regex, --choice, --grammar (at most one; argparse names both flags
+    of a clash) and --any-whitespace, added to ``group`` (the sampling group)."""
+    x = group.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", type=json_schema_arg, metavar="FILE_OR_JSON",
+                   help="constrain the output to one JSON value valid against this JSON Schema: a .json file, or "
+                   "the schema's text ('{\"type\": \"object\", ...}'); compact JSON unless --any-whitespace")
+    x.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    x.add_argument("--regex", metavar="RE", help="constrain the whole output to match the regular expression RE")
+    x.add_argument("--choice", action="append", metavar="TEXT",
+                   help="constrain the output to exactly one of the choices; repeat it, one choice each (a choice "
+                   "may hold commas and spaces)")
+    x.add_argument("--grammar", type=grammar_file_arg, metavar="FILE",
+                   help="constrain the output to a grammar in FILE: Lark, or llama.cpp's GBNF (rules written "
+                   "'name ::= ...')")
+    group.add_argument("--any-whitespace", action="store_true",
+                       help="with --json-schema or --json-object: let the JSON hold the whitespace JSON allows "
+                       "between tokens (default: compact JSON, which a sampled request cannot pad with runs of "
+                       "spaces and newlines)")
 
 
 def add_prompt_format_flags(p: argparse.ArgumentParser, *, chat_default: Optional[bool] = None,
@@ -317,6 +353,92 @@ def json_object(text: str) -> dict:
     return value
 
 
+def json_schema_arg(value: str) -> dict:
+    """argparse type of --json-schema: the schema's JSON text (it starts with ``{``), else a file holding it."""
+    import json
+    import os
+
+    text, where = value, "the text"
+    if not value.lstrip().startswith("{"):
+        if not os.path.isfile(value):
+            raise argparse.ArgumentTypeError(
+                f"no such file {value!r}: give a .json file or the schema's JSON text ({{...}})")
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {value!r}: {e}") from None
+        where = repr(value)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(
+            f"{where} must be a JSON Schema object ({{...}}), got {type(schema).__name__}")
+    return schema
+
+
+def grammar_file_arg(path: str) -> str:
+    """argparse type of --grammar: the text of a Lark or GBNF file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"no such file {path!r}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e}") from None
+
+
+def structured_outputs_from_args(args: argparse.Namespace):
+    """The `StructuredOutputsParams` of the structured-output flags, or None when none is given.
+
+    ValueError (the library's message, after the flag that gave it) for a constraint the library
+    refuses, and for --any-whitespace without a JSON constraint.
+    """
+    from jaxinfer.sampling_params import StructuredOutputsParams
+
+    given = {kind: getattr(args, dest, None) for dest, kind in STRUCTURED_FLAGS.items()}
+    given = {kind: v for kind, v in given.items() if v not in (None, False)}
+    any_ws = bool(getattr(args, "any_whitespace", False))
+    if not given:
+        if any_ws:
+            raise UsageError("--any-whitespace applies to a JSON constraint: give --json-schema or --json-object too.")
+        return None
+    if len(given) > 1:  # argparse refuses this already; a Namespace made by hand may not have been through it
+        a, b = (STRUCTURED_FLAG_OF[k] for k in list(given)[:2])
+        raise UsageError(f"{b}: not allowed with {a} (one structured-output constraint per request).")
+    [(kind, value)] = given.items()
+    if any_ws and kind not in ("json", "json_object"):
+        raise UsageError(f"--any-whitespace applies to a JSON constraint, not to {STRUCTURED_FLAG_OF[kind]}.")
+    try:
+        return StructuredOutputsParams(**{kind: value}, disable_any_whitespace=not any_ws)
+    except ValueError as e:
+        raise UsageError(f"{STRUCTURED_FLAG_OF[kind]}: {e}") from None
+
+
+def check_structured_outputs(sop) -> None:
+    """Refuse a schema, regex or grammar that does not parse, before any model or server is reached.
+
+    llguidance checks the grammar without a tokenizer (milliseconds); the model's tokenizer may still
+    refuse a constraint when the request is made (the same message, from the library).
+    """
+    if sop is None:
+        return
+    from jaxinfer.structured import GrammarCompiler
+
+    flag = STRUCTURED_FLAG_OF[sop.kind]
+    try:
+        grammar = GrammarCompiler(None, 0).grammar(sop)  # the text llguidance compiles; no tokenizer needed
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    if error:
+        raise UsageError(f"{flag}: structured_outputs.{sop.kind} does not compile: {' '.join(error.split())}")
+
+
 def chat_mode(args: argparse.Namespace, has_template: bool, model: str) -> bool:
     """Whether the prompt goes through the chat template: --chat / --no-chat, else whether the model has one."""
     flag = getattr(args, "chat", None)
@@ -342,6 +464,9 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
         kw["stop"] = list(args.stop)
     if getattr(args, "ignore_eos", False):
         kw["ignore_eos"] = True
+    structured = structured_outputs_from_args(args)
+    if structured is not None:
+        kw["structured_outputs"] = structured
     return kw
 
 
@@ -367,6 +492,7 @@ def check_generate_args(args: argparse.Namespace) -> tuple:
     prompt = read_prompt(args.prompt)
     overrides = sampling_overrides(args)
     SamplingParams(**overrides)  # raises ValueError with vLLM's wording
+    check_structured_outputs(overrides.get("structured_outputs"))
     if getattr(args, "system", None) is not None and getattr(args, "chat", None) is False:
         raise UsageError("--system needs chat mode; drop --no-chat.")
     return prompt, overrides
