@@ -295,6 +295,12 @@ class Engine:
         t_step = time.perf_counter()
         wait_before = self.stats.wait_s
         self._drain_inbox()
+        if self._pending and any(r.constraint is not None for r in self.scheduler.running):
+            # a constrained row's next mask needs the token it drew last: read every step in flight
+            # first (one batched dispatch cannot wait for some rows only), and finish what ended
+            self.stats.grammar_syncs += 1
+            while self._pending:
+                self._read(*self._pending.popleft())
         sched = self.scheduler.schedule()
         now = time.perf_counter()
         n_before = len(self._pending)

@@ -21,6 +21,7 @@ class EngineStats:
         self.wait_s = 0.0  # host time spent waiting for device results
         self.busy_s = 0.0  # wall time of steps that dispatched work
         self.host_s = 0.0  # of which the host was working (not waiting for the device)
+        self.grammar_syncs = 0  # steps that read the previous step's tokens first (a constrained row ran)
         self.finished: dict = {}
         self.recent: deque = deque(maxlen=4096)  # summaries of finished requests
         self._mark = (time.perf_counter(), 0, 0)
@@ -45,6 +46,9 @@ class EngineStats:
             "preemptions": e.scheduler.num_preemptions,
             "forks": e.scheduler.num_forks,  # choices of a group started on another's prompt pages
             "host_share": self.host_s / self.busy_s if self.busy_s else 0.0,
+            "grammar_syncs": self.grammar_syncs,
+            "mask_s": e.runner.mask_s,  # host time computing structured-output masks
+            "mask_rows": e.runner.mask_rows,
             "finished": dict(self.finished),
         }
 

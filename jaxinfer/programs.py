@@ -226,7 +226,7 @@ class ProgramTable:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
 
         md = _sds(build_metadata([None] * b, b, num_slots=self.ecfg.max_num_seqs,
-                                 max_logprobs=self.ecfg.max_logprobs), rep)
+                                 max_logprobs=self.ecfg.max_logprobs, vocab_size=r.model_cfg.vocab_size), rep)
         attn = AttentionMetadata(host(b, t), host(b, t), host(b, p), host(b))
         state = (_sds(r.params), _sds(r.kv_cache), _sds(r.sampler_state))
         fn = step.on_mesh(key.kind, cache_sharding(r.mesh), rep)

@@ -10,6 +10,7 @@ table's page width.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -33,6 +34,7 @@ from jaxinfer.request import Request, TokenRef
 from jaxinfer.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
 from jaxinfer.sampling_params import MAX_LOGIT_BIAS
 from jaxinfer.spec import is_spec
+from jaxinfer.structured import bitmask_width
 from jaxinfer.weights import canonical_specs, check_param_tree, stored_tree
 
 
@@ -84,6 +86,9 @@ class ModelRunner:
         )
         self.programs = ProgramTable(self)
         self._neutral_bias: dict = {}  # batch rows -> (bias_ids, bias_values) of no logit_bias, on device
+        self._neutral_mask: dict = {}  # batch rows -> an all-ones allowed-token bitmask, on device
+        self.mask_s = 0.0  # host time building the metadata of steps with constrained rows (the masks)
+        self.mask_rows = 0  # constrained rows masked
         self.params_updates = 0  # weights swapped in since loading (`swap_params`)
 
     # -- padded inputs ---------------------------------------------------
@@ -100,8 +105,17 @@ class ModelRunner:
         return table
 
     def _sampling(self, rows: list, batch: int):
-        return build_metadata(rows, batch, num_slots=self.ecfg.max_num_seqs, max_logprobs=self.ecfg.max_logprobs,
-                              neutral_bias=self._neutral_bias_arrays if self.plans is None else None)
+        local = self.plans is None
+        t0 = time.perf_counter()
+        md = build_metadata(rows, batch, num_slots=self.ecfg.max_num_seqs, max_logprobs=self.ecfg.max_logprobs,
+                            neutral_bias=self._neutral_bias_arrays if local else None,
+                            vocab_size=self.model_cfg.vocab_size,
+                            neutral_mask=self._neutral_mask_array if local else None)
+        constrained = sum(1 for r in rows if r is not None and r.constraint is not None)
+        if constrained:
+            self.mask_s += time.perf_counter() - t0
+            self.mask_rows += constrained
+        return md
 
     def _neutral_bias_arrays(self, batch: int) -> tuple:
         """The logit-bias arrays of a batch where no row has one, placed once per batch bucket:
@@ -111,6 +125,14 @@ class ModelRunner:
         if got is None:
             host = (np.full((batch, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((batch, MAX_LOGIT_BIAS), np.float32))
             got = self._neutral_bias[batch] = jax.device_put(host, replicated(self.mesh))
+        return got
+
+    def _neutral_mask_array(self, batch: int):
+        """An all-ones allowed-token bitmask (no row constrained), placed once per batch bucket."""
+        got = self._neutral_mask.get(batch)
+        if got is None:
+            host = np.full((batch, bitmask_width(self.model_cfg.vocab_size)), -1, np.int32)
+            got = self._neutral_mask[batch] = jax.device_put(host, replicated(self.mesh))
         return got
 
     # -- steps -------------------------------------------------------------
@@ -144,6 +166,7 @@ class ModelRunner:
                 is_output=(s + n == r.prefill_target),
                 banned=r.banned_ids(),
                 prompt_len=r.prompt_len,
+                constraint=r.constraint if s + n == r.prefill_target else None,
             )
         attn = AttentionMetadata(positions, slots, table, kv_lens)
         md = self._sampling(rows, b)
@@ -179,7 +202,8 @@ class ModelRunner:
                 from_state[i] = True
             else:
                 tokens[i] = r.last_token
-            rows[i] = RowSampling(r.params, r.seed, p + 1, r.slot, is_output=True, banned=r.banned_ids())
+            rows[i] = RowSampling(r.params, r.seed, p + 1, r.slot, is_output=True, banned=r.banned_ids(),
+                                  constraint=r.constraint)
         attn = AttentionMetadata(pos, slots, table, kv_lens)
         md = self._sampling(rows, b)
         return ProgramKey("decode", b, 1, table.shape[1]), (tokens, from_state, attn, md)

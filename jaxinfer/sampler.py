@@ -16,9 +16,15 @@ donated and updated in place by the step, so the host never ships
 vocabulary-sized arrays. The state also keeps each slot's last drawn token,
 so a decode step feeds the previous step's tokens without a host round trip.
 
-Order, as in vLLM: logit bias -> penalties -> banned tokens (min_tokens) ->
+Structured output (`jaxinfer.structured`) arrives as data too: ``allowed``, an int32 bitmask
+``[B, ceil(vocab / 32)]`` per row (bit t of a row allows token t), computed on the host by the
+grammar engine from the tokens drawn so far. It is applied first, before every other stage; a row
+without a constraint is all ones, and a step where every row is all ones skips the stage.
+
+Order, as in vLLM: allowed-token mask -> logit bias -> penalties -> banned tokens (min_tokens) ->
 temperature -> min-p -> top-k -> top-p -> draw (greedy rows take the argmax after
-the bias, penalties and bans). Logprobs are of the raw model distribution.
+the bias, penalties and bans). Logprobs are of the raw model distribution: before the grammar's mask
+too (vLLM reports them after it), so they are what a trainer scoring the text would compute.
 
 ``logit_bias`` (OpenAI's: token id -> bias added to its logit) is a padded
 per-row list of `MAX_LOGIT_BIAS` (token id, bias) pairs, id -1 for none: data
@@ -64,6 +70,9 @@ class SamplingMetadata:
     want_prompt_logprobs: jax.Array  # [B] bool, the row's request asked for prompt logprobs (prefill)
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] i32, token ids of the row's logit_bias, -1 = none
     bias_values: jax.Array  # [B, MAX_LOGIT_BIAS] f32, the bias added to each of those logits
+    # [B, ceil(V / 32)] i32 allowed-token bitmask (structured output; all ones = no constraint).
+    # None (metadata built without a vocabulary size, e.g. by research code): no such stage.
+    allowed: Optional[jax.Array] = None
     max_logprobs: int = field(default=0, metadata=dict(static=True))
 
     # Stage switches, read from the data on device (padding rows hold neutral values).
@@ -76,6 +85,9 @@ class SamplingMetadata:
     def any_filters(self) -> jax.Array:
         uses = (self.top_k > 0) | (self.top_p < 1.0) | (self.min_p > 0.0)
         return jnp.any(uses & self.sampling_rows())
+
+    def any_constrained(self) -> jax.Array:
+        return jnp.any(self.allowed != -1)
 
     def any_bias(self) -> jax.Array:
         return jnp.any(self.bias_ids >= 0)
@@ -147,6 +159,14 @@ def record_prompt_if_needed(state, tokens, positions, valid, md: "SamplingMetada
         lambda st: st,
         state,
     )
+
+
+def _apply_allowed(logits, allowed):
+    """Set the logits of tokens a row's bitmask does not allow to -inf (bit t of word t // 32)."""
+    b, v = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # arithmetic shift: bit 31 too
+    ok = bits.reshape(b, -1)[:, :v] != 0
+    return jnp.where(ok, logits, -jnp.inf)
 
 
 def _apply_bias(logits, md: SamplingMetadata):
@@ -242,6 +262,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tupl
     """
     b, v = logits.shape
     raw = logits
+    if md.allowed is not None:
+        logits = jax.lax.cond(
+            md.any_constrained(), lambda lg: _apply_allowed(lg, md.allowed), lambda lg: lg, logits
+        )
     logits = jax.lax.cond(md.any_bias(), lambda lg: _apply_bias(lg, md), lambda lg: lg, logits)
     logits = jax.lax.cond(
         md.any_penalties(), lambda lg: _apply_penalties(lg, md, state), lambda lg: lg, logits
@@ -312,6 +336,8 @@ def build_metadata(
     num_slots: int,
     max_logprobs: int,
     neutral_bias=None,
+    vocab_size: Optional[int] = None,
+    neutral_mask=None,
 ) -> SamplingMetadata:
     """Pad per-row host values into a `SamplingMetadata` of ``batch_size`` rows.
 
@@ -320,6 +346,9 @@ def build_metadata(
     ``neutral_bias(batch_size)``, when given, supplies the (bias_ids, bias_values) of a
     batch in which no row has a logit_bias (the runner keeps them on device, so such a
     step ships no [B, MAX_LOGIT_BIAS] arrays); otherwise they are built here.
+    ``vocab_size`` (the logits' width) adds the allowed-token bitmask: rows whose `RowSampling`
+    carries a constraint get their grammar's next-token mask (`jaxinfer.structured.fill_bitmasks`),
+    others all ones; ``neutral_mask(batch_size)`` likewise supplies an all-ones one kept on device.
     """
     f32 = lambda: np.zeros(batch_size, np.float32)  # noqa: E731
     temp, top_p, min_p = f32(), np.ones(batch_size, np.float32), f32()
@@ -342,6 +371,15 @@ def build_metadata(
             bias_values[i, : len(bias)] = list(bias.values())
     else:
         bias_ids, bias_values = neutral_bias(batch_size)
+    allowed = None
+    if vocab_size is not None:
+        constrained = [(r.constraint, i) for i, r in enumerate(rows) if r is not None and r.constraint is not None]
+        if constrained or neutral_mask is None:
+            from jaxinfer.structured import fill_bitmasks
+
+            allowed = fill_bitmasks(constrained, batch_size, vocab_size)
+        else:
+            allowed = neutral_mask(batch_size)
     for i, r in enumerate(rows):
         if r is None:
             continue
@@ -373,6 +411,7 @@ def build_metadata(
         want_prompt_logprobs=want_plp,
         bias_ids=bias_ids,
         bias_values=bias_values,
+        allowed=allowed,
         max_logprobs=int(max_logprobs),
     )
 
@@ -388,3 +427,4 @@ class RowSampling:
     is_output: bool = True
     banned: tuple = ()
     prompt_len: Optional[int] = None  # None: everything before sample_pos is prompt
+    constraint: object = None  # `jaxinfer.structured.Constraint` of a row that draws a constrained output token
