@@ -93,6 +93,15 @@ class _Sampling(_Body):
     include_stop_str_in_output: Optional[bool] = None
     priority: int = 0
     prompt_logprobs: Optional[int] = None  # the response's prompt_logprobs (vLLM's shape); not with stream
+    # Structured output (vLLM's names; serving.py turns them into one StructuredOutputsParams): the body
+    # extra ``structured_outputs`` ({json | json_object | regex | choice | grammar, disable_any_whitespace,
+    # whitespace_pattern}), and vLLM's older guided_* fields. ``response_format`` (above) is OpenAI's.
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[None, str, dict[str, Any]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
 
 
 class TextPart(BaseModel):
@@ -155,4 +164,4 @@ class DetokenizeRequest(_Body):
     tokens: list[int] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]

@@ -34,7 +34,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from jaxinfer.metrics import RequestMetrics
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.server.openai_api.errors import APIError, bad_request, unsupported
 from jaxinfer.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -45,7 +45,7 @@ _FIELDS = (
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
     "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "stop_token_ids", "priority", "chat_template_kwargs", "tools", "echo",
-    "prompt_logprobs",
+    "prompt_logprobs", "structured_outputs",
 )
 # Fields copied one-to-one onto SamplingParams when the body sets them (the rest take the model's defaults).
 _DIRECT = (
@@ -144,7 +144,8 @@ class OpenAIServing:
     # -- sampling parameters ------------------------------------------------------------
 
     def sampling_params(self, body, *, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        prompt_logprobs: Optional[int] = None,
+                        structured: Optional["Structured"] = None) -> SamplingParams:
         """The model's generation defaults overridden by every field the body sets; 400 when out of range."""
         kw = {name: getattr(body, name) for name in _DIRECT if getattr(body, name) is not None}
         kw["max_tokens"] = max_tokens  # None: the rest of the context (as vLLM), never SamplingParams' 16
@@ -154,6 +155,8 @@ class OpenAIServing:
         kw["prompt_logprobs"] = prompt_logprobs
         if body.logit_bias:
             kw["logit_bias"] = dict(body.logit_bias)
+        if structured is not None:
+            kw["structured_outputs"] = structured.params
         try:
             return self.llm.get_default_sampling_params().clone(**kw)
         except (ValueError, TypeError) as e:
@@ -161,8 +164,10 @@ class OpenAIServing:
 
     # -- engine requests ----------------------------------------------------------------
 
-    async def _make(self, prompt, params, arrival: float, rid: str, priority: int, **chat) -> list:
-        """The choices' engine requests, built in the servicer's threads (template + tokenizer off the loop)."""
+    async def _make(self, prompt, params, arrival: float, rid: str, priority: int,
+                    structured: Optional["Structured"] = None, **chat) -> list:
+        """The choices' engine requests, built in the servicer's threads (template + tokenizer off the loop);
+        the constraint is compiled there too (a 400 naming the body field it came from when it does not)."""
 
         def build():
             return self.llm.make_requests(prompt, params, request_id=rid, priority=priority,
@@ -172,7 +177,10 @@ class OpenAIServing:
             return await self.servicer._in_pool(build)
         except (ValueError, UnicodeError) as e:
             self.servicer._rejected("invalid_argument")
-            raise bad_request(e, _FIELDS) from None
+            err = bad_request(e, _FIELDS)
+            if structured is not None and err.message.startswith("structured"):
+                raise structured.refusal(err.message) from None
+            raise err from None
 
     def _submit(self, groups: list) -> list:
         """Admit and submit every group of choices at once; returns the calls in choice order."""
@@ -210,7 +218,7 @@ class OpenAIServing:
         """Why a finished choice is an error instead of an answer: the engine failed it (500), or the shutdown
         aborted it after its grace period (503, the gRPC status's HTTP twin); else None."""
         reason = output.outputs[0].finish_reason
-        if reason == "error":
+        if reason == "error" and not output.outputs[0].error:  # with a message: the choice says it (not a failure)
             return APIError(500, "the engine failed this request.")
         if reason == "abort" and self.servicer.abort_message is not None:
             return APIError(503, self.servicer.abort_message)
@@ -234,18 +242,14 @@ class OpenAIServing:
         self.check_serving()
         self.check_model(body.model)
         _check_stream_options(body)
-        _refuse_response_format(body)
         _log_unknown(body)
 
     def _chat_inputs(self, body: ChatCompletionRequest) -> dict:
         choice = body.tool_choice
-        if isinstance(choice, dict) or choice == "required":
-            raise unsupported("tool_choice", f"{json.dumps(choice)} is not supported yet (it needs structured "
-                              "output): use \"auto\" or \"none\".")
-        if choice not in (None, "auto", "none"):
+        if not isinstance(choice, dict) and choice not in (None, "auto", "none", "required"):
             raise unsupported("tool_choice", f"must be \"auto\", \"none\", \"required\" or a named function, got "
                               f"{choice!r}.")
-        if body.tools and choice != "none" and self._tool_parser is None:
+        if body.tools and choice in (None, "auto") and self._tool_parser is None:
             raise APIError(400, "tools with tool_choice \"auto\" need a tool-call parser for this model: start the "
                            "server with --tool-call-parser (hermes, llama3_json, mistral), or send tool_choice "
                            "\"none\".", param="tool_choice")
@@ -264,6 +268,8 @@ class OpenAIServing:
         arrival = time.perf_counter()
         self._check_body(body)
         chat = self._chat_inputs(body)
+        forced = forced_tool_calls(body)
+        structured = structured_outputs(body, forced)
         self.check_capacity(max(1, body.n))  # before tokenizing: a full server says so at once
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
@@ -271,22 +277,22 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         _refuse_streamed_prompt_logprobs(body)
         params = self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs,
-                                      prompt_logprobs=body.prompt_logprobs)
-        parse_tools = bool(body.tools) and body.tool_choice != "none"
+                                      prompt_logprobs=body.prompt_logprobs, structured=structured)
+        parse_tools = bool(body.tools) and body.tool_choice in (None, "auto")  # "required", named: no parser
         if self._keeps_special_tokens(parse_tools):  # the parser's markers are special tokens: keep them in the text
             params = params.clone(skip_special_tokens=False)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            reqs = await self._make(None, params, arrival, rid, body.priority, **chat)
+            reqs = await self._make(None, params, arrival, rid, body.priority, structured, **chat)
         except APIError as e:  # chat's names for what the library calls logprobs and the prompt
             e.param = {"logprobs": "top_logprobs", "prompt": "messages"}.get(e.param, e.param)
             raise
         prompt_text = reqs[0].prompt  # the rendered conversation: whether the output starts inside <think>
         calls = self._submit([reqs])
         if body.stream:
-            return self._chat_stream(body, rid, calls, parse_tools, prompt_text, disconnected)
+            return self._chat_stream(body, rid, calls, parse_tools, prompt_text, disconnected, forced)
         outputs = await self._whole(calls, disconnected)
-        choices = [self._chat_choice(i, o, parse_tools, logprobs, prompt_text) for i, o in enumerate(outputs)]
+        choices = [self._chat_choice(i, o, parse_tools, logprobs, prompt_text, forced) for i, o in enumerate(outputs)]
         answer = {
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
             "choices": choices, "usage": _usage(outputs, len(reqs)), "system_fingerprint": None,
@@ -299,21 +305,25 @@ class OpenAIServing:
         parsers = [self._reasoning_parser] + ([self._tool_parser] if parse_tools else [])
         return any(p is not None and p.keeps_special_tokens() for p in parsers)
 
-    def _chat_choice(self, index: int, out, parse_tools: bool, logprobs: Optional[int], prompt_text) -> dict:
+    def _chat_choice(self, index: int, out, parse_tools: bool, logprobs: Optional[int], prompt_text,
+                     forced: Optional["ForcedToolCalls"] = None) -> dict:
         comp = out.outputs[0]
-        reasoning, content, calls = self._parse_whole(comp.text, parse_tools, prompt_text)
+        if forced is not None:  # the whole output is the calls' JSON (the constraint held from the first token)
+            reasoning, (calls, content) = None, forced.parse(comp.text)
+        else:
+            reasoning, content, calls = self._parse_whole(comp.text, parse_tools, prompt_text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = message["reasoning"] = reasoning
         if calls:
             message["tool_calls"] = [_tool_call_dict(c) for c in calls]
         finish = "tool_calls" if calls and comp.finish_reason == "stop" else comp.finish_reason
-        return {
+        return _with_error({
             "index": index, "message": message,
             "logprobs": {"content": self._chat_logprobs(comp.logprobs or [], logprobs)} if logprobs is not None
             else None,
             "finish_reason": finish, "stop_reason": comp.stop_reason,
-        }
+        }, comp)
 
     def _parse_whole(self, text: str, parse_tools: bool, prompt_text: Optional[str]):
         """(reasoning, content, tool calls) of a whole output; content None when the output is only calls."""
@@ -356,20 +366,23 @@ class OpenAIServing:
         return out
 
     async def _chat_stream(self, body: ChatCompletionRequest, rid: str, calls: list, parse_tools: bool,
-                           prompt_text: Optional[str], disconnected) -> AsyncIterator[bytes]:
+                           prompt_text: Optional[str], disconnected,
+                           forced: Optional["ForcedToolCalls"] = None) -> AsyncIterator[bytes]:
         created = int(time.time())
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        streamers = [self._chat_streamer(parse_tools, prompt_text) for _ in calls]
+        streamers = [forced.streamer() if forced is not None else self._chat_streamer(parse_tools, prompt_text)
+                     for _ in calls]
         tools_called = [False] * len(calls)
         n_tokens = [0] * len(calls)
 
-        def chunk(index: int, delta: dict, finish=None, stop_reason=None, lps=None, usage=None) -> bytes:
+        def chunk(index: int, delta: dict, finish=None, stop_reason=None, lps=None, usage=None, comp=None) -> bytes:
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
+                _with_error(choice, comp)
             obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                    "choices": [choice]}
             if include_usage or continuous:
@@ -409,7 +422,7 @@ class OpenAIServing:
                         yield _sse(err.body())
                         continue
                     finish = "tool_calls" if tools_called[i] and comp.finish_reason == "stop" else comp.finish_reason
-                    yield chunk(i, {}, finish=finish, stop_reason=comp.stop_reason, usage=running_usage(i))
+                    yield chunk(i, {}, finish=finish, stop_reason=comp.stop_reason, usage=running_usage(i), comp=comp)
             if include_usage and all(o is not None for o in outputs):
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                             "choices": [], "usage": _usage(outputs, len(calls))})
@@ -438,18 +451,19 @@ class OpenAIServing:
         if body.best_of is not None and body.best_of != body.n:
             raise unsupported("best_of", f"is not supported (got {body.best_of}); use n.")
         _refuse_streamed_prompt_logprobs(body)
+        structured = structured_outputs(body)
         prompts = _prompt_list(body.prompt)
         self.check_capacity(len(prompts) * max(1, body.n))
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
         params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                      prompt_logprobs=prompt_logprobs)
+                                      prompt_logprobs=prompt_logprobs, structured=structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         groups = []
         for k, p in enumerate(prompts):
             groups.append(await self._make(p, params, arrival, rid if len(prompts) == 1 else f"{rid}-p{k}",
-                                           body.priority))
+                                           body.priority, structured))
         calls = self._submit(groups)
         n = len(groups[0])
         echoes = [self._echo_text(g[0]) if body.echo else "" for g in groups]
@@ -467,8 +481,8 @@ class OpenAIServing:
                 if body.echo:
                     lps = _join_logprobs(self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs,
                                                              body.logprobs), lps)
-            choice = {"index": i, "text": echo + comp.text, "logprobs": lps,
-                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            choice = _with_error({"index": i, "text": echo + comp.text, "logprobs": lps,
+                                  "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}, comp)
             if body.prompt_logprobs is not None:  # vLLM's extra, in each choice
                 choice["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs, body.prompt_logprobs)
             choices.append(choice)
@@ -550,10 +564,11 @@ class OpenAIServing:
         n_tokens = [0] * len(calls)
         outputs = [None] * len(calls)
 
-        def chunk(index, text, lps=None, finish=None, stop_reason=None) -> bytes:
+        def chunk(index, text, lps=None, finish=None, stop_reason=None, comp=None) -> bytes:
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop_reason
+                _with_error(choice, comp)
             obj = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [choice]}
             if include_usage or continuous:
@@ -589,7 +604,7 @@ class OpenAIServing:
                 if err is not None:
                     yield _sse(err.body())
                     continue
-                yield chunk(i, delta.text, lps, finish=comp.finish_reason, stop_reason=comp.stop_reason)
+                yield chunk(i, delta.text, lps, finish=comp.finish_reason, stop_reason=comp.stop_reason, comp=comp)
             if include_usage and all(o is not None for o in outputs):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                             "choices": [], "usage": _usage_groups(outputs, n)})
@@ -599,6 +614,344 @@ class OpenAIServing:
             yield SSE_DONE
         finally:
             self._release(calls)
+
+
+# --------------------------------------------------------------------------- #
+# Structured output: the body's constraint fields -> one StructuredOutputsParams
+# --------------------------------------------------------------------------- #
+
+
+class Structured:
+    """A request's constraint and where in the body it came from, so a refusal names that field."""
+
+    __slots__ = ("params", "param", "path")
+
+    def __init__(self, params: StructuredOutputsParams, param: str, path: str):
+        self.params = params
+        self.param = param  # the error's ``param``: the top-level body field
+        self.path = path  # what a message names: ``response_format.json_schema.schema``, ``guided_regex``...
+
+    def refusal(self, message: str) -> APIError:
+        """A 400 for the library's message about this constraint (it says ``structured_outputs.<kind>``: when
+        the body said it another way, the message starts with the body's own field)."""
+        if self.path != "structured_outputs":
+            message = f"{self.path}: {message}"
+        return APIError(400, message, param=self.param)
+
+
+# vLLM's older body fields, each one kind of StructuredOutputsParams.
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs(body, forced: Optional["ForcedToolCalls"] = None) -> Optional[Structured]:
+    """The request's one constraint: ``response_format``, the body extra ``structured_outputs``, a ``guided_*``
+    field, or the tool call that ``tool_choice`` forces; None without one. Two of them is a 400 naming both;
+    a constraint the library refuses is a 400 naming the field it came from."""
+    found = []  # (what to call it, param, path, StructuredOutputsParams fields)
+    if body.response_format is not None:
+        fmt = _response_format(body.response_format)
+        if fmt is not None:
+            found.append(("response_format",) * 2 + fmt)
+    if body.structured_outputs is not None:
+        found.append(("structured_outputs",) * 3 + (dict(body.structured_outputs),))
+    for name, kind in _GUIDED:
+        value = getattr(body, name)
+        if value is not None:
+            found.append((name,) * 3 + ({kind: value},))
+    if forced is not None:
+        found.append((f"tool_choice {forced.label}", "tools", forced.path, {"json": forced.schema}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [f[0] for f in found]
+        raise APIError(400, f"{' and '.join(names)} each constrain the output; give only one of them.",
+                       param=found[0][1])
+    _, param, path, fields = found[0]
+    if body.guided_whitespace_pattern is not None and "whitespace_pattern" not in fields:
+        fields["whitespace_pattern"] = body.guided_whitespace_pattern
+    try:
+        params = StructuredOutputsParams.from_dict(fields)
+    except (ValueError, TypeError) as e:
+        raise Structured(None, param, path).refusal(str(e)) from None
+    return Structured(params, param, path)
+
+
+def _response_format(fmt: dict) -> Optional[tuple]:
+    """OpenAI's response_format as (path, StructuredOutputsParams fields); None for ``{"type": "text"}``."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("response_format", {"json_object": True})
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "response_format.json_schema is required with type \"json_schema\": "
+                           "{\"name\": ..., \"schema\": {...}, \"strict\": true}.", param="response_format")
+        if spec.get("schema") is None:
+            raise APIError(400, "response_format.json_schema.schema is required: the JSON Schema the output must "
+                           "validate against.", param="response_format")
+        # name, description and strict are accepted; the schema is always enforced (strict or not)
+        return ("response_format.json_schema.schema", {"json": spec["schema"]})
+    raise APIError(400, f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got "
+                   f"{json.dumps(kind)}.", param="response_format")
+
+
+# --------------------------------------------------------------------------- #
+# tool_choice "required" or a named function: the output is constrained to the calls
+# --------------------------------------------------------------------------- #
+
+# A tool without parameters takes none: its arguments are ``{}`` (vLLM's empty object also allows any property).
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _offered_functions(tools: Optional[list]) -> list:
+    """(name, parameters schema) of each tool offered."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           "\"parameters\": {...}}}.", param="tools")
+        params = fn.get("parameters")
+        if params is None:
+            params = _EMPTY_PARAMETERS
+        elif not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object, got "
+                           f"{type(params).__name__}.", param="tools")
+        out.append((fn["name"], params))
+    return out
+
+
+def forced_tool_calls(body) -> Optional["ForcedToolCalls"]:
+    """What ``tool_choice`` forces, as vLLM does: a named function's arguments (its parameters' schema), or for
+    "required" a JSON array (at least one item; one at most with ``parallel_tool_calls: false``) of
+    ``{"name": <a tool's name>, "parameters": <that tool's arguments>}``, each name paired with its own schema.
+    None for "auto", "none" or no tool_choice."""
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    functions = _offered_functions(body.tools)
+    if not functions:
+        raise APIError(400, f"tool_choice {json.dumps(choice)} needs tools: the request offers none.",
+                       param="tool_choice")
+    if choice == "required":
+        defs: dict = {}
+        items = []
+        for i, (name, params) in enumerate(functions):
+            params = dict(params)
+            for key in ("$defs", "definitions"):  # their $refs point at the root: lift them to the array's
+                for d, schema in (params.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(d, schema) != schema:
+                        raise APIError(400, f"tools[{i}].function.parameters.{key}.{d} differs from another "
+                                       f"tool's {key}.{d}: with tool_choice \"required\" they share one schema.",
+                                       param="tools")
+            items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                           "parameters": params},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ForcedToolCalls(None, schema, "tools", '"required"')
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ...}}}}, got {json.dumps(choice)[:80]}.", param="tool_choice")
+    for i, (offered, params) in enumerate(functions):
+        if offered == name:
+            return ForcedToolCalls(name, params, f"tools[{i}].function.parameters", json.dumps(name))
+    raise APIError(400, f"tool_choice names the function {json.dumps(name)}, which is not among the tools offered "
+                   f"({', '.join(json.dumps(n) for n, _ in functions)}).", param="tool_choice")
+
+
+class ForcedToolCalls:
+    """A forced call's output read back without a tool parser: a named function's output is its arguments; a
+    "required" output is the array of calls, read as it grows (`_CallsReader`), so streamed arguments are the
+    model's own text, the same as the whole response's."""
+
+    def __init__(self, name: Optional[str], schema: dict, path: str, label: str):
+        self.name = name  # the named function; None: "required"
+        self.schema = schema
+        self.path = path  # where the schema came from, for errors
+        self.label = label
+
+    def parse(self, text: str) -> tuple:
+        """(tool calls, content) of a whole output: content is None when there are calls, else the text."""
+        from jaxinfer.server.openai_api.tool_parsers import ToolCall, make_tool_call_id
+
+        if self.name is not None:
+            return [ToolCall(make_tool_call_id(), self.name, text)], None
+        reader = _CallsReader()
+        reader.feed(text)
+        calls = [ToolCall(make_tool_call_id(), name, "".join(args)) for name, args in reader.calls if name]
+        return (calls, None) if calls else ([], text)
+
+    def streamer(self) -> "_ForcedStream":
+        return _ForcedStream(self.name)
+
+
+class _ForcedStream:
+    """One streamed choice of a forced call: OpenAI's ``delta.tool_calls`` pieces (index, id, type and name
+    first, then the arguments as the model writes them). A "required" output that names no call at all (cut
+    short before its first name) ends as content, as the whole response does."""
+
+    def __init__(self, name: Optional[str]):
+        self.name = name
+        self.reader = None if name is not None else _CallsReader()
+        self.args: list = []  # the named function's arguments so far
+        self.taken: list = []  # per call sent: how many of its argument pieces went out
+
+    def _delta(self, final: bool) -> dict:
+        from jaxinfer.server.openai_api.tool_parsers import make_tool_call_id
+
+        out = []
+        calls = [(self.name, self.args)] if self.reader is None else self.reader.calls
+        for index, (name, args) in enumerate(calls):
+            if index == len(self.taken):  # not sent yet: it opens with its id and name
+                if not name or (self.reader is None and not args and not final):
+                    break
+                self.taken.append(len(args))
+                out.append({"index": index, "id": make_tool_call_id(), "type": "function",
+                            "function": {"name": name, "arguments": "".join(args)}})
+            elif len(args) > self.taken[index]:
+                piece = "".join(args[self.taken[index]:])
+                self.taken[index] = len(args)
+                out.append({"index": index, "function": {"arguments": piece}})
+        if out:
+            return {"tool_calls": out}
+        if final and not self.taken and self.reader is not None and self.reader.text:
+            return {"content": "".join(self.reader.text)}
+        return {}
+
+    def feed(self, text: str) -> dict:
+        if not text:
+            return {}
+        if self.reader is None:
+            self.args.append(text)
+        else:
+            self.reader.feed(text)
+        return self._delta(False)
+
+    def finish(self) -> dict:
+        return self._delta(True)
+
+
+class _CallsReader:
+    """Reads ``[{"name": "...", "parameters": {...}}, ...]`` as it grows (whitespace wherever JSON allows it,
+    keys in any order): each call's name, and its parameters' JSON text exactly as written."""
+
+    _WS = " \t\r\n"
+
+    def __init__(self):
+        self.calls: list = []  # [name or None, [characters of the parameters' text]]
+        self.text: list = []  # everything fed
+        self._depth = 0  # 0: before the array, 1: in it, 2: in a call's object, -1: after the array
+        self._state = "key"  # in a call's object: key, colon, value, name (its string), next
+        self._key: Optional[str] = None
+        self._string: Optional[list] = None  # the raw characters of a key or a name being read
+        self._escaped = False
+        self._value: Optional[str] = None  # a value being read: "parameters" (kept) or "skip"
+        self._nesting = 0
+        self._in_string = False
+
+    def feed(self, text: str) -> None:
+        self.text.append(text)
+        for c in text:
+            self._char(c)
+
+    def _char(self, c: str) -> None:
+        if self._value is not None and not self._value_char(c):
+            return  # else c ended a bare value (a number, true...) and belongs to the object
+        if self._string is not None:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                text = _json_string("".join(self._string))
+                self._string = None
+                if self._state == "key":
+                    self._key, self._state = text, "colon"
+                else:
+                    self.calls[-1][0], self._state = text, "next"
+                return
+            self._string.append(c)
+            return
+        if self._depth == 0:
+            self._depth = 1 if c == "[" else 0
+        elif self._depth == 1:
+            if c == "{":
+                self._depth, self._state = 2, "key"
+                self.calls.append([None, []])
+            elif c == "]":
+                self._depth = -1
+        elif self._depth == 2 and c not in self._WS:
+            if self._state == "key" and c == '"':
+                self._string = []
+            elif self._state == "colon" and c == ":":
+                self._state = "value"
+            elif self._state == "value":
+                if self._key == "name" and c == '"':
+                    self._string, self._state = [], "name"
+                else:
+                    self._value, self._nesting, self._in_string = (
+                        "parameters" if self._key == "parameters" else "skip"), 0, False
+                    self._value_char(c)
+            elif self._state == "next":
+                if c == ",":
+                    self._state = "key"
+                elif c == "}":
+                    self._depth = 1
+
+    def _value_char(self, c: str) -> bool:
+        """Take one character of the value being read; True when the value had ended before it."""
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._in_string = False
+            self._keep(c)
+            if not self._in_string and self._nesting == 0:
+                self._value, self._state = None, "next"
+            return False
+        if c == '"':
+            self._in_string = True
+        elif c in "{[":
+            self._nesting += 1
+        elif c in "}]" or (self._nesting == 0 and (c == "," or c in self._WS)):
+            if self._nesting == 0:
+                self._value, self._state = None, "next"
+                return True
+            self._nesting -= 1
+            self._keep(c)
+            if self._nesting == 0:
+                self._value, self._state = None, "next"
+            return False
+        self._keep(c)
+        return False
+
+    def _keep(self, c: str) -> None:
+        if self._value == "parameters":
+            self.calls[-1][1].append(c)
+
+
+def _json_string(raw: str) -> str:
+    try:
+        return json.loads(f'"{raw}"')
+    except ValueError:
+        return raw
+
+
+def _with_error(choice: dict, comp) -> dict:
+    """A choice that ended with finish_reason "error" and a reason (a grammar that allows no token, for one)
+    carries the reason as ``error``: the response still parses, the other choices keep their answers."""
+    if comp is not None and comp.finish_reason == "error" and comp.error:
+        choice["error"] = comp.error
+    return choice
 
 
 # --------------------------------------------------------------------------- #
@@ -650,13 +1003,6 @@ _BYTE_DECODER: dict = {}
 def _check_stream_options(body) -> None:
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream set to true.", param="stream_options")
-
-
-def _refuse_response_format(body) -> None:
-    fmt = body.response_format
-    if fmt and fmt.get("type") not in (None, "text"):
-        raise unsupported("response_format", f"of type {fmt.get('type')!r} is not supported yet (structured output "
-                          "is not implemented): only {'type': 'text'}.")
 
 
 def _log_unknown(body) -> None:
@@ -747,10 +1093,14 @@ def _usage_groups(outputs: list, n: int) -> dict:
 def _feed(streamer, text: str) -> dict:
     if streamer is None:
         return {"content": text} if text else {}
+    if isinstance(streamer, _ForcedStream):
+        return streamer.feed(text)
     return _delta_dict(streamer.feed(text)) if text else {}
 
 
 def _finish(streamer) -> dict:
+    if isinstance(streamer, _ForcedStream):
+        return streamer.finish()
     return {} if streamer is None else _delta_dict(streamer.finish())
 
 
