@@ -21,6 +21,24 @@ deltas), then one chunk per choice with its ``finish_reason``, then, with
 ``stream_options.include_usage``, one chunk with ``choices: []`` and the usage.
 A client that goes away mid-stream has its requests aborted at once (their KV
 pages return at the next engine step).
+
+Structured output (`structured_outputs`, vLLM's names): ``response_format``
+(``json_schema`` -> its ``schema``; ``json_object``; ``text`` -> none), the body
+extra ``structured_outputs`` (`StructuredOutputsParams`' fields), or vLLM's older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (with
+``guided_whitespace_pattern``), on both endpoints; one per request (two is a 400
+naming both). ``tool_choice`` "required" or a named function is a constraint too
+(`forced_tool_calls`): a named function's output is its arguments, validated by
+its ``parameters`` schema; "required" is a JSON array of ``{"name", "parameters"}``
+calls, each name with its own tool's schema. Both are read back as tool calls
+without a tool parser (finish_reason "tool_calls" when the output is complete)
+and streamed as OpenAI streams calls: the id and name first, then the arguments
+as the model writes them. A constraint the library refuses, or that does not
+compile, is a 400 whose ``param`` is the body field it came from. A choice whose
+grammar fails mid-generation (no token allowed, min_tokens past the grammar's
+end) ends with finish_reason "error" and its reason in the choice's ``error``
+(the final chunk's, when streamed): the response is still a 200 that every
+client parses, and the other choices keep their answers.
 """
 
 from __future__ import annotations
@@ -715,7 +733,7 @@ def _offered_functions(tools: Optional[list]) -> list:
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                            "\"parameters\": {...}}}.", param="tools")
         params = fn.get("parameters")
-        if params is None:
+        if params is None or params == {}:  # as vLLM reads it: no parameters
             params = _EMPTY_PARAMETERS
         elif not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object, got "
