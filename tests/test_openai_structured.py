@@ -89,8 +89,8 @@ def json_bpe_llm(path) -> "jaxinfer.LLM":
     hf.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
                                                             "chat_template": CHAT_TEMPLATE}))
-    return jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=JTokenizer.from_dir(path), engine_config=TOOLS_ENGINE,
-                                    name="tiny-json")
+    return jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=JTokenizer.from_dir(path),
+                                    engine_config=TOOLS_ENGINE, name="tiny-json")  # 512 positions
 
 
 @pytest.fixture(scope="module")
