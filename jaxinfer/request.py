@@ -140,8 +140,12 @@ class Request:
             self.cumulative_logprob += logprob.logprob
         n = len(self.output_ids)
         c = self.constraint
-        if c is not None and not c.accept(token):
-            return self._fail(c.error)
+        if c is not None:
+            if not c.accept(token):
+                return self._fail(c.error)
+            if c.ended and not c.complete:  # stuck: no token spells what the grammar needs next
+                return self._fail(f"structured output ({c.kind}) cannot go on after {c.tokens - 1} tokens: no token "
+                                  f"of this tokenizer spells what the grammar needs next")
         if token in self.stop_token_ids and n > self.params.min_tokens:
             self.finish_reason, self.stop_reason = "stop", token
             return self.detokenizer.finish()

@@ -60,7 +60,7 @@ class _SentencePieceView:
     """What llguidance's `TokenizerWrapper` reads: every piece's bytes (control pieces marked special
     by a leading 0xFF, as llguidance expects), end-of-sequence ids and an encode function."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, n_vocab: int):
         sp = tokenizer.backend
         n = sp.get_piece_size()
         tokens = []
@@ -74,6 +74,7 @@ class _SentencePieceView:
                 tokens.append(b"")
             else:
                 tokens.append(piece.replace("\u2581", " ").encode("utf-8"))
+        tokens += [b""] * (n_vocab - n)  # the model's padding ids: no bytes, never allowed
         self.tokens = tokens
         self.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self.bos_token_id = tokenizer.bos_token_id
@@ -81,9 +82,44 @@ class _SentencePieceView:
         self._tokenizer = tokenizer
 
     def __call__(self, text) -> list:
+        """Token ids spelling exactly ``text`` (llguidance tokenizes forced bytes with this). SentencePiece
+        puts a space before the text it encodes (its dummy prefix); encoding after a newline and cutting the
+        newline's tokens off leaves the text's own tokens, as they would appear mid-output."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        want = text.encode("utf-8")
+        ids = self._tokenizer.encode("\n" + text, add_special_tokens=False)
+        seen = b""
+        for k, i in enumerate(ids):
+            seen += self.tokens[i] if i < len(self.tokens) else b""
+            if seen in (b"\n", b" \n"):
+                if b"".join(self.tokens[j] for j in ids[k + 1:]) == want:
+                    return ids[k + 1:]
+                break
+            if len(seen) >= 2:
+                break
+        return self._spell(want)
+
+    def _spell(self, data: bytes) -> list:
+        """Longest-match tokens for ``data`` (bytes no piece holds are left out: the grammar then allows
+        no token there, and the request ends with that error)."""
+        if not hasattr(self, "_by_bytes"):
+            self._by_bytes = {}
+            for i, b in enumerate(self.tokens):
+                if b and not b.startswith(b"\xff"):
+                    self._by_bytes.setdefault(b, i)
+            self._longest = max(map(len, self._by_bytes), default=1)
+        out, at = [], 0
+        while at < len(data):
+            for n in range(min(self._longest, len(data) - at), 0, -1):
+                i = self._by_bytes.get(data[at:at + n])
+                if i is not None:
+                    out.append(i)
+                    at += n
+                    break
+            else:
+                at += 1
+        return out
 
 
 def _is_gbnf(text: str) -> bool:
@@ -121,7 +157,7 @@ class GrammarCompiler:
             raw.no_padding()
             raw.no_truncation()
             return lg.LLTokenizer(raw.to_str(), n_vocab=n_vocab, eos_token=eos)
-        view = lg.TokenizerWrapper(_SentencePieceView(tok))
+        view = lg.TokenizerWrapper(_SentencePieceView(tok, n_vocab))
         return lg.LLTokenizer(view, n_vocab=n_vocab, eos_token=eos)
 
     # -- constraints -----------------------------------------------------------------------------
@@ -211,6 +247,13 @@ class Constraint:
         """The grammar is complete and nothing but end-of-sequence may follow."""
         return self.matcher.is_stopped()
 
+    @property
+    def complete(self) -> bool:
+        """The output so far is a whole sentence of the grammar. (llguidance also stops, allowing only
+        end-of-sequence, when no token can continue a sentence that is not complete: `ended` without
+        `complete`.)"""
+        return self.matcher.is_accepting()
+
     def fail(self, message: str) -> None:
         if self.error is None:
             self.error = message
@@ -247,11 +290,20 @@ def fill_bitmasks(rows: list, batch: int, vocab_size: int) -> np.ndarray:
     if not rows:
         return out
     lg_np = _llguidance_numpy()
-    w_ll = bitmask_width(max(vocab_size, *(c.mask_vocab for c, _ in rows)))
-    buf = np.zeros((batch, w_ll), np.int32)
-    lg_np.fill_next_token_bitmask_par(_executor(), [(c.matcher, i) for c, i in rows], buf)
+    widths = {c.mask_vocab for c, _ in rows}  # one tokenizer per engine: one width
+    if len(widths) != 1:
+        raise RuntimeError(f"constraints of one step were built for different vocabularies: {sorted(widths)}")
+    buf = np.zeros((batch, bitmask_width(widths.pop())), np.int32)  # llguidance fills exactly its width
+    try:
+        lg_np.fill_next_token_bitmask_par(_executor(), [(c.matcher, i) for c, i in rows], buf)
+    except Exception as e:  # never the whole batch's step: the constrained rows end with the error
+        for c, _ in rows:
+            c.fail(f"structured output ({c.kind}): the grammar engine failed: {_one_line(str(e))}")
+        return out
+    n = min(w, buf.shape[1])
     for c, i in rows:
-        keep = buf[i, :w].copy()
+        keep = np.zeros(w, np.int32)
+        keep[:n] = buf[i, :n]
         _clear_from(keep, min(c.tokenizer_vocab, vocab_size))
         out[i] = keep
         if not keep.any():

@@ -370,6 +370,7 @@ def generate_via_server(args: argparse.Namespace) -> int:
             finish_reason=final.finish_reason, stop_reason=final.stop_reason, usage=final.usage,
             timings=server_summary(final), logprobs=(final.logprobs or []) if kw.get("logprobs") is not None else None,
             token_text=lambda i: tt.get(i) or None,
+            **({"error": final.error} if final.error else {}),
         )
         out.write(json.dumps(result, ensure_ascii=False) + "\n")
     else:
@@ -382,6 +383,8 @@ def generate_via_server(args: argparse.Namespace) -> int:
     out.flush()
     if getattr(args, "trace", False) and final is not None and final.timings:
         sys.stderr.write(format_trace(server_summary(final), where="server side") + "\n")
+    if final is not None and final.finish_reason == "error":  # as local generate: the reason, status 1
+        return _err(final.error or "the request failed on the server", 1)
     return 0
 
 

@@ -265,15 +265,14 @@ def test_sentencepiece_dir_respects_config(spm_dir, tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<s><|im_end|>"
 
 
-def test_gguf_llama_vocab_builds_the_same_sentencepiece(spm_dir, tmp_path):
-    """A 'llama' GGUF vocabulary (tokens, scores, types) encodes like the model it came from."""
+def write_llama_vocab_gguf(spm_model: str, path: str) -> None:
+    """A GGUF holding only the 'llama' tokenizer vocabulary (tokens, scores, types) of a SentencePiece model."""
     import gguf
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=os.path.join(spm_dir, "tokenizer.model"))
+    sp = spm.SentencePieceProcessor(model_file=spm_model)
     n = sp.get_piece_size()
     kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
-    path = str(tmp_path / "tiny.gguf")
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
@@ -287,6 +286,16 @@ def test_gguf_llama_vocab_builds_the_same_sentencepiece(spm_dir, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_gguf_llama_vocab_builds_the_same_sentencepiece(spm_dir, tmp_path):
+    """A 'llama' GGUF vocabulary (tokens, scores, types) encodes like the model it came from."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(spm_dir, "tokenizer.model"))
+    n = sp.get_piece_size()
+    path = str(tmp_path / "tiny.gguf")
+    write_llama_vocab_gguf(os.path.join(spm_dir, "tokenizer.model"), path)
     from_gguf, from_dir = load_tokenizer(path), load_tokenizer(spm_dir)
     assert from_gguf.vocab_size == n and from_gguf.add_bos_token  # llama.cpp's default for 'llama'
     for text in SPM_TEXTS:
