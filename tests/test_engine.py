@@ -297,27 +297,34 @@ def random_params(rng, i: int) -> SamplingParams:
     )
 
 
-def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
-    """After warm-up, any mix of sampling settings (logit_bias and n included), logprobs counts,
+def test_nothing_compiles_after_warmup_under_a_random_mixed_workload(tmp_path):
+    """After warm-up, any mix of sampling settings (logit_bias, n and structured output included), logprobs counts,
     prompt lengths, batch sizes and aborts runs programs from the list: the guard counts every lowering in the process, so a
     stray eager op outside the steps would fail it too."""
     from jaxinfer.compile_cache import compile_count
 
-    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE)
+    from test_structured_output import CONSTRAINTS, sp_tokenizer
+
+    tok = sp_tokenizer(tmp_path)  # a tokenizer, for the constrained requests' grammars
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=tok, engine_config=TINY_ENGINE)
     keys = llm.engine.program_keys()
     assert llm.engine.warmup() == len(keys)
     assert llm.runner.programs.num_ready == len(keys)
     before = compile_count()
     rng = np.random.default_rng(5)
     reqs, streams = [], []
+    constraints = list(CONSTRAINTS.values())
     for i in range(24):
         prompt, sp = rand_prompt(rng, 1, 90), random_params(rng, i)
         if i % 8 == 5:  # some ask for 3 choices (without penalties, so the choices fork)
             sp = sp.clone(n=3, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+        if i % 3 == 1:  # some are constrained (structured output: a bitmask in the same programs)
+            sp = sp.clone(structured_outputs=constraints[int(rng.integers(len(constraints)))], min_tokens=0)
         group = llm.make_requests(prompt, sp)
         reqs += group
         streams += llm.submit_group(group)
     assert any(r.params.logit_bias for r in reqs) and not all(r.params.logit_bias for r in reqs)
+    assert any(r.constraint is not None for r in reqs) and not all(r.constraint is not None for r in reqs)
     for s in streams[::5]:  # abort some mid-stream
         next(iter(s))
         s.abort()
@@ -327,8 +334,11 @@ def test_nothing_compiles_after_warmup_under_a_random_mixed_workload():
     assert llm.runner.programs.compiled_late == []
     assert llm.engine.scheduler.num_forks > 0
     llm.engine.allocator.check_all_free()
+    assert llm.engine.stats.grammar_syncs > 0
     for r, o in zip(reqs, outs):
         comp = o.outputs[0]
+        if comp.finish_reason == "stop" and r.constraint is not None:
+            assert r.constraint.complete, comp.text  # a constrained output that stops is whole
         if comp.finish_reason == "length":
             assert len(comp.token_ids) == r.max_tokens
         if r.params.logprobs is not None and comp.logprobs:

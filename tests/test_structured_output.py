@@ -89,7 +89,7 @@ CONSTRAINTS = {
 # -- the four tokenizer kinds --------------------------------------------------------------------------
 
 
-def _sp_tokenizer(path, **train):
+def sp_tokenizer(path, **train):
     from test_tokenizer import train_tiny_sentencepiece
 
     from jaxinfer.tokenizer import Tokenizer
@@ -126,14 +126,14 @@ def _gguf_sp_tokenizer(path):
 
     from jaxinfer.tokenizer import load_tokenizer
 
-    _sp_tokenizer(path / "sp")
+    sp_tokenizer(path / "sp")
     gguf_path = str(path / "vocab.gguf")
     write_llama_vocab_gguf(str(path / "sp" / "tokenizer.model"), gguf_path)
     return load_tokenizer(gguf_path)
 
 
 # (the fourth kind, a GGUF-built BPE, is SmolLM2's: the real-model test below)
-KINDS = {"hf-json": _hf_tokenizer, "sentencepiece": _sp_tokenizer, "gguf-sentencepiece": _gguf_sp_tokenizer}
+KINDS = {"hf-json": _hf_tokenizer, "sentencepiece": sp_tokenizer, "gguf-sentencepiece": _gguf_sp_tokenizer}
 
 
 def _llm(tok, **engine):
@@ -143,7 +143,7 @@ def _llm(tok, **engine):
 
 @pytest.fixture(scope="module")
 def sp_llm(tmp_path_factory):
-    llm = _llm(_sp_tokenizer(tmp_path_factory.mktemp("sp")))
+    llm = _llm(sp_tokenizer(tmp_path_factory.mktemp("sp")))
     yield llm
     llm.close()
 
@@ -295,7 +295,7 @@ def test_preempted_and_prefix_hit_requests_keep_their_grammar(tmp_path):
     """With few KV pages the engine preempts and recomputes; the matcher keeps the tokens already read, so
     outputs equal a roomy run's, token for token (greedy), and still validate. A second identical request
     hits the prefix cache and draws the same."""
-    tok = _sp_tokenizer(tmp_path)
+    tok = sp_tokenizer(tmp_path)
     prompts = [f"hello world {i} jax engine page cache token" for i in range(4)]
     params = [SP(max_tokens=60, temperature=0, structured_outputs=SO(json=PERSON)) for _ in prompts]
     roomy = _llm(tok)
@@ -345,7 +345,7 @@ def test_a_grammar_that_never_ends_cannot_hang_a_request(sp_llm):
 def test_a_constraint_the_tokenizer_cannot_spell_ends_with_an_error_not_a_crash(tmp_path):
     """A tokenizer without byte fallback cannot write '€': no token is allowed, so that request ends with
     finish_reason "error" and a message; the request beside it in the batch finishes normally."""
-    tok = _sp_tokenizer(tmp_path, byte_fallback=False, vocab_size=120)
+    tok = sp_tokenizer(tmp_path, byte_fallback=False, vocab_size=120)
     llm = _llm(tok)
     try:
         outs = llm.generate(["hello", "world"], [
