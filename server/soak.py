@@ -14,12 +14,22 @@ It starts ``jaxinfer serve`` on loopback (``--port 0``; the port is read from it
      stream      a well-formed Generate: prompt, chat or token ids of random length, and every
                  sampling option (temperature, top_k/p, min_p, penalties, seeds, min_tokens,
                  ignore_eos, stop strings, stop_token_ids, logprobs None/0/1/max); the output is
-                 checked (usage, logprobs, stop strings, min_tokens) and TTFT / gaps measured
+                 checked (usage, logprobs, stop strings, min_tokens) and TTFT / gaps measured.
+                 About one in six (CONSTRAINED_SHARE) is constrained (structured output; the
+                 table's stream/<constraint> rows): a bounded JSON schema (a nested object, an enum
+                 array with min/maxItems, an integer range, a short patterned string, no extra
+                 properties; compact or " ?" whitespace), any JSON object, a regex, a choice list, a
+                 Lark or a GBNF grammar, with the constraint's own max_tokens and no stop strings or
+                 ids. finish_reason "stop": the text must validate (jsonschema), match, be one of
+                 the choices; "length": allowed (incomplete); "error": only with its reason
      cancel      a stream cancelled after a few tokens, or by a timer before or after the first
      deadline    a stream with a 5-50 ms deadline
      invalid     out-of-range sampling options, empty / too long prompts, bad token ids, an empty
-                 chat role, too many stop strings, ...: must get INVALID_ARGUMENT (a full server
-                 refuses a call before reading it: such a call is sent again, as is a kill's)
+                 chat role, too many stop strings, a JSON schema, regex, Lark or GBNF grammar that
+                 does not compile, schema text that is not JSON, an empty choice list, json_object
+                 false, whitespace options without JSON, ...: must get INVALID_ARGUMENT (for a
+                 constraint, with a message naming its field; a full server refuses a call before
+                 reading it: such a call is sent again, as is a kill's)
      malformed   bytes that do not parse as a GenerateRequest, sent on a raw channel: INVALID_ARGUMENT
      garbage     raw bytes on the TCP port (random, HTTP/1.1, an HTTP/2 preface then junk, a reset)
      kill        a child process opens a stream and is SIGKILLed after its first token
@@ -32,15 +42,20 @@ It starts ``jaxinfer serve`` on loopback (``--port 0``; the port is read from it
      http_complete    token ids), streamed or whole, with the same sampling options, logprobs in each
                       endpoint's form, n = 1-3 and stream_options.include_usage; the answer is checked
                       (every choice once, finish reasons, usage, logprob counts, stop strings, the role
-                      first, the usage chunk last, data: [DONE] last)
+                      first, the usage chunk last, data: [DONE] last). About one in six is constrained
+                      as a stream is, by response_format (json_schema, json_object), structured_outputs
+                      or guided_*, or (chat) by tools with tool_choice "required" or a named function:
+                      finish_reason "tool_calls" and every call's arguments validate against its tool
      http_disconnect  a stream closed after a few chunks, on a timer (maybe before the headers), or by
                       an abortive close (RST) after the first data line
      http_invalid     bad values and shapes of every kind: must be a 400 (404 for an unknown model or
-                      route) with an OpenAI error object {"error": {"message", "type", "param", "code"}}
+                      route) with an OpenAI error object {"error": {"message", "type", "param", "code"}};
+                      constraints that do not compile, two at once, an empty choice list, a tool_choice
+                      naming no offered tool or with no tools: a 400 whose param names the field
      http_malformed   bodies that are not JSON objects (truncated, not JSON, an array, NaN, bad UTF-8,
                       100,000 nested brackets, a text/plain body): a 400 with an error object
      http_garbage     raw bytes on the HTTP port: answered (never a 5xx), closed or ignored
-     http_burst       as burst: some must get 429
+     http_burst       as burst (streams of half the context): some must get 429
      http_misc        /v1/models, /health, /metrics, /tokenize, /detokenize
    A full server refuses before it reads (429); such invalid calls are sent again. The engine's numbers
    are read over gRPC whichever protocol is soaked.
@@ -86,6 +101,12 @@ INVALID = ["temperature<0", "temperature=nan", "top_p=0", "top_p>1", "top_k<-1",
            "token_id=vocab", "token_id<0", "stop_token_id>=vocab", "empty_stop_string", "too_many_stop_strings",
            "stop_string_too_long", "too_many_stop_token_ids", "no_input", "empty_prompt", "empty_chat",
            "empty_chat_role", "reserved_template_kwarg"]
+INVALID_CONSTRAINED = {  # variant -> a word its INVALID_ARGUMENT message must hold (the field)
+    "json_schema_does_not_compile": "json", "json_schema_unsatisfiable": "json", "json_schema_not_json": "json",
+    "regex_does_not_compile": "regex", "lark_does_not_compile": "grammar", "gbnf_does_not_compile": "grammar",
+    "empty_choice_list": "choice", "json_object_false": "json_object", "whitespace_without_json": "flexible_whitespace",
+}
+INVALID += list(INVALID_CONSTRAINED)
 MALFORMED = ["random_bytes", "truncated", "bad_utf8_prompt", "bad_utf8_chat_role", "bad_varint",
              "length_past_end", "stray_end_group"]
 GARBAGE = ["random_bytes", "http1_get", "h2_preface_junk", "h2_huge_frame", "reset"]
@@ -103,11 +124,20 @@ HTTP_INVALID = ["temperature<0", "top_p>1", "top_k<-1", "min_p>1", "presence_pen
                 "seed<0", "max_tokens=0", "max_tokens<0", "n=0", "logprobs>max", "empty_prompt", "empty_token_ids",
                 "prompt_too_long", "token_id=vocab", "token_id<0", "prompt+max_tokens>max_model_len",
                 "too_many_stop_strings", "stop_string_too_long", "empty_stop_string", "logit_bias_too_many",
-                "logit_bias_bad_id", "logit_bias_not_a_number", "response_format", "response_format_completions",
-                "prompt_logprobs>max", "max_tokens_wrong_type", "prompt_wrong_type", "stop_token_id>=vocab",
+                "logit_bias_bad_id", "logit_bias_not_a_number", "prompt_logprobs>max", "max_tokens_wrong_type",
+                "prompt_wrong_type", "stop_token_id>=vocab",
                 "empty_messages", "messages_wrong_type", "message_without_role", "top_logprobs>max",
-                "top_logprobs_without_logprobs", "tool_choice_required", "missing_prompt", "missing_messages",
-                "unknown_model", "unknown_route"]
+                "top_logprobs_without_logprobs", "missing_prompt", "missing_messages", "unknown_model", "unknown_route"]
+HTTP_INVALID_CONSTRAINED = {  # variant -> the "param" of its 400's error object
+    "response_format_bad_schema": "response_format", "response_format_bad_type": "response_format",
+    "response_format_no_schema": "response_format", "guided_json_bad_schema_completions": "guided_json",
+    "guided_regex_does_not_compile": "guided_regex", "structured_outputs_bad_regex": "structured_outputs",
+    "lark_does_not_compile": "guided_grammar", "two_constraints": "response_format",
+    "two_kinds_in_structured_outputs": "structured_outputs", "empty_choice_list": "structured_outputs",
+    "tool_choice_unknown_tool": "tool_choice", "tool_choice_required_without_tools": "tool_choice",
+    "tool_with_bad_schema": "tools",
+}
+HTTP_INVALID += list(HTTP_INVALID_CONSTRAINED)
 HTTP_MALFORMED = ["not_json", "truncated", "empty_body", "json_array", "json_string", "json_null", "bad_utf8",
                   "nan_temperature", "deep_nesting", "random_bytes", "text_content_type"]
 HTTP_GARBAGE = ["random_bytes", "bad_request_line", "huge_header", "bad_content_length", "short_body",
@@ -117,6 +147,49 @@ ALLOWED.update({  # HTTP statuses as strings; a 5xx is never allowed
     "http_disconnect": {"DISCONNECTED", "200", "429"}, "http_invalid": {"400", "404"}, "http_malformed": {"400"},
     "http_garbage": {"REPLIED", "CLOSED", "SILENT", "RESET"}, "http_misc": {"200"},
 })
+# Constrained requests (structured output): about one well-formed stream in CONSTRAINED_SHARE carries one of
+# these bounded constraints (the variant of its stream / http_stream / http_complete item). Each name gives the
+# structured_outputs fields and the max_tokens at which a sampled answer ends (at most half the context).
+SOAK_SCHEMA = {  # a nested object, an enum array with min/maxItems, an integer range, a short patterned string
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "t": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
+        "s": {"type": "string", "maxLength": 3, "pattern": "^[a-z]*$"},
+        "o": {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"],
+              "additionalProperties": False},
+    },
+    "required": ["n", "t", "s", "o"],
+    "additionalProperties": False,
+}
+SOAK_REGEX = r"(yes|no)-[0-9]{1,3}"
+SOAK_CHOICES = ["red", "green, dark", "日本", "blue"]
+SOAK_LARK = 'start: greeting " " NAME\ngreeting: "hi" | "hello"\nNAME: /[a-z]{1,6}/\n'
+SOAK_GBNF = 'root ::= ("yes" | "no") "!" [0-9]\n'
+CONSTRAINTS = {  # name -> (StructuredOutputsParams' fields, max_tokens that lets a sampled answer end)
+    "json_schema": ({"json": SOAK_SCHEMA}, 64), "json_object": ({"json_object": True}, 48),
+    "regex": ({"regex": SOAK_REGEX}, 16), "choice": ({"choice": SOAK_CHOICES}, 16),
+    "lark": ({"grammar": SOAK_LARK}, 16), "gbnf": ({"grammar": SOAK_GBNF}, 12),
+}
+SOAK_TOOLS = [  # tool_choice "required" / a named function (HTTP chat): the arguments validate against these
+    {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now"}},  # no parameters: takes none
+]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "maxProperties": 0})
+                for t in SOAK_TOOLS}
+TOOL_CONSTRAINTS = {"tool_required": 64, "tool_named": 40}  # name -> max_tokens
+CONSTRAINED_SHARE = 6  # one well-formed stream in six carries a constraint
+GRPC_CONSTRAINED = list(CONSTRAINTS)
+HTTP_CONSTRAINED = list(CONSTRAINTS) + list(TOOL_CONSTRAINTS)
+CONSTRAINED_KINDS = ("stream", "http_stream", "http_complete")
+# Constraints that do not compile (or cannot be sent): INVALID_ARGUMENT / 400 whose message names the field.
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}
 VARIANT_KINDS = ("invalid", "malformed", "garbage", "http_invalid", "http_malformed", "http_garbage", "http_misc",
                  "http_disconnect")
 WORDS = ["hello", "world", "token", "jax", "page", "cache", "the", "KV", "naïve", "café", "日本", "語", "🙂",
@@ -144,6 +217,68 @@ def _text(rng: random.Random, max_bytes: int) -> str:
     return out or "hi"
 
 
+_TEXT_CHECKS = {  # a finished answer's text under each constraint (JSON: `_json_bad`)
+    "regex": lambda t: re.fullmatch(SOAK_REGEX, t) is not None, "choice": lambda t: t in SOAK_CHOICES,
+    "lark": lambda t: re.fullmatch(r"(hi|hello) [a-z]{1,6}", t) is not None,
+    "gbnf": lambda t: re.fullmatch(r"(yes|no)![0-9]", t) is not None,
+}
+
+
+def _json_bad(text: str, schema: Optional[dict]) -> Optional[str]:
+    """What is wrong with `text` as one JSON value that `schema` validates (None: any object); None when fine.
+    Without the jsonschema package (the test extra) the value is only parsed."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return f"not JSON ({e}): {text!r}"
+    if schema is None:
+        return None if isinstance(value, dict) else f"not a JSON object: {text!r}"
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as e:
+        return f"{text!r} does not validate: {e.message}"
+    return None
+
+
+def constraint_bad(name: str, body: Optional[dict], text: str, finish, error, calls) -> Optional[str]:
+    """What is wrong with one finished answer of a request under constraint `name` (None: nothing).
+
+    "stop" (or "tool_calls" for a forced call): the text validates against the schema, matches the regex or
+    the grammar, is one of the choices; a forced call's arguments validate against its tool's schema.
+    "length": allowed, the answer may be incomplete. "error": allowed only with its reason. `body`/`calls`:
+    the HTTP request and the choice's tool calls [(name, arguments)].
+    """
+    if finish == "error":
+        return None if isinstance(error, str) and error.strip() else f"finish_reason error without a reason ({error!r})"
+    if finish == "length":
+        return None
+    if name in TOOL_CONSTRAINTS:
+        if finish != "tool_calls":
+            return f"finish_reason {finish!r}: a forced call ends with tool_calls"
+        if not calls or text:
+            return f"{len(calls or ())} tool calls and content {text!r}"
+        choice = (body or {}).get("tool_choice")
+        named = choice["function"]["name"] if isinstance(choice, dict) else None
+        if (named or (body or {}).get("parallel_tool_calls") is False) and len(calls) != 1:
+            return f"{len(calls)} calls where one was forced: {calls}"
+        for fn, arguments in calls:
+            if fn not in TOOL_SCHEMAS or (named is not None and fn != named):
+                return f"a call of {fn!r} (tool_choice {json.dumps(choice)})"
+            bad = _json_bad(arguments, TOOL_SCHEMAS[fn])
+            if bad:
+                return f"{fn} arguments: {bad}"
+        return None
+    if finish != "stop":
+        return f"finish_reason {finish!r}"
+    if name in ("json_schema", "json_object"):
+        return _json_bad(text, SOAK_SCHEMA if name == "json_schema" else None)
+    return None if _TEXT_CHECKS[name](text) else f"{text!r} is not what the {name} allows"
+
+
 class Soak:
     def __init__(self, args, address: str, pid, http_url=None):
         self.args, self.address, self.pid, self.http_url = args, address, pid, http_url
@@ -158,6 +293,7 @@ class Soak:
         self.rss = {"ready": None, "before": None, "after": None, "peak": None}  # MiB; before: the load
         self.retries = 0  # invalid and kill calls refused by a full server before it read them, sent again
         self.stats: dict = {}  # the engine's live numbers after the run
+        self.constrained_outcomes: Counter = Counter()  # finish reasons of constrained answers that passed
 
     # -- setup ----------------------------------------------------------------
 
@@ -195,21 +331,35 @@ class Soak:
                  "http_disconnect": ["after_chunks", "timer", "reset"],
                  "http_misc": ["models", "health", "metrics", "tokenize", "detokenize"]}
         offset = {k: rng.randrange(len(v)) for k, v in lists.items()}
+        # about one well-formed stream in CONSTRAINED_SHARE carries a constraint (its variant), each in turn;
+        # none without a tokenizer (only token ids), no forced tool calls without a chat template
+        constrained = {"stream": GRPC_CONSTRAINED, "http_stream": HTTP_CONSTRAINED, "http_complete": HTTP_CONSTRAINED}
+        if len(self.forms) < 2:
+            constrained = {}
+        elif "chat" not in self.forms:
+            constrained = {k: [c for c in v if c not in TOOL_CONSTRAINTS] for k, v in constrained.items()}
+        c_offset, c_seen = {k: rng.randrange(len(v)) for k, v in constrained.items()}, Counter()
         out = []
         for k in items:
-            variant = lists[k][(offset[k] + seen[k]) % len(lists[k])] if k in lists else ""
-            seen[k] += 1
+            if k in constrained and rng.random() < 1 / CONSTRAINED_SHARE:
+                variant = constrained[k][(c_offset[k] + c_seen[k]) % len(constrained[k])]
+                c_seen[k] += 1
+            else:
+                variant = lists[k][(offset[k] + seen[k]) % len(lists[k])] if k in lists else ""
+                seen[k] += 1
             out.append((k, variant, rng.getrandbits(48)))
         return out
 
     # -- requests -------------------------------------------------------------
 
-    def wellformed(self, rng: random.Random, long: bool = False):
-        """(prompt, sampling kwargs) of a valid request of random form and length."""
+    def wellformed(self, rng: random.Random, long: bool = False, max_tokens: Optional[int] = None,
+                   form: Optional[str] = None):
+        """(prompt, sampling kwargs) of a valid request of random form and length (or the given ones)."""
         cap = self.args.max_tokens
-        max_tokens = min(cap, self.room // 2) if long else rng.randint(1, max(1, min(cap, self.room // 2)))
+        if max_tokens is None:
+            max_tokens = min(cap, self.room // 2) if long else rng.randint(1, max(1, min(cap, self.room // 2)))
         budget = min(self.room - max_tokens, self.args.max_prompt_len)
-        form = rng.choice(self.forms)
+        form = form or rng.choice(self.forms)
         n = rng.randint(1, 3)
         if form == "chat" and budget - self.chat_base[n] >= 4 * n:
             roles = (["system"] if rng.random() < 0.3 else []) + ["user", "assistant"] * 2
@@ -237,7 +387,36 @@ class Soak:
                 kw[name] = value()
         return prompt, kw
 
-    async def stream(self, client, prompt, kw, timeout, stop_after=None, measure=False) -> str:
+    def constrained(self, rng: random.Random, name: str):
+        """(prompt, sampling kwargs) of a well-formed request to run under constraint `name`: the constraint's own
+        max_tokens (at most half the context), no stop strings or stop ids (they would cut the answer short of
+        the grammar's end), and min_tokens only now and then (past the grammar's shortest end it makes the
+        request end with finish_reason error). gRPC's structured_outputs is set here; HTTP's fields in
+        `http_constraint`."""
+        need = CONSTRAINTS[name][1] if name in CONSTRAINTS else TOOL_CONSTRAINTS[name]
+        tools = name in TOOL_CONSTRAINTS
+        prompt, kw = self.wellformed(rng, max_tokens=max(1, min(need, self.room // 2)), form="chat" if tools else None)
+        if tools and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            prompt = [{"role": "user", "content": "hi"}]  # a context too small for a random chat
+        for k in ("stop", "stop_token_ids"):
+            kw.pop(k, None)
+        if "min_tokens" in kw and rng.random() < 2 / 3:
+            del kw["min_tokens"]
+        if kw.get("ignore_eos") and kw.get("skip_special_tokens") is False:
+            # not sent together (yet): the end-of-sequence token that closes the grammar then shows in the text
+            # ('no-0</s>', finish_reason stop), which no longer matches (reported with issue 21)
+            del kw["skip_special_tokens"]
+        if not tools:
+            fields = dict(CONSTRAINTS[name][0])
+            if name == "json_schema" and rng.random() < 0.25:  # whitespace on request: one space or none
+                fields.update(disable_any_whitespace=False, whitespace_pattern=" ?")
+            kw["structured_outputs"] = fields
+        return prompt, kw
+
+    async def stream(self, client, prompt, kw, timeout, stop_after=None, measure=False, constraint=None,
+                     word=None) -> str:
+        """One Generate stream's status ("OK", a gRPC code, "BAD_OUTPUT"); `constraint`: the CONSTRAINTS name
+        its answer must satisfy; `word`: what an INVALID_ARGUMENT's message must name."""
         t0 = last = time.perf_counter()
         n, text, lps, tops, final = 0, "", 0, set(), None
         agen = client.generate(prompt, timeout=timeout, **kw)
@@ -255,19 +434,30 @@ class Soak:
                 if stop_after is not None and n >= stop_after and not p.finished:
                     return "CANCELLED"
         except ServerError as e:
-            return e.code.name
+            return self.named(e.code.name, e.details, word)
         finally:
             await agen.aclose()
-        bad = self.bad_output(kw, n, text, lps, tops, final)
+        bad = self.bad_output(kw, n, text, lps, tops, final, constraint)
         if bad:
-            self.notes.append(f"stream output: {bad} (request {kw})")
+            self.notes.append(f"stream output{f' ({constraint})' if constraint else ''}: {bad} (request {kw})"[:600])
             return "BAD_OUTPUT"
+        if constraint:
+            self.constrained_outcomes[final.finish_reason] += 1
         return "OK"
 
+    def named(self, status: str, details, word) -> str:
+        """`status`, or INVALID_ARGUMENT_UNNAMED when an INVALID_ARGUMENT's message does not name `word`."""
+        if word and status == "INVALID_ARGUMENT" and word not in (details or ""):
+            self.notes.append(f"INVALID_ARGUMENT without {word!r} in its message: {details!r}"[:400])
+            return "INVALID_ARGUMENT_UNNAMED"
+        return status
+
     @staticmethod
-    def bad_output(kw, n, text, lps, tops, final):
-        if final is None or final.finish_reason not in ("stop", "length"):
+    def bad_output(kw, n, text, lps, tops, final, constraint=None):
+        if final is None or final.finish_reason not in ("stop", "length", "error"):
             return f"finish_reason {final and final.finish_reason}"
+        if final.finish_reason == "error" and not constraint:
+            return f"finish_reason error ({final.error!r}) without a constraint"
         why, stops = final.stop_reason, kw.get("stop", [])
         if final.usage["completion_tokens"] != n or n > kw["max_tokens"]:
             return f"{n} tokens streamed, usage {final.usage}, max_tokens {kw['max_tokens']}"
@@ -282,6 +472,8 @@ class Soak:
             return f"a stop string of {stops} is in the text {text!r}"
         if final.finish_reason == "stop" and not isinstance(why, str) and n < kw.get("min_tokens", 0):
             return f"stopped by a token after {n} < min_tokens={kw['min_tokens']} tokens"
+        if constraint:
+            return constraint_bad(constraint, None, text, final.finish_reason, final.error, None)
         return None
 
     def invalid(self, variant: str, rng: random.Random):
@@ -310,6 +502,24 @@ class Soak:
                       {"role": "user", "content": "hi"}]}.get(variant, prompt)
         if variant == "reserved_template_kwarg":
             kw["chat_template_kwargs"] = {"add_generation_prompt": False}
+        if variant in INVALID_CONSTRAINED:  # a constraint that does not compile, or one the client will not send
+            sop = {"json_schema_does_not_compile": {"json": BAD_SCHEMA},
+                   "json_schema_unsatisfiable": {"json": {"type": "integer", "minimum": 5, "maximum": 1}},
+                   "regex_does_not_compile": {"regex": rng.choice(["a(b", "[z-a]"])},
+                   "lark_does_not_compile": {"grammar": "start: missing_rule\n"},
+                   "gbnf_does_not_compile": {"grammar": "root ::= missing_rule\n"}}.get(variant)
+            if sop is not None:
+                return (prompt, dict(kw, structured_outputs=sop)), None
+            req = generate_request(prompt, **kw)
+            if variant == "json_schema_not_json":
+                req.sampling.json_schema = "{not json"
+            elif variant == "empty_choice_list":
+                req.sampling.choice.SetInParent()
+            elif variant == "json_object_false":
+                req.sampling.json_object = False
+            else:  # whitespace_without_json
+                req.sampling.flexible_whitespace = True
+            return None, req.SerializeToString()
         if variant == "no_input":
             return None, pb.GenerateRequest(sampling=pb.SamplingOptions(max_tokens=4)).SerializeToString()
         return (prompt, kw), None
@@ -349,7 +559,7 @@ class Soak:
             self.record(kind, variant, status)
 
     def record(self, kind: str, variant: str, status: str) -> None:
-        key = f"{kind}/{variant}" if kind in VARIANT_KINDS else kind
+        key = f"{kind}/{variant}" if kind in VARIANT_KINDS or (variant and kind in CONSTRAINED_KINDS) else kind
         self.counts[key][status] += 1
         if status not in ALLOWED[kind] and len(self.notes) < 50:
             self.notes.append(f"{key}: got {status}")
@@ -357,8 +567,8 @@ class Soak:
     async def run_kind(self, kind, variant, rng, client) -> str:
         timeout = self.args.request_timeout
         if kind == "stream":
-            prompt, kw = self.wellformed(rng)
-            return await self.stream(client, prompt, kw, timeout, measure=True)
+            prompt, kw = self.constrained(rng, variant) if variant else self.wellformed(rng)
+            return await self.stream(client, prompt, kw, timeout, measure=True, constraint=variant or None)
         if kind == "cancel":
             prompt, kw = self.wellformed(rng, long=True)
             if variant == "after_tokens":
@@ -377,8 +587,10 @@ class Soak:
             return await self.stream(client, prompt, kw, rng.uniform(0.005, 0.05))
         if kind == "invalid":
             call, raw = self.invalid(variant, rng)
+            word = INVALID_CONSTRAINED.get(variant)
             return await self.until_admitted(
-                lambda: self.raw_call(raw) if raw is not None else self.stream(client, *call, timeout), 0.02)
+                lambda: self.raw_call(raw, word) if raw is not None else self.stream(client, *call, timeout, word=word),
+                0.02)
         if kind == "malformed":
             return await self.raw_call(self.malformed(variant, rng))
         if kind == "garbage":
@@ -411,13 +623,13 @@ class Soak:
             return "OK" if variant == "unknown_service" and e.code.name == "NOT_FOUND" else e.code.name
         return "OK" if serving == "SERVING" and variant != "unknown_service" else serving
 
-    async def raw_call(self, data: bytes) -> str:
+    async def raw_call(self, data: bytes, word=None) -> str:
         try:
             async for _ in self.raw(data, timeout=self.args.request_timeout):
                 pass
             return "OK"
         except grpc.RpcError as e:
-            return e.code().name
+            return self.named(e.code().name, e.details(), word)
 
     async def garbage(self, variant: str, rng: random.Random) -> str:
         host, port = self.address.rsplit(":", 1)
@@ -507,28 +719,64 @@ class Soak:
             body["stream_options"] = {"include_usage": True}
         return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
+    def http_constraint(self, name: str, body: dict, rng: random.Random) -> dict:
+        """`body` with constraint `name` in one of the forms the API takes: response_format (json_schema,
+        json_object), the structured_outputs extra (set from the sampling kwargs), vLLM's guided_* fields, or
+        tools with tool_choice "required" / a named function."""
+        if name in TOOL_CONSTRAINTS:
+            body["tools"] = SOAK_TOOLS
+            if name == "tool_named":
+                body["tool_choice"] = {"type": "function", "function": {"name": rng.choice(list(TOOL_SCHEMAS))}}
+            else:
+                body["tool_choice"] = "required"
+                if rng.random() < 0.75:  # else the array of calls may go on until max_tokens
+                    body["parallel_tool_calls"] = False
+            return body
+        fields = body["structured_outputs"]
+        (kind, value), = [(k, v) for k, v in fields.items() if k in ("json", "json_object", "regex", "choice",
+                                                                      "grammar")]
+        form = rng.choice(["structured_outputs", "guided", "response_format"])
+        if len(fields) > 1 or form == "structured_outputs" or (form == "response_format" and kind not in (
+                "json", "json_object")):
+            return body  # structured_outputs: {...} as set from the sampling kwargs
+        del body["structured_outputs"]
+        if form == "response_format" and kind == "json":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "soak", "schema": value, **({"strict": True} if rng.random() < 0.5 else {})}}
+        elif form == "response_format" or kind == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        else:
+            body[f"guided_{kind}"] = json.dumps(value) if kind == "json" and rng.random() < 0.5 else value
+        return body
+
     @staticmethod
-    def _http_error_ok(r, expected: int) -> str:
-        """The status as a string when it is `expected` with an OpenAI error object, else what is wrong."""
+    def _http_error_ok(r, expected: int, param: Optional[str] = None) -> str:
+        """The status as a string when it is `expected` with an OpenAI error object (whose "param" is `param`,
+        when given), else what is wrong."""
         try:
             err = r.json()["error"]
             shaped = isinstance(err.get("message"), str) and err["message"] and {"type", "param", "code"} <= set(err)
         except (ValueError, KeyError, TypeError, AttributeError):
             shaped = False
         if r.status_code == expected:
+            if shaped and param is not None and err["param"] != param:
+                return f"{expected}_PARAM_{err['param']}_NOT_{param}"
             return str(expected) if shaped else f"{expected}_NO_ERROR_OBJECT"
         return str(r.status_code) if r.status_code >= 500 or r.status_code in (200, 429) else \
             f"{r.status_code}_NOT_{expected}"
 
     async def http_call(self, prompt, kw: dict, stream: bool, rng: random.Random, n: int = 1,
-                        stop_after=None, measure=False) -> str:
-        """One well-formed call; its status ("200", "429", "DISCONNECTED"...), "BAD_OUTPUT" when the answer is wrong."""
+                        stop_after=None, measure=False, constraint=None) -> str:
+        """One well-formed call; its status ("200", "429", "DISCONNECTED"...), "BAD_OUTPUT" when the answer is wrong;
+        `constraint`: the CONSTRAINTS / TOOL_CONSTRAINTS name its answer must satisfy."""
         path, body = self.http_body(prompt, kw, stream, rng, n)
+        if constraint:
+            body = self.http_constraint(constraint, body, rng)
         if not stream:
             r = await self.http.post(path, json=body)
             if r.status_code != 200:
                 return str(r.status_code)
-            bad = self.http_bad_whole(path, body, r.json())
+            bad = self.http_bad_whole(path, body, r.json(), constraint)
         else:
             t0 = last = time.perf_counter()
             chunks, done, got = [], False, 0
@@ -561,24 +809,30 @@ class Soak:
             if not done:
                 self.notes.append(f"{path}: the stream ended without data: [DONE]")
                 return "BAD_OUTPUT"
-            bad = self.http_bad_stream(path, body, chunks)
+            bad = self.http_bad_stream(path, body, chunks, constraint)
         if bad:
             self.notes.append(f"{path} {'stream' if stream else 'whole'}: {bad} (request {json.dumps(body)[:300]})")
             return "BAD_OUTPUT"
         return "200"
 
-    def http_bad_choices(self, body: dict, choices: dict, usage) -> Optional[str]:
+    def http_bad_choices(self, body: dict, choices: dict, usage, constraint=None) -> Optional[str]:
         """Checks shared by whole and streamed answers; `choices`: index -> (text, logprob entries or None,
-        top sizes, finish_reason, stop_reason)."""
+        top sizes, finish_reason, stop_reason, tool calls [(name, arguments)], error)."""
         n, max_tokens, stops = body.get("n", 1), body["max_tokens"], body.get("stop", [])
         k = body.get("top_logprobs", body.get("logprobs")) if body.get("logprobs") is not None else None
         if sorted(choices) != list(range(n)):
             return f"choices {sorted(choices)} for n={n}"
         include = bool(body.get("include_stop_str_in_output"))
         counted = 0
-        for i, (text, lps, tops, finish, why) in choices.items():
-            if finish not in ("stop", "length"):
-                return f"choice {i}: finish_reason {finish!r}"
+        for i, (text, lps, tops, finish, why, calls, error) in choices.items():
+            if finish not in ("stop", "length") and not (constraint and finish in ("error", "tool_calls")):
+                return f"choice {i}: finish_reason {finish!r}" + (f" ({error})" if error else "")
+            if calls and constraint not in TOOL_CONSTRAINTS:
+                return f"choice {i}: tool calls {calls} without a forced call"
+            if constraint:
+                bad = constraint_bad(constraint, body, text, finish, error, calls)
+                if bad:
+                    return f"choice {i} ({constraint}): {bad}"
             if k is not None:
                 counted += lps
                 if lps > max_tokens or (finish == "length" and lps != max_tokens):
@@ -598,9 +852,11 @@ class Soak:
                 return f"usage {usage} for n={n}, max_tokens {max_tokens}, {counted} logprob entries"
             if all(c[3] == "length" for c in choices.values()) and total != n * max_tokens:
                 return f"usage {usage}: every choice finished by length, n={n}, max_tokens {max_tokens}"
+        if constraint:
+            self.constrained_outcomes.update(c[3] for c in choices.values())
         return None
 
-    def http_bad_whole(self, path: str, body: dict, data: dict) -> Optional[str]:
+    def http_bad_whole(self, path: str, body: dict, data: dict, constraint=None) -> Optional[str]:
         chat = path.endswith("chat/completions")
         if data.get("object") != ("chat.completion" if chat else "text_completion") or data.get("model") != \
                 self.http_model:
@@ -615,19 +871,22 @@ class Soak:
             else:
                 entries = (lp or {}).get("tokens") or []
                 tops = {len(t or {}) for t in (lp or {}).get("top_logprobs") or []}
+            calls = [(tc["function"]["name"], tc["function"]["arguments"])
+                     for tc in (c.get("message") or {}).get("tool_calls") or ()]
             choices[c["index"]] = (text or "", len(entries) if lp is not None else 0, tops, c.get("finish_reason"),
-                                   c.get("stop_reason"))
+                                   c.get("stop_reason"), calls, c.get("error"))
             if body.get("logprobs") is not None and body.get("logprobs") is not False and lp is None:
                 return f"choice {c['index']}: no logprobs"
-        return self.http_bad_choices(body, choices, data.get("usage"))
+        return self.http_bad_choices(body, choices, data.get("usage"), constraint)
 
-    def http_bad_stream(self, path: str, body: dict, chunks: list) -> Optional[str]:
+    def http_bad_stream(self, path: str, body: dict, chunks: list, constraint=None) -> Optional[str]:
         chat = path.endswith("chat/completions")
         kind = "chat.completion.chunk" if chat else "text_completion"
         ids = {c.get("id") for c in chunks}
         if len(ids) != 1 or any(c.get("object") != kind or c.get("model") != self.http_model for c in chunks):
             return f"chunk ids {sorted(map(str, ids))[:3]}, objects {sorted({str(c.get('object')) for c in chunks})}"
         acc: dict = {}
+        calls: dict = defaultdict(dict)  # choice -> call index -> [name, arguments so far]
         usage, want_usage = None, bool((body.get("stream_options") or {}).get("include_usage"))
         for j, c in enumerate(chunks):
             if c.get("usage") is not None:
@@ -636,7 +895,7 @@ class Soak:
                 usage = c["usage"]
             for ch in c.get("choices", ()):
                 i = ch["index"]
-                text, lps, tops, finish, why = acc.get(i, ("", 0, set(), None, None))
+                text, lps, tops, finish, why, _, error = acc.get(i, ("", 0, set(), None, None, None, None))
                 if finish is not None:
                     return f"choice {i}: a chunk after its finish_reason"
                 if chat:
@@ -644,6 +903,13 @@ class Soak:
                     if i not in acc and delta.get("role") != "assistant":
                         return f"choice {i}: the first delta has no role: {delta}"
                     text += delta.get("content") or ""
+                    for tc in delta.get("tool_calls") or ():  # the id and name first, then pieces of arguments
+                        fn = tc.get("function") or {}
+                        if tc["index"] not in calls[i]:
+                            if not tc.get("id") or not fn.get("name"):
+                                return f"choice {i}: a tool call opens without its id and name: {tc}"
+                            calls[i][tc["index"]] = [fn["name"], ""]
+                        calls[i][tc["index"]][1] += fn.get("arguments") or ""
                     entries = (ch.get("logprobs") or {}).get("content") or []
                     tops |= {len(e["top_logprobs"]) for e in entries}
                 else:
@@ -651,10 +917,11 @@ class Soak:
                     lp = ch.get("logprobs") or {}
                     entries = lp.get("tokens") or []
                     tops |= {len(t or {}) for t in lp.get("top_logprobs") or []}
-                acc[i] = (text, lps + len(entries), tops, ch.get("finish_reason"), ch.get("stop_reason") or why)
+                acc[i] = (text, lps + len(entries), tops, ch.get("finish_reason"), ch.get("stop_reason") or why,
+                          [tuple(calls[i][j]) for j in sorted(calls[i])], ch.get("error") or error)
         if want_usage and usage is None:
             return "include_usage without a usage chunk"
-        return self.http_bad_choices(body, acc, usage)
+        return self.http_bad_choices(body, acc, usage, constraint)
 
     def http_invalid(self, variant: str, rng: random.Random) -> tuple:
         """(path, raw body bytes, expected status) of a request that must be refused."""
@@ -681,15 +948,29 @@ class Soak:
             "prompt_logprobs>max": {"prompt_logprobs": self.max_lp + 1},
             "max_tokens_wrong_type": {"max_tokens": "ten"}, "prompt_wrong_type": {"prompt": {"text": "hi"}},
             "stop_token_id>=vocab": {"stop_token_ids": [self.vocab]},
+            # constraints that do not compile, or clash (HTTP_INVALID_CONSTRAINED names the param of each)
+            "guided_json_bad_schema_completions": {"guided_json": BAD_SCHEMA},
+            "guided_regex_does_not_compile": {"guided_regex": rng.choice(["a(b", "[z-a]"])},
+            "lark_does_not_compile": {"guided_grammar": "start: missing_rule\n"},
+            "two_kinds_in_structured_outputs": {"structured_outputs": {"choice": ["a"], "grammar": 'start: "a"\n'}},
         }
+        fly = {"type": "function", "function": {"name": "fly"}}
         chat_change = {
             "empty_messages": {"messages": []}, "messages_wrong_type": {"messages": "hi"},
             "message_without_role": {"messages": [{"content": "hi"}]},
             "top_logprobs>max": {"logprobs": True, "top_logprobs": self.max_lp + 1},
             "top_logprobs_without_logprobs": {"top_logprobs": 1},
-            "response_format": {"response_format": {"type": "json_object"}},
-            "tool_choice_required": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                                     "tool_choice": "required"},
+            "response_format_bad_schema": {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": BAD_SCHEMA}}},
+            "response_format_bad_type": {"response_format": {"type": "xml"}},
+            "response_format_no_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "structured_outputs_bad_regex": {"structured_outputs": {"regex": "[z-a]"}},
+            "two_constraints": {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+            "empty_choice_list": {"structured_outputs": {"choice": []}},
+            "tool_choice_unknown_tool": {"tools": SOAK_TOOLS, "tool_choice": fly},
+            "tool_choice_required_without_tools": {"tool_choice": "required"},
+            "tool_with_bad_schema": {"tool_choice": "required", "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
         }
         if variant in change:
             body.update(change[variant])
@@ -794,9 +1075,10 @@ class Soak:
 
     async def run_http(self, kind: str, variant: str, rng: random.Random) -> Optional[str]:
         if kind in ("http_stream", "http_complete"):
-            prompt, kw = self.wellformed(rng)
+            prompt, kw = self.constrained(rng, variant) if variant else self.wellformed(rng)
             n = rng.choice([1, 1, 1, 2, 3])
-            return await self.http_call(prompt, kw, kind == "http_stream", rng, n, measure=n == 1)
+            return await self.http_call(prompt, kw, kind == "http_stream", rng, n, measure=n == 1,
+                                        constraint=variant or None)
         if kind == "http_disconnect":
             prompt, kw = self.wellformed(rng, long=True)
             if variant == "after_chunks":
@@ -817,7 +1099,7 @@ class Soak:
 
             async def attempt():
                 r = await self.http.post(path, content=data, headers={"Content-Type": "application/json"})
-                return self._http_error_ok(r, status)
+                return self._http_error_ok(r, status, HTTP_INVALID_CONSTRAINED.get(variant))
             return await self.until_admitted(attempt, 0.02)
         if kind == "http_malformed":
             path, data, ctype = self.http_malformed(variant, rng)
@@ -830,7 +1112,10 @@ class Soak:
             return await self.http_garbage(variant, rng)
         if kind == "http_burst":
             n = 2 * (self.info["max_num_seqs"] + self.info["max_waiting"]) + 4
-            calls = [self.http_call(*self.wellformed(rng, long=True), True, rng) for _ in range(n)]
+            # half the context each (not --max-tokens), so the first admitted are still running when the last
+            # arrive (HTTP admits more slowly than gRPC: with short streams every call could get a slot)
+            long = max(1, self.room // 2)
+            calls = [self.http_call(*self.wellformed(rng, long=True, max_tokens=long), True, rng) for _ in range(n)]
             for status in await asyncio.gather(*calls, return_exceptions=True):
                 self.record("http_burst", "", status if isinstance(status, str) else
                             f"CLIENT_{type(status).__name__}")
@@ -1013,6 +1298,15 @@ async def post_checks(soak: Soak, greedy_before: list, http_before: Optional[lis
         bad = [f"{k}: {s}={n}" for k, c in mine.items() for s, n in c.items() if s not in ALLOWED[k.split("/")[0]]]
         if mine:
             checks.append((name, not bad, "; ".join(bad[:12]) or f"{sum(totals[k] for k in mine)} calls"))
+    mine = {k: c for k, c in soak.counts.items() if "/" in k and k.split("/")[0] in CONSTRAINED_KINDS}
+    if mine:  # (also counted in the well-formed checks above)
+        bad = [f"{k}: {s}={n}" for k, c in sorted(mine.items()) for s, n in c.items()
+               if s not in ALLOWED[k.split("/")[0]]]
+        o = soak.constrained_outcomes
+        checks.append(("constrained calls: every answer that ended validates (JSON schema, regex, choice, grammar, "
+                       "tool calls' arguments); cut by max_tokens allowed; error only with its reason", not bad,
+                       "; ".join(bad[:12]) or f"{sum(totals[k] for k in mine)} calls; answers: {o['stop']} stop and "
+                       f"{o['tool_calls']} tool_calls validated, {o['length']} length, {o['error']} error"))
     if soak.protocol != "http":
         checks.append(("no UNKNOWN or INTERNAL status", not (seen["UNKNOWN"] or seen["INTERNAL"]),
                        f"UNKNOWN={seen['UNKNOWN']} INTERNAL={seen['INTERNAL']}"))
@@ -1128,6 +1422,7 @@ async def run(args) -> int:
                            "http_gap_s": {"p50": percentile(soak.http_gaps, 50),
                                           "p99": percentile(soak.http_gaps, 99)},
                            "rss_mib": soak.rss, "engine": soak.stats, "notes": soak.notes,
+                           "constrained_outcomes": dict(soak.constrained_outcomes),
                            "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in checks]}, f, indent=1)
         if log is not None and passed:
             os.unlink(log.name)  # kept when a check failed

@@ -13,6 +13,8 @@ import pytest
 
 import jaxinfer
 from jaxinfer.config import ModelConfig
+from jaxinfer.server.soak import (CONSTRAINED_SHARE, GRPC_CONSTRAINED, HTTP_CONSTRAINED, HTTP_INVALID_CONSTRAINED,
+                                  INVALID_CONSTRAINED, TOOL_CONSTRAINTS, constraint_bad)
 from jaxinfer.models import llama
 from jaxinfer.spec import init_random
 from jaxinfer.tokenizer import load_tokenizer
@@ -63,6 +65,13 @@ def test_short_soak_passes_every_check(model_dir, tmp_path):
                      "tokenize", "model_info", "health"}, report
     assert result["counts"]["kill"] == {"KILLED": result["counts"]["kill"].get("KILLED", 0)} != {}, report
     assert result["ttft_s"]["p50"] is not None and result["itl_s"]["p99"] is not None, report
+    # constrained streams of every kind ran, and some answers ended and validated (the check above held)
+    counts = result["counts"]
+    assert {k.split("/")[1] for k in counts if k.startswith("stream/")} == set(GRPC_CONSTRAINED), report
+    assert result["constrained_outcomes"].get("stop", 0) > 0, report
+    assert "constrained calls" in " | ".join(c["name"] for c in result["checks"]), report
+    refused = {k: c for k, c in counts.items() if k.split("/")[-1] in INVALID_CONSTRAINED and k.startswith("invalid/")}
+    assert refused and all(c == {"INVALID_ARGUMENT": c["INVALID_ARGUMENT"]} for c in refused.values()), report
     print(f"soak wall time {wall:.1f} s (load {result['load_s']:.1f} s)\n{proc.stdout}")
 
 
@@ -80,6 +89,13 @@ def test_the_plan_is_a_function_of_the_seed():
     assert plan(7) == plan(7) and plan(7) != plan(8)
     kinds = {k for k, _, _ in plan(7)}
     assert {"stream", "invalid", "malformed", "garbage", "kill", "burst"} <= kinds
+    # about one stream in CONSTRAINED_SHARE carries a constraint, every one of them in turn; every constraint
+    # that must be refused is among the invalid items
+    streams = [v for k, v, _ in plan(7) if k == "stream"]
+    constrained = [v for v in streams if v]
+    assert set(constrained) == set(GRPC_CONSTRAINED)
+    assert len(streams) / (2 * CONSTRAINED_SHARE) < len(constrained) < 2 * len(streams) / CONSTRAINED_SHARE
+    assert set(INVALID_CONSTRAINED) <= {v for k, v, _ in plan(7) if k == "invalid"}
 
 
 HTTP_KINDS = {"http_stream", "http_complete", "http_disconnect", "http_invalid", "http_malformed", "http_garbage",
@@ -108,6 +124,11 @@ def test_short_http_soak_passes_every_check(model_dir, tmp_path):
         assert needle in names, names
     counts = result["counts"]
     assert {k.split("/")[0] for k in counts} == HTTP_KINDS, report
+    assert result["constrained_outcomes"].get("stop", 0) > 0, report  # constrained answers ended and validated
+    assert {k.split("/")[1] for k in counts if k.startswith(("http_stream/", "http_complete/"))} == set(
+        HTTP_CONSTRAINED), report
+    refused = {k: c for k, c in counts.items() if k.startswith("http_invalid/") and k[13:] in HTTP_INVALID_CONSTRAINED}
+    assert refused and all(set(c) == {"400"} for c in refused.values()), report  # with the param named
     assert counts["http_burst"].get("429", 0) > 0 and counts["http_burst"].get("200", 0) > 0, report
     assert sum(counts.get(f"http_disconnect/{v}", {}).get("DISCONNECTED", 0)
                for v in ("after_chunks", "timer", "reset")) > 0, report
@@ -127,5 +148,44 @@ def test_the_http_plan_covers_every_http_kind(protocol, kinds):
     s.forms = ["token_ids", "prompt", "chat"]
     plan = s.plan()
     assert {k for k, _, _ in plan} == (kinds or set(WEIGHTS) | set(HTTP_WEIGHTS))
+    variants = {(k, v) for k, v, _ in plan}
+    assert {v for k, v in variants if k in ("http_stream", "http_complete") and v} == set(HTTP_CONSTRAINED)
+    assert set(HTTP_INVALID_CONSTRAINED) <= {v for k, v in variants if k == "http_invalid"}
     s.info = {"max_waiting": -1}  # no admission limit: no bursts
     assert not {k for k, _, _ in s.plan()} & {"burst", "http_burst"}
+    s.forms = ["token_ids", "prompt"]  # no chat template: no forced tool calls
+    assert {v for k, v, _ in s.plan() if k == "http_stream" and v} == set(HTTP_CONSTRAINED) - set(TOOL_CONSTRAINTS)
+    s.forms = ["token_ids"]  # no tokenizer: nothing is constrained
+    assert not {v for k, v, _ in s.plan() if k in ("stream", "http_stream", "http_complete") and v}
+
+
+def test_constrained_answers_are_checked():
+    """The soak's check of a constrained answer takes what the constraint allows and nothing else."""
+    good = json.dumps({"n": 7, "t": ["a", "b"], "s": "ab", "o": {"k": "x"}}, separators=(",", ":"))
+    assert constraint_bad("json_schema", None, good, "stop", None, None) is None
+    for bad in ({"n": 100, "t": ["a"], "s": "ab", "o": {"k": "x"}}, {"n": 1, "t": [], "s": "", "o": {"k": "x"}},
+                {"n": 1, "t": ["a"], "s": "ABC", "o": {"k": "x"}}, {"n": 1, "t": ["a"], "s": "", "o": {"k": "z"}},
+                {"n": 1, "t": ["a"], "s": "", "o": {"k": "x"}, "extra": 1}):
+        assert constraint_bad("json_schema", None, json.dumps(bad), "stop", None, None), bad
+    assert constraint_bad("json_schema", None, good[:-1], "stop", None, None)  # cut short but "stop"
+    assert constraint_bad("json_schema", None, good[:-1], "length", None, None) is None  # cut by max_tokens
+    assert constraint_bad("json_object", None, "[1]", "stop", None, None)
+    assert constraint_bad("regex", None, "yes-12", "stop", None, None) is None
+    assert constraint_bad("regex", None, "yes-12</s>", "stop", None, None)
+    assert constraint_bad("choice", None, "red", "stop", None, None) is None
+    assert constraint_bad("choice", None, "re", "stop", None, None)
+    assert constraint_bad("lark", None, "hello ab", "stop", None, None) is None
+    assert constraint_bad("gbnf", None, "yes!", "stop", None, None)
+    assert constraint_bad("regex", None, "ye", "error", "structured output (regex) ...", None) is None
+    assert constraint_bad("regex", None, "ye", "error", "", None)  # an error must say why
+    assert constraint_bad("regex", None, "ye", "abort", None, None)
+    named = {"tools": [], "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    assert constraint_bad("tool_named", named, "", "tool_calls", None, [("add", '{"a":1,"b":2}')]) is None
+    assert constraint_bad("tool_named", named, "", "tool_calls", None, [("pick", '{"k":"x"}')])  # not the named
+    assert constraint_bad("tool_named", named, "", "tool_calls", None, [("add", '{"a":10,"b":2}')])
+    assert constraint_bad("tool_named", named, "", "stop", None, [("add", '{"a":1,"b":2}')])
+    required = {"tool_choice": "required", "parallel_tool_calls": False}
+    assert constraint_bad("tool_required", required, "", "tool_calls", None, [("now", "{}")]) is None
+    assert constraint_bad("tool_required", required, "", "tool_calls", None, [("now", "{}"), ("now", "{}")])
+    assert constraint_bad("tool_required", required, "", "tool_calls", None, [("now", '{"x":1}')])
+    assert constraint_bad("tool_required", required, "", "tool_calls", None, [])
