@@ -207,6 +207,18 @@ except grpc.RpcError as e:
 """
 
 
+async def _sse_lines(response):
+    """The lines of a Server-Sent Events body, ended by LF or CRLF only: httpx's ``aiter_lines`` also ends a line
+    at U+2028, U+2029 and U+0085, which JSON leaves raw inside a string (a sampled token may spell one)."""
+    rest = b""
+    async for data in response.aiter_bytes():
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8")
+    if rest:
+        yield rest.rstrip(b"\r").decode("utf-8")
+
+
 def _text(rng: random.Random, max_bytes: int) -> str:
     out = ""
     for _ in range(rng.randint(1, 60)):
@@ -784,7 +796,7 @@ class Soak:
                 if r.status_code != 200:
                     await r.aread()
                     return str(r.status_code)
-                async for line in r.aiter_lines():
+                async for line in _sse_lines(r):
                     if not line.startswith("data:"):
                         if line.strip() and not line.startswith(":"):
                             self.notes.append(f"{path}: a stream line that is not an SSE field: {line[:80]!r}")
@@ -1117,8 +1129,10 @@ class Soak:
             long = max(1, self.room // 2)
             calls = [self.http_call(*self.wellformed(rng, long=True, max_tokens=long), True, rng) for _ in range(n)]
             for status in await asyncio.gather(*calls, return_exceptions=True):
-                self.record("http_burst", "", status if isinstance(status, str) else
-                            f"CLIENT_{type(status).__name__}")
+                if not isinstance(status, str):
+                    self.notes.append(f"http_burst: {type(status).__name__}: {status}"[:400])
+                    status = f"CLIENT_{type(status).__name__}"
+                self.record("http_burst", "", status)
             return None
         # http_misc: the small endpoints
         if variant == "models":

@@ -189,3 +189,23 @@ def test_constrained_answers_are_checked():
     assert constraint_bad("tool_required", required, "", "tool_calls", None, [("now", "{}"), ("now", "{}")])
     assert constraint_bad("tool_required", required, "", "tool_calls", None, [("now", '{"x":1}')])
     assert constraint_bad("tool_required", required, "", "tool_calls", None, [])
+
+
+def test_sse_lines_end_only_at_line_feeds():
+    """A sampled token may spell U+2028 or U+0085, which JSON leaves raw in a string: still one line."""
+    import asyncio
+
+    import httpx
+
+    from jaxinfer.server.soak import _sse_lines
+
+    body = 'data: {"t": "a\u2028b\x85c日本"}\r\n\ndata: [DONE]\n\n'.encode()
+
+    async def pieces():  # three bytes at a time: lines and characters cut across reads
+        for i in range(0, len(body), 3):
+            yield body[i:i + 3]
+
+    async def lines():
+        return [line async for line in _sse_lines(httpx.Response(200, content=pieces()))]
+
+    assert asyncio.run(lines()) == ['data: {"t": "a\u2028b\x85c日本"}', "", "data: [DONE]", ""]
