@@ -347,7 +347,10 @@ def summarize(rounds: dict) -> dict:
     for run, base in BASELINE.items():
         if run in rounds and base in rounds:
             per = [x["tok_s"] / y["tok_s"] for x, y in zip(rounds[run], rounds[base])]
-            ratios[run] = {"baseline": base, "per_round": per, "median": median(per)}
+            dec = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(rounds[run], rounds[base])
+                   if x["decode_tok_s"] and y["decode_tok_s"]]
+            ratios[run] = {"baseline": base, "per_round": per, "median": median(per),
+                           "decode_per_round": dec, "decode_median": median(dec) if dec else None}
     masks = {}
     for run in ("mixed", "all"):
         rs = rounds.get(run)
@@ -372,6 +375,16 @@ def summarize(rounds: dict) -> dict:
             # the host's structured-output work as a share of the run's wall time
             "host_share_of_wall": (mask_s + acc_s) / sum(r["wall_s"] for r in rs),
         }
+        base = rounds.get(BASELINE[run])
+        if base and msteps and steps:
+            # what the parts add to a step of the baseline, measured apart from the noise of whole runs:
+            # the masks and the matcher (host, now on the critical path), and the baseline's own host
+            # work on each synced step (no longer overlapped with the device)
+            b_step = median([r["step_ms"] for r in base])
+            b_host = median([r["host_ms_per_step"] for r in base])
+            extra = (1e3 * (mask_s + acc_s) + b_host * syncs) / steps
+            masks[run].update({"baseline_step_ms": b_step, "baseline_host_ms_per_step": b_host,
+                               "expected_extra_ms_per_step": extra, "expected_ratio": b_step / (b_step + extra)})
     return {"median": med, "ratios": ratios, "masks": masks}
 
 
@@ -404,6 +417,9 @@ def report(res: dict) -> str:
         goal = f"  goal >= {GOAL:.2f}x: {'PASS' if r['median'] >= GOAL else 'FAIL'}" if run != "plain+sync" else ""
         L.append(f"{run} ({what}) / {r['baseline']}: median {r['median']:.3f}x; per round "
                  f"{', '.join(f'{x:.3f}' for x in r['per_round'])}{goal}")
+        if r["decode_median"] is not None:
+            L.append(f"{'':>4}decode phase only: median {r['decode_median']:.3f}x; per round "
+                     f"{', '.join(f'{x:.3f}' for x in r['decode_per_round'])}")
     L.append("")
     for run, m in masks.items():
         L.append(
@@ -414,6 +430,10 @@ def report(res: dict) -> str:
             f"{100 * m['host_share_of_wall']:.2f}% of wall time"
         )
         L.append(f"{run}: grammar_syncs {m['grammar_syncs']} of {m['steps']} steps ({100 * m['sync_share']:.0f}%)")
+        if "expected_ratio" in m:
+            L.append(f"{run}: from the parts (masks + matcher + the baseline's host work {m['baseline_host_ms_per_step']:.1f} "
+                     f"ms on each synced step): +{m['expected_extra_ms_per_step']:.2f} ms on a "
+                     f"{m['baseline_step_ms']:.1f} ms step = {m['expected_ratio']:.3f}x expected")
     ds = res.get("device_stage")
     if ds:
         L.append(
