@@ -129,7 +129,8 @@ class Request:
     def banned_ids(self) -> tuple:
         """Stop tokens suppressed while fewer than min_tokens outputs are drawn."""
         if self.num_sampled < self.params.min_tokens:
-            return tuple(sorted(self.stop_token_ids))
+            ends = self.constraint.end_ids if self.constraint is not None else ()
+            return tuple(sorted(self.stop_token_ids.union(ends)))
         return ()
 
     def add_token(self, token: int, logprob: Optional[Logprob]) -> str:
@@ -146,6 +147,9 @@ class Request:
             if c.ended and not c.complete:  # stuck: no token spells what the grammar needs next
                 return self._fail(f"structured output ({c.kind}) cannot go on after {c.tokens - 1} tokens: no token "
                                   f"of this tokenizer spells what the grammar needs next")
+            if token in c.end_ids and n > self.params.min_tokens:  # the grammar's own end (ignore_eos or not)
+                self.finish_reason, self.stop_reason = "stop", token
+                return self.detokenizer.finish()
         if token in self.stop_token_ids and n > self.params.min_tokens:
             self.finish_reason, self.stop_reason = "stop", token
             return self.detokenizer.finish()

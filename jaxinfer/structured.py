@@ -211,7 +211,8 @@ class GrammarCompiler:
         seconds = time.perf_counter() - t0
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{sop.kind} does not compile: {_one_line(matcher.get_error())}")
-        return Constraint(matcher, sop.kind, self.tokenizer.vocab_size, self.ll_tokenizer().vocab_size, seconds)
+        return Constraint(matcher, sop.kind, self.tokenizer.vocab_size, self.ll_tokenizer().vocab_size, seconds,
+                          end_ids=self.stop_token_ids)
 
 
 def _one_line(message: str, limit: int = 400) -> str:
@@ -222,8 +223,12 @@ def _one_line(message: str, limit: int = 400) -> str:
 class Constraint:
     """One request's grammar state: fed each output token in order (`accept`), asked for the next mask."""
 
-    def __init__(self, matcher: Any, kind: str, tokenizer_vocab: int, mask_vocab: int, compile_s: float = 0.0):
+    def __init__(self, matcher: Any, kind: str, tokenizer_vocab: int, mask_vocab: int, compile_s: float = 0.0,
+                 end_ids=()):
         self.matcher = matcher
+        # the tokens that end the grammar (llguidance's end-of-sequence ids): one drawn where the output
+        # is complete ends the request, with ignore_eos too, and is never text
+        self.end_ids = frozenset(end_ids)
         self.kind = kind
         self.tokenizer_vocab = tokenizer_vocab  # ids at or past it are never allowed
         self.mask_vocab = mask_vocab  # the width llguidance fills (its tokenizer's n_vocab)

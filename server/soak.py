@@ -414,10 +414,6 @@ class Soak:
             kw.pop(k, None)
         if "min_tokens" in kw and rng.random() < 2 / 3:
             del kw["min_tokens"]
-        if kw.get("ignore_eos") and kw.get("skip_special_tokens") is False:
-            # not sent together (yet): the end-of-sequence token that closes the grammar then shows in the text
-            # ('no-0</s>', finish_reason stop), which no longer matches (reported with issue 21)
-            del kw["skip_special_tokens"]
         if not tools:
             fields = dict(CONSTRAINTS[name][0])
             if name == "json_schema" and rng.random() < 0.25:  # whitespace on request: one space or none

@@ -328,6 +328,17 @@ def test_min_tokens_holds_the_end_back_and_a_grammar_too_short_is_an_error(sp_ll
     sp_llm.engine.allocator.check_all_free()
 
 
+def test_the_grammars_end_is_never_text_even_with_ignore_eos(sp_llm):
+    """With ignore_eos the end-of-sequence token is no stop token, but it is still the grammar's end: drawn
+    where the output is complete, it ends the request ("stop") and is not written, special tokens or not."""
+    params = [SP(max_tokens=40, temperature=1.0, seed=s, ignore_eos=True, skip_special_tokens=False,
+                 structured_outputs=SO(regex="(yes|no)-[0-9]{1,3}")) for s in range(8)]
+    outs = [o.outputs[0] for o in sp_llm.generate(["x"] * 8, params)]
+    for c in outs:
+        assert c.finish_reason == "stop" and re.fullmatch("(yes|no)-[0-9]{1,3}", c.text), (c.text, c.finish_reason)
+    assert any(c.stop_reason in sp_llm.tokenizer.stop_token_ids for c in outs)  # some drew the end, not written
+
+
 def test_a_grammar_that_never_ends_cannot_hang_a_request(sp_llm):
     """A grammar whose end the model never reaches is cut at max_tokens ("length"); one that has no end at
     all (infinite recursion) is refused by the grammar engine's step limit: "error", at once."""
