@@ -328,6 +328,26 @@ def test_min_tokens_holds_the_end_back_and_a_grammar_too_short_is_an_error(sp_ll
     sp_llm.engine.allocator.check_all_free()
 
 
+def test_stop_strings_still_cut_a_constrained_output(sp_llm):
+    params = [SP(max_tokens=40, temperature=1.0, seed=s, stop=["e"], structured_outputs=SO(regex="[a-z ]{8,30}"))
+              for s in range(6)]
+    outs = [o.outputs[0] for o in sp_llm.generate(["hello"] * 6, params)]
+    cut = [c for c in outs if c.stop_reason == "e"]
+    assert cut, [c.text for c in outs]
+    for c in cut:
+        assert c.finish_reason == "stop" and "e" not in c.text and re.fullmatch("[a-z ]*", c.text)
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_allowed(sp_llm):
+    """The tiny model's logits are 512 wide, its SentencePiece vocabulary 340: a grammar that allows any
+    text allows many tokens, none of them a padding id."""
+    from jaxinfer.structured import fill_bitmasks
+
+    c = sp_llm.processor.grammars.compile(SO(regex="[\\s\\S]*"))
+    ids = allowed_ids(fill_bitmasks([(c, 0)], 1, TINY.vocab_size)[0])
+    assert len(ids) > 200 and ids.max() < sp_llm.tokenizer.vocab_size == 340
+
+
 def test_the_grammars_end_is_never_text_even_with_ignore_eos(sp_llm):
     """With ignore_eos the end-of-sequence token is no stop token, but it is still the grammar's end: drawn
     where the output is complete, it ends the request ("stop") and is not written, special tokens or not."""
