@@ -36,9 +36,9 @@ demo: setup
 MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
 test: setup-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
-	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_paged_model.py tests/test_families.py::test_logits_match_transformers_at_every_position
+	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/test_paged_model.py tests/test_families.py::test_logits_match_transformers_at_every_position
 	$(MESH8) $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/multidevice
-	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests/multidevice -k "not smollm2 and not program_cache and not family"
+	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/multidevice -k "not smollm2 and not program_cache and not family"
 
 # Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers,
 # accelerate). The peer benchmarks live in benchmarks/ (not installed) and run from the repository root;

