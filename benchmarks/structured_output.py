@@ -61,7 +61,7 @@ import numpy as np
 
 import jaxinfer
 from jaxinfer import SamplingParams, StructuredOutputsParams
-from jaxinfer import structured
+from jaxinfer import sampler, structured
 from jaxinfer.stats import median
 from jaxinfer.step import compiled_count
 
@@ -152,8 +152,8 @@ def is_constrained(run: str, i: int) -> bool:
 
 
 class Probe:
-    """Times `jaxinfer.structured.fill_bitmasks` (the sampler imports it at call time, so the module
-    attribute is what it calls) and `Constraint.accept` while installed."""
+    """Times `jaxinfer.structured.fill_bitmasks` (as `jaxinfer.sampler` calls it: the name it imported)
+    and `Constraint.accept` while installed."""
 
     def __init__(self):
         self.fill_calls = self.fill_rows = self.accept_calls = 0
@@ -164,7 +164,7 @@ class Probe:
 
     @contextmanager
     def installed(self):
-        fill, accept = structured.fill_bitmasks, structured.Constraint.accept
+        fill, accept = sampler.fill_bitmasks, structured.Constraint.accept
 
         def timed_fill(rows, batch, vocab_size):
             t0 = time.perf_counter()
@@ -183,11 +183,11 @@ class Probe:
                 self.accept_s += time.perf_counter() - t0
                 self.accept_calls += 1
 
-        structured.fill_bitmasks, structured.Constraint.accept = timed_fill, timed_accept
+        sampler.fill_bitmasks, structured.Constraint.accept = timed_fill, timed_accept
         try:
             yield self
         finally:
-            structured.fill_bitmasks, structured.Constraint.accept = fill, accept
+            sampler.fill_bitmasks, structured.Constraint.accept = fill, accept
 
 
 @contextmanager

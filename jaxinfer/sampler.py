@@ -44,6 +44,7 @@ import numpy as np
 
 from jaxinfer import invariant
 from jaxinfer.sampling_params import GREEDY_EPS, MAX_LOGIT_BIAS
+from jaxinfer.structured import fill_bitmasks
 
 NUM_BANNED = 16  # width of the per-row banned-token list (stop ids before min_tokens)
 
@@ -375,8 +376,6 @@ def build_metadata(
     if vocab_size is not None:
         constrained = [(r.constraint, i) for i, r in enumerate(rows) if r is not None and r.constraint is not None]
         if constrained or neutral_mask is None:
-            from jaxinfer.structured import fill_bitmasks
-
             allowed = fill_bitmasks(constrained, batch_size, vocab_size)
         else:
             allowed = neutral_mask(batch_size)
