@@ -59,7 +59,7 @@ FORMAT_VERSION = 1
 FORMAT_NAME = "jaxinfer-model"
 MANIFEST = CONVERTED_MANIFEST
 PARAMS_DIR = "params"
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class CheckpointError(ValueError):
@@ -78,10 +78,11 @@ class ConvertedModel:
     path: Optional[Path] = None
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """The name of a float dtype the engine stores weights in (`DTYPES`); ValueError for another."""
     name = jnp.dtype(dtype).name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return name
 
 
@@ -135,7 +136,7 @@ def _prepare_params(cfg: ModelConfig, params: Any, dtype: Optional[str]) -> tupl
         if len(kinds) != 1:
             raise ValueError(f"the parameters mix dtypes {kinds}; pass dtype= to save them in one")
         dtype = kinds[0]
-    dtype = _dtype_name(dtype)
+    dtype = dtype_name(dtype)
     specs = _family(cfg).param_specs(cfg, jnp.dtype(dtype))
     want, got = jax.tree.structure(specs, is_leaf=is_spec), jax.tree.structure(params)
     if want != got:
@@ -169,7 +170,7 @@ def write_model_dir(
     """
     path = Path(path).expanduser().absolute()  # orbax takes absolute paths only
     path.mkdir(parents=True, exist_ok=True)
-    params, dtype, specs = _prepare_params(model_config, params, None if dtype is None else _dtype_name(dtype))
+    params, dtype, specs = _prepare_params(model_config, params, None if dtype is None else dtype_name(dtype))
     generation = generation or GenerationDefaults()
     ocp = _orbax()
     with ocp.Checkpointer(_handler()) as ckptr:
@@ -380,7 +381,7 @@ def load_converted(
     try:
         cfg = _config_from_dict(manifest["model_config"])
         generation = _generation_from_dict(manifest["generation"])
-        saved = _dtype_name(manifest["dtype"])
+        saved = dtype_name(manifest["dtype"])
         specs = _family(cfg).param_specs(cfg, jnp.dtype(saved))
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path / MANIFEST}: invalid ({type(e).__name__}: {e})") from None
@@ -411,10 +412,10 @@ def load_converted(
                 f"{path}: parameter {jax.tree_util.keystr(key)} is {x.dtype}{list(x.shape)}, "
                 f"expected {jnp.dtype(s.dtype).name}{list(s.shape)}"
             )
-    if dtype is not None and _dtype_name(dtype) != saved:  # the float leaves; quantized weights stay
+    if dtype is not None and dtype_name(dtype) != saved:  # the float leaves; quantized weights stay
         from jaxinfer.quant import is_quantized
 
-        want = jnp.dtype(_dtype_name(dtype))
+        want = jnp.dtype(dtype_name(dtype))
         params = jax.tree.map(lambda x: x if is_quantized(x) else x.astype(want), params, is_leaf=is_quantized)
     tokenizer = tokenizer_future.result() if tokenizer_future is not None else None
     return ConvertedModel(cfg, params, generation, tokenizer, manifest, path)

@@ -22,6 +22,8 @@ import os
 import threading
 from typing import Optional
 
+from jaxinfer.env import cache_root, enabled
+
 # Every new program is lowered to MLIR once, whether XLA then compiles it or finds it in a
 # persistent cache; a step program loaded from the program cache is not lowered at all.
 _COMPILE_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -31,13 +33,7 @@ _listening = False
 
 
 def caching_enabled() -> bool:
-    return os.environ.get("JAXINFER_COMPILATION_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def cache_root() -> str:
-    """``$XDG_CACHE_HOME/jaxinfer`` (``~/.cache/jaxinfer``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxinfer")
+    return enabled("JAXINFER_COMPILATION_CACHE")
 
 
 def jax_cache_active() -> bool:

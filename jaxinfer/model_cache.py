@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import checkpoint, progress
+from jaxinfer.checkpoint import DTYPES, dtype_name
+from jaxinfer.env import cache_root, switched_off
 from jaxinfer.config import GenerationDefaults, ModelConfig
 from jaxinfer.weights import ModelSource, load_model, open_gguf
 
@@ -66,8 +68,6 @@ __all__ = [
 log = logging.getLogger("jaxinfer")
 
 ENV = "JAXINFER_MODEL_CACHE"
-_OFF = {"0", "off", "false", "no"}
-_DTYPES = ("bfloat16", "float32", "float16")
 _STALE_TMP_S = 3600.0  # a temporary directory this old was left by a process that died
 
 # What this process did: "converted", "restored", "rebuilt" (a bad entry replaced),
@@ -101,12 +101,11 @@ class LoadedModel:
 def cache_dir() -> Optional[Path]:
     """The cache's root directory, or None when ``$JAXINFER_MODEL_CACHE`` turns it off."""
     value = os.environ.get(ENV, "").strip()
-    if value.lower() in _OFF:
+    if switched_off(value):
         return None
     if value:
         return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxinfer" / "models"
+    return Path(cache_root()) / "models"
 
 
 def source_identity(source: ModelSource) -> dict:
@@ -126,20 +125,13 @@ def source_identity(source: ModelSource) -> dict:
     raise ValueError(f"a {source.format!r} source is not cached (it is already converted)")
 
 
-def _dtype_name(dtype: Any) -> str:
-    name = jnp.dtype(dtype).name
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
-    return name
-
-
 # What a conversion understands of a source. Raised when reading a source can give a different
 # model than before: 2 = model families (a Mistral sliding window, say, was read as full attention).
 READER_VERSION = 2
 
 
 def cache_key(identity: dict, dtype: Any, quantization: Optional[str] = None) -> str:
-    key = {"source": identity, "dtype": _dtype_name(dtype), "format_version": checkpoint.FORMAT_VERSION,
+    key = {"source": identity, "dtype": dtype_name(dtype), "format_version": checkpoint.FORMAT_VERSION,
            "reader_version": READER_VERSION}
     if quantization:
         key["quantization"] = quantization
@@ -217,7 +209,7 @@ def _source_record(source: ModelSource, identity: dict) -> dict:
 
 def convert(source: ModelSource, dst: Union[str, os.PathLike], dtype: Any, *, overwrite: bool = False) -> Path:
     """``jaxinfer convert``: write ``source`` as a converted directory ``dst`` (atomically)."""
-    dtype = _dtype_name(dtype)
+    dtype = dtype_name(dtype)
     dst = Path(dst).expanduser().absolute()
     if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} already exists; pass --force to replace it")
@@ -368,7 +360,7 @@ def load(source: ModelSource, dtype: Any, *, use_cache: bool = True, placement: 
     """
     from jaxinfer import quant
 
-    dtype = _dtype_name(dtype)
+    dtype = dtype_name(dtype)
     quantization = quant.check_mode(quantization)
     if source.format == "jaxinfer":
         saved = _quant_mode(checkpoint.read_manifest(source.path))
@@ -423,7 +415,7 @@ def load_tokenizer(source: ModelSource, *, use_cache: bool = True) -> Any:
     root = cache_dir() if use_cache else None
     if root is not None:
         identity = source_identity(source)
-        for dtype in _DTYPES:
+        for dtype in DTYPES:
             entry = entry_path(source, dtype, root, identity)
             if not entry.is_dir():
                 continue

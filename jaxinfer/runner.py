@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import jax
@@ -31,6 +30,7 @@ from jaxinfer.outputs import Logprob
 from jaxinfer.programs import ProgramKey, ProgramTable
 from jaxinfer.quant import is_quantized
 from jaxinfer.request import Request, TokenRef
+from jaxinfer.scheduler import PrefillChunk
 from jaxinfer.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
 from jaxinfer.sampling_params import MAX_LOGIT_BIAS
 from jaxinfer.spec import is_spec
@@ -40,15 +40,6 @@ from jaxinfer.weights import canonical_specs, check_param_tree, stored_tree
 
 WARMUP = "warmup"  # a plan that lists programs to compile, not a step
 UPDATE_PARAMS = "update_params"  # a plan: new weights, broadcast from the leader right after it
-
-
-@dataclass
-class PrefillChunk:
-    """Prefill `length` tokens of `request` starting at position `start`."""
-
-    request: Request
-    start: int
-    length: int
 
 
 class ModelRunner:

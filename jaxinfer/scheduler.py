@@ -41,7 +41,6 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.page_allocator import PageAllocator
 from jaxinfer.prefix_cache import extend_hashes
 from jaxinfer.request import Request
-from jaxinfer.runner import PrefillChunk
 
 
 _WAIT = "wait"  # a group member that will fork once a running member has computed the prompt's pages
@@ -52,6 +51,15 @@ def overlap(r: Request) -> int:
     logprobs and its next token is a prompt token after the first, which is scored from the
     previous position's distribution (recomputed in that chunk); else 0."""
     return int(r.params.wants_prompt_logprobs and 0 < r.num_computed < r.prompt_len)
+
+
+@dataclass
+class PrefillChunk:
+    """Prefill `length` tokens of `request` starting at position `start` (the runner pads and runs it)."""
+
+    request: Request
+    start: int
+    length: int
 
 
 @dataclass

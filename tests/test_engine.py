@@ -506,3 +506,23 @@ def test_runners_of_the_same_model_share_their_programs_in_a_process():
     assert b.programs.get(key) is prog and b.programs.loaded_from_disk == loaded
     other = ModelRunner(TINY_SW, TINY_ENGINE, tiny_params())  # another model: its own program
     assert other.programs.get(key) is not prog
+
+
+def test_the_scheduler_is_host_code_that_imports_without_jax():
+    """Scheduling is pure host bookkeeping: its module (and what it imports: requests, pages, the prefix
+    cache, the config) loads in a process where importing JAX fails."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('jax', 'jaxlib'):\n"
+        "            raise ImportError('JAX is blocked here: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import jaxinfer.scheduler\n"
+        "assert not any(m.split('.')[0] in ('jax', 'jaxlib') for m in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -23,6 +23,8 @@ import threading
 import warnings
 from typing import Optional
 
+from jaxinfer.env import cache_root, enabled
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 _lock = threading.Lock()
@@ -31,7 +33,7 @@ _building: dict = {}  # source name -> the thread building it in the background
 
 
 def enabled() -> bool:
-    return os.environ.get("JAXINFER_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return enabled("JAXINFER_CPU_KERNELS")
 
 
 def _compiler() -> Optional[str]:
@@ -51,8 +53,7 @@ def _cpu_signature() -> str:
 
 
 def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxinfer", "kernels")
+    return os.path.join(cache_root(), "kernels")
 
 
 def _output_path(source: str) -> tuple[str, str, str]:
