@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Optional
 
-from jaxinfer.env import cache_root, enabled
+from jaxinfer.env import cache_root, is_on
 
 # Every new program is lowered to MLIR once, whether XLA then compiles it or finds it in a
 # persistent cache; a step program loaded from the program cache is not lowered at all.
@@ -33,7 +33,7 @@ _listening = False
 
 
 def caching_enabled() -> bool:
-    return enabled("JAXINFER_COMPILATION_CACHE")
+    return is_on("JAXINFER_COMPILATION_CACHE")
 
 
 def jax_cache_active() -> bool:

@@ -14,7 +14,7 @@ def switched_off(value) -> bool:
     return (value or "").strip().lower() in OFF
 
 
-def enabled(name: str) -> bool:
+def is_on(name: str) -> bool:
     """A switch that is on unless the variable ``name`` turns it off."""
     return not switched_off(os.environ.get(name))
 

@@ -23,7 +23,7 @@ import threading
 import warnings
 from typing import Optional
 
-from jaxinfer.env import cache_root, enabled
+from jaxinfer.env import cache_root, is_on
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -33,7 +33,7 @@ _building: dict = {}  # source name -> the thread building it in the background
 
 
 def enabled() -> bool:
-    return enabled("JAXINFER_CPU_KERNELS")
+    return is_on("JAXINFER_CPU_KERNELS")
 
 
 def _compiler() -> Optional[str]:
