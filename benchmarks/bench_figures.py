@@ -38,7 +38,8 @@ import sys
 import time
 
 
-def _load() -> str:
+def load_line() -> str:
+    """The load average, with the CPU count: every figure on a shared machine is printed beside it."""
     try:
         a, b, c = os.getloadavg()
         return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
 
     enable_compilation_cache()
     t_start = time.time()
-    _say(f"# {_load()}")
+    _say(f"# {load_line()}")
     proc, address = start_server(args.model, args.engine_config, warmup=not args.no_server_warmup)
     _say(f"# server {address} ready after {time.time() - t_start:.0f} s")
     llm = LLM(args.model, engine_config=EngineConfig.preset(args.engine_config))
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
 
         if not args.skip_sweep:
             _say(f"\n## rate sweep through the server: {args.num_prompts} requests per rate, "
-                 f"{args.input_len} prompt + {args.output_len} output tokens  ({_load()})")
+                 f"{args.input_len} prompt + {args.output_len} output tokens  ({load_line()})")
             _say(f"{'rate':>6} {'done':>5} {'dur s':>7} {'req/s':>6} {'out tok/s':>9} "
                  f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'srv TTFT p50':>12}  (ms)")
             sweep = []
@@ -140,11 +141,11 @@ def main(argv=None) -> int:
                      f"{s['request_throughput']:>6.2f} {s['output_throughput']:>9.1f} {t['median']:>9.0f} "
                      f"{t['p99']:>9.0f} {itl['median']:>8.0f} {itl['p99']:>8.0f} {st.get('median') or 0:>12.0f}")
             report["sweep"] = sweep
-            _say(f"# {_load()}")
+            _say(f"# {load_line()}")
 
         if not args.skip_overhead:
             _say(f"\n## overhead: {args.streams} streams at once, {args.input_len} + {args.output_len} tokens, "
-                 f"{args.rounds} alternating rounds  ({_load()})")
+                 f"{args.rounds} alternating rounds  ({load_line()})")
             tps: dict = {"library": [], "server": []}
             for r in range(args.rounds):
                 order = (("library", lib), ("server", srv)) if r % 2 == 0 else (("server", srv), ("library", lib))
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
                     tps[name].append(s["output_throughput"])
                     _say(f"round {r + 1} {name:<7}: {s['output_throughput']:7.1f} output tok/s, "
                          f"{s['completed']}/{args.streams} done in {s['duration_s']:.1f} s, "
-                         f"ITL p50 {s['itl_ms']['median']:.0f} ms  ({_load()})")
+                         f"ITL p50 {s['itl_ms']['median']:.0f} ms  ({load_line()})")
             med = {k: median(v) for k, v in tps.items()}
             ratio = med["server"] / med["library"]
             per_round = [s / l for s, l in zip(tps["server"], tps["library"])]
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    _say(f"# total {time.time() - t_start:.0f} s; {_load()}")
+    _say(f"# total {time.time() - t_start:.0f} s; {load_line()}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -33,19 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import time
 
-
-def _load() -> str:
-    try:
-        a, b, c = os.getloadavg()
-        return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
-    except OSError:
-        return "load average unknown"
+from benchmarks.bench_figures import load_line
 
 
 def _say(text: str) -> None:
@@ -109,7 +102,7 @@ def main(argv=None) -> int:
     cpu = f"{cpu_model()}; flags: {' '.join(f for f in CPU_FLAGS_SHOWN if f in flags) or '(unknown)'}"
     t_start = time.time()
     _say(f"# CPU: {cpu}")
-    _say(f"# {_load()}")
+    _say(f"# {load_line()}")
     proc, address, url = start_server(args.model, args.engine_config, extra=args.serve_arg)
     _say(f"# server ready after {time.time() - t_start:.0f} s: gRPC {address}, HTTP {url}")
     targets = {"http": ["--base-url", url], "grpc": ["--server", address]}
@@ -136,7 +129,7 @@ def main(argv=None) -> int:
                 figures[name].append(f)
                 _say(f"round {r + 1} {name:<4}: {f['output_tok_s']:7.1f} output tok/s, TTFT p50 "
                      f"{f['ttft_p50_ms']:7.1f} ms, ITL p50 {f['itl_p50_ms']:6.1f} ms, {f['output_tokens']} tokens in "
-                     f"{f['duration_s']:.1f} s{one}  ({_load()})")
+                     f"{f['duration_s']:.1f} s{one}  ({load_line()})")
         # NOTE: llama-cpp-python's own OpenAI server (`pip install 'llama-cpp-python[server]'`, built from
         # source, never in CI; `python -m llama_cpp.server --model FILE.gguf --port P`) would add a third
         # row here on the same GGUF: `bench(["--base-url", f"http://127.0.0.1:{P}", "--tokenizer", args.model],
@@ -169,7 +162,7 @@ def main(argv=None) -> int:
            f"{med['grpc']['ttft_p50_single_ms']:>10.1f} {single_extra:>+11.1f} ms  <= +5 ms   "
            f"{'PASS' if single_extra <= 5.0 else 'FAIL'}"] if args.single_requests else []),
         f"throughput ratio per round: {', '.join(f'{x:.3f}' for x in per_round)}",
-        f"model {args.model}, engine {args.engine_config}; CPU: {cpu}; {_load()}; total {time.time() - t_start:.0f} s",
+        f"model {args.model}, engine {args.engine_config}; CPU: {cpu}; {load_line()}; total {time.time() - t_start:.0f} s",
     ]
     _say("\n".join(rows))
     if args.json:

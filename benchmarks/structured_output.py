@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -59,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_figures import load_line
 import jaxinfer
 from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer import sampler, structured
@@ -79,14 +79,6 @@ SUBJECTS = ("a cat", "a pilot", "a chef", "a robot", "a gardener", "a dragon", "
 RUNS = ("mixed", "plain", "plain+sync", "all", "plain-all")
 BASELINE = {"mixed": "plain", "all": "plain-all", "plain+sync": "plain"}
 GOAL = 0.8
-
-
-def _load() -> str:
-    try:
-        a, b, c = os.getloadavg()
-        return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
-    except OSError:
-        return "load average unknown"
 
 
 def cpu_line() -> str:
@@ -489,7 +481,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    cpu, load_start = cpu_line(), _load()
+    cpu, load_start = cpu_line(), load_line()
     log(f"CPU: {cpu}; {load_start}")
     if a.tiny:
         log(f"building a tiny random model with {a.model}'s tokenizer")
@@ -521,7 +513,7 @@ def main(argv=None) -> int:
             for run in order:
                 src = counts.get("all" if run == "plain-all" else "mixed")
                 r = run_once(llm, run, prompts, a, src, probe)
-                r["load"] = _load()
+                r["load"] = load_line()
                 data[run].append(r)
                 log(f"round {i + 1}/{a.rounds} {run:<10}: {r['tok_s']:7.1f} tok/s, {r['output_tokens']} tokens in "
                     f"{r['wall_s']:.2f} s, {r['steps']} steps, {r['grammar_syncs']} grammar syncs  ({r['load']})")
@@ -547,7 +539,7 @@ def main(argv=None) -> int:
                    "valid": sum(r["constrained_valid"] for r in cons), "counts_matched": matched},
         "example": cons[0]["example"] if cons else "",
         "load_start": load_start,
-        "load_end": _load(),
+        "load_end": load_line(),
         "warmup_s": warmup_s,
     }
     res["summary"] = summarize(data)
