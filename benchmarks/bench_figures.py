@@ -77,7 +77,7 @@ def _rate_text(rate: float) -> str:
 
 
 def main(argv=None) -> int:
-    from jaxinfer.benchmarks.serving import (
+    from jaxinfer.tools.serving import (
         BenchConfig, GrpcBackend, LibraryBackend, run_benchmark, summarize, synthetic_workload,
     )
     from jaxinfer.stats import median
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
 
-    from jaxinfer.compile_cache import enable_compilation_cache
+    from jaxinfer.engine.compile_cache import enable_compilation_cache
     from jaxinfer.config import EngineConfig
     from jaxinfer.llm import LLM
 

@@ -45,11 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer import step as step_mod
-from jaxinfer.buckets import pages_needed
+from jaxinfer.engine import step as step_mod
+from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
-from jaxinfer.weights import resolve_model
+from jaxinfer.loading.weights import resolve_model
 
 HF_PEER = Path(__file__).with_name("hf_peer.py")
 TEXT = (

@@ -44,12 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer import step as step_mod
-from jaxinfer.benchmarks import serving
+from jaxinfer.engine import step as step_mod
+from jaxinfer.tools import serving
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
-from jaxinfer.weights import resolve_model
+from jaxinfer.loading.weights import resolve_model
 
 from benchmarks.core import HF_PEER, StepBench, Worker, common_prefix, find_hf_python, timed
 
@@ -363,7 +363,7 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32", quantization=
 
     Through the model's own `matmul` (weights in `dtype`, float32 accumulation; quantized by
     `cfg.quant` when ``quantization`` is given, the head as the model stores it then)."""
-    from jaxinfer import quant
+    from jaxinfer.ops import quant
     from jaxinfer.models.decoder import matmul
 
     d, f = cfg.hidden_size, cfg.intermediate_size
@@ -377,7 +377,7 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32", quantization=
     layers, head = quant.Scheme.pair(cfg.quant) if quantization else (None, None)
     for name, (shape, contract) in shapes.items():
         w = (jnp.ones(shape, jnp.float32) * 0.01).astype(dtype)
-        if layers is not None:  # the head is stored [vocab, hidden] when quantized (jaxinfer.quant)
+        if layers is not None:  # the head is stored [vocab, hidden] when quantized (jaxinfer.ops.quant)
             if name == "head":
                 continue
             if name == "head_tied":
@@ -402,9 +402,9 @@ def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict
 
     The cache layer is donated and fed back, as in the engine's step (the CPU kernel
     updates it in place; without donation XLA would copy the layer first)."""
-    from jaxinfer.attention import AttentionMetadata, paged_attention
-    from jaxinfer.buckets import bucket_for, pages_needed
-    from jaxinfer.kv_cache import slots_for
+    from jaxinfer.ops.attention import AttentionMetadata, paged_attention
+    from jaxinfer.engine.buckets import bucket_for, pages_needed
+    from jaxinfer.ops.kv_cache import slots_for
 
     ps, kvh, hd = ecfg.page_size, cfg.num_kv_heads, cfg.head_dim
     p = bucket_for(pages_needed(context, ps), ecfg.page_buckets)
@@ -703,7 +703,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine-config", default=None, help="engine preset (default: this backend's)")
     p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"), help="weights' dtype (default: the preset's)")
-    p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="quantized weights (jaxinfer.quant)")
+    p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="quantized weights (jaxinfer.ops.quant)")
     p.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     p.add_argument("--rounds", type=int, default=None, help="measured rounds per figure (default 3, --quick 2)")
     p.add_argument("--batch", type=int, default=32)

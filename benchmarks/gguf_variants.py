@@ -140,7 +140,7 @@ def variants(src: Path, targets=("F32", "BF16", "Q8_0"), log=print) -> dict:
 
 
 def default_model_path() -> Path:
-    from jaxinfer.weights import resolve_model
+    from jaxinfer.loading.weights import resolve_model
 
     return Path(resolve_model("smollm2-135m-instruct").path)
 

@@ -51,7 +51,7 @@ from typing import Optional
 import jax
 
 import jaxinfer
-from jaxinfer import step as step_mod
+from jaxinfer.engine import step as step_mod
 from jaxinfer.config import cpu_flags
 from jaxinfer.stats import median
 
@@ -469,7 +469,7 @@ def main(argv=None) -> int:
             del tmp
         res["prompt_ids"] = list(prompt)
 
-        from jaxinfer.weights import resolve_model
+        from jaxinfer.loading.weights import resolve_model
 
         src = Path(resolve_model(a.model).path)
         llama_names = [s for s in a.systems if s in LLAMA_SYSTEMS]

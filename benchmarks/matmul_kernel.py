@@ -1,4 +1,4 @@
-"""The native CPU matmul kernel (`jaxinfer.cpu_matmul`) against XLA's path, on SmolLM2-135M's shapes.
+"""The native CPU matmul kernel (`jaxinfer.ops.cpu_matmul`) against XLA's path, on SmolLM2-135M's shapes.
 
 Prints:
 
@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import cpu_matmul
+from jaxinfer.ops import cpu_matmul
 from jaxinfer.config import cpu_flags
-from jaxinfer.quant import QuantizedWeight
+from jaxinfer.ops.quant import QuantizedWeight
 from jaxinfer.stats import median
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jaxinfer
 from jaxinfer.config import EngineConfig, ModelConfig, cpu_flags
 from jaxinfer.models import get_family
-from jaxinfer.spec import init_random
+from jaxinfer.ops.spec import init_random
 from jaxinfer.stats import median
 
 from benchmarks.engine import steady_window

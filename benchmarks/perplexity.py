@@ -17,7 +17,7 @@ ctx - 2 (llama.cpp's method: every scored token sees at least ctx/2 tokens of co
 perplexity = exp(-mean log-probability) over every scored token of every window.
 
 Rows: jaxinfer float32, int8, int4 (the file's Q4_1 blocks as they are), and int4
-requantized from float32 (the float32 model saved with `jaxinfer.checkpoint.save_model`
+requantized from float32 (the float32 model saved with `jaxinfer.loading.checkpoint.save_model`
 and loaded back with ``quantization="int4"``); llama.cpp F32, Q8_0, Q4_1 on the same token
 ids (the shipped Q4_1 file, and F32 / Q8_0 copies of it from `benchmarks.gguf_variants`),
 through llama-cpp-python with ``logits_all=True`` in its own interpreter
@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer import kv_cache
-from jaxinfer.attention import AttentionMetadata
+from jaxinfer.ops import kv_cache
+from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.models import get_family
 
 from benchmarks.llamacpp_peer import WORKER, Worker, find_llama_python
@@ -138,7 +138,7 @@ def jax_row(name: str, model: str, windows: list, first: int, a, log, float_llm=
     tmp = None
     t0 = time.perf_counter()
     if requant:
-        from jaxinfer.checkpoint import save_model
+        from jaxinfer.loading.checkpoint import save_model
 
         src = float_llm
         own = src is None
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     llama_names = [s for s in a.systems if s in LLAMA_ROWS]
     if llama_names:
         py, why = (None, "skipped (--no-llama)") if a.no_llama else find_llama_python(a.llama_python)
-        from jaxinfer.weights import resolve_model
+        from jaxinfer.loading.weights import resolve_model
 
         src = Path(resolve_model(a.model).path)
         if py and src.suffix != ".gguf":

@@ -36,10 +36,10 @@ per round and its median against the issue's goal (>= 0.8x), and where the time 
 
 - the mask: the engine's own ``mask_s`` / ``mask_rows`` (host time of the steps' sampling data when
   a row is constrained) per step and per row; inside it, llguidance's batch fill alone
-  (`jaxinfer.structured.fill_bitmasks`, timed by a wrapper); and the matcher advancing on each token
+  (`jaxinfer.engine.structured.fill_bitmasks`, timed by a wrapper); and the matcher advancing on each token
   read back (`Constraint.accept`);
 - the sync: ``grammar_syncs`` against the steps, and ``plain+sync`` against ``plain``;
-- the device stage: the jitted bitmask stage alone (`jaxinfer.sampler._apply_allowed` on
+- the device stage: the jitted bitmask stage alone (`jaxinfer.ops.sampler._apply_allowed` on
   ``[batch, vocab]`` logits) and the host-to-device copy of one step's mask.
 
 Every figure is printed with the CPU, its flags (/proc/cpuinfo) and the load average: on a shared
@@ -61,9 +61,10 @@ import numpy as np
 from benchmarks.bench_figures import load_line
 import jaxinfer
 from jaxinfer import SamplingParams, StructuredOutputsParams
-from jaxinfer import sampler, structured
+from jaxinfer.ops import sampler
+from jaxinfer.engine import structured
 from jaxinfer.stats import median
-from jaxinfer.step import compiled_count
+from jaxinfer.engine.step import compiled_count
 
 SCHEMA = {
     "type": "object",
@@ -99,9 +100,9 @@ def tiny_llm(model: str):
     model's tokenizer (so the masks are the real vocabulary's width and llguidance's real work)."""
     from jaxinfer.config import ModelConfig
     from jaxinfer.models import llama
-    from jaxinfer.spec import init_random
-    from jaxinfer.tokenizer import load_tokenizer
-    from jaxinfer.weights import resolve_model
+    from jaxinfer.ops.spec import init_random
+    from jaxinfer.text.tokenizer import load_tokenizer
+    from jaxinfer.loading.weights import resolve_model
 
     tok = load_tokenizer(resolve_model(model).path)
     cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -144,7 +145,7 @@ def is_constrained(run: str, i: int) -> bool:
 
 
 class Probe:
-    """Times `jaxinfer.structured.fill_bitmasks` (as `jaxinfer.sampler` calls it: the name it imported)
+    """Times `jaxinfer.engine.structured.fill_bitmasks` (as `jaxinfer.ops.sampler` calls it: the name it imported)
     and `Constraint.accept` while installed."""
 
     def __init__(self):
@@ -293,7 +294,7 @@ def run_once(llm, run: str, prompts: list, a, counts, probe: Probe) -> dict:
 
 def device_stage(batch: int, vocab: int, repeats: int) -> dict:
     """ms of the jitted bitmask stage on [batch, vocab] float32 logits, and of placing one step's mask."""
-    from jaxinfer.sampler import _apply_allowed
+    from jaxinfer.ops.sampler import _apply_allowed
 
     rng = np.random.default_rng(0)
     w = structured.bitmask_width(vocab)

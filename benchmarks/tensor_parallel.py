@@ -29,7 +29,7 @@ LOAD_PROBE = """
 import json, sys, time
 t = time.perf_counter()
 import jaxinfer
-from jaxinfer.mesh import peak_host_memory_mb, per_device_bytes
+from jaxinfer.ops.mesh import peak_host_memory_mb, per_device_bytes
 llm = jaxinfer.LLM({model!r}, dtype={dtype!r}, tensor_parallel_size={tp})
 params, cache = per_device_bytes(llm.runner.params), per_device_bytes(llm.runner.kv_cache)
 print("LOAD", json.dumps({{"peak_mb": peak_host_memory_mb(), "load_s": time.perf_counter() - t,

@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxinfer.cli import main
+from jaxinfer.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

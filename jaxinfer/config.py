@@ -93,9 +93,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model that keep a dense MLP
     # -- layout (not the model's math): the fused projections' columns (wqkv, w_gate_up) are laid out
-    # shard-major over this many tensor-parallel shards (`jaxinfer.mesh.TPLayout`); 1 = the plain layout
+    # shard-major over this many tensor-parallel shards (`jaxinfer.ops.mesh.TPLayout`); 1 = the plain layout
     tp_shards: int = 1
-    # -- storage (not the model's math): the weights' quantization scheme (`jaxinfer.quant.SCHEMES`:
+    # -- storage (not the model's math): the weights' quantization scheme (`jaxinfer.ops.quant.SCHEMES`:
     # "int8", "int8-g32", "int4-g32", "int4-g64"); "" = float weights
     quant: str = ""
 
@@ -169,7 +169,7 @@ class ModelConfig:
         import jax
 
         from jaxinfer.models import get_family
-        from jaxinfer.spec import is_spec
+        from jaxinfer.ops.spec import is_spec
 
         logical = dataclasses.replace(self, quant="") if self.quant else self
         specs = get_family(self.architecture).param_specs(logical)
@@ -211,7 +211,7 @@ class EngineConfig:
     """Sizes of the engine: the paged KV cache, the bucket sets, the dtype.
 
     Bucket sets bound the number of compiled programs: every device call is
-    padded up to the smallest bucket that fits (see `jaxinfer.buckets`).
+    padded up to the smallest bucket that fits (see `jaxinfer.engine.buckets`).
     """
 
     page_size: int = 16
@@ -226,16 +226,16 @@ class EngineConfig:
     page_buckets: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512)
     max_logprobs: int = 20
     name: str = "custom"
-    # The device mesh (`jaxinfer.mesh`): parameters and KV cache split over `tensor_parallel_size`
+    # The device mesh (`jaxinfer.ops.mesh`): parameters and KV cache split over `tensor_parallel_size`
     # devices on the "tp" axis; "dp" (data parallel) is a second axis, of size 1 for now.
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    # Weight-only quantization (`jaxinfer.quant`): None (weights in `dtype`), "int8" (per output
+    # Weight-only quantization (`jaxinfer.ops.quant`): None (weights in `dtype`), "int8" (per output
     # channel; GGUF Q8_0 blocks kept) or "int4" (groups of 32 with scale and offset; GGUF Q4_0 and
     # Q4_1 blocks kept). Activations, norms and the KV cache stay in `dtype`.
     quantization: Optional[str] = None
     # Batch-invariant mode for the pure-JAX path (GPU, TPU, CPU without the native kernels):
-    # fixed-shape product tiles and fixed-order row sums (`jaxinfer.invariant`). The CPU kernels
+    # fixed-shape product tiles and fixed-order row sums (`jaxinfer.ops.invariant`). The CPU kernels
     # are invariant without it. None: from $JAXINFER_BATCH_INVARIANT.
     batch_invariant: Optional[bool] = None
     # set by `resolved`: dtype was "auto" (the load line says why it chose); not part of what programs key on
@@ -269,7 +269,7 @@ class EngineConfig:
         None by $JAXINFER_BATCH_INVARIANT."""
         out = self.replace(dtype=resolve_dtype(self.dtype, backend), dtype_auto=True) if self.dtype == "auto" else self
         if out.batch_invariant is None:
-            from jaxinfer import invariant
+            from jaxinfer.ops import invariant
 
             out = out.replace(batch_invariant=invariant.requested())
         return out
@@ -363,7 +363,7 @@ def dtype_choice(backend: Optional[str] = None) -> tuple[str, str]:
     """What "auto" means here, and why: (dtype, reason).
 
     GPUs and TPUs: bfloat16, which they multiply natively. CPUs: bfloat16 where the native
-    matmul kernel runs (`jaxinfer.cpu_matmul`: x86 with AVX2 or AVX-512 and a C++ compiler, kernels
+    matmul kernel runs (`jaxinfer.ops.cpu_matmul`: x86 with AVX2 or AVX-512 and a C++ compiler, kernels
     not turned off):
     it reads each bfloat16 weight once, widens it in registers and multiplies it by float32
     activations with float32 sums, so a decode step moves half of float32's bytes, and the
@@ -377,7 +377,7 @@ def dtype_choice(backend: Optional[str] = None) -> tuple[str, str]:
         backend = jax.default_backend()
     if backend != "cpu":
         return "bfloat16", f"{backend} multiplies bfloat16 natively"
-    from jaxinfer import kernels
+    from jaxinfer.ops import kernels
 
     simd = {"avx2", "fma", "f16c"} <= cpu_flags() or "avx512f" in cpu_flags()
     if kernels.enabled() and kernels._compiler() is not None and simd:

@@ -16,17 +16,17 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import jax
 
-from jaxinfer import cpu_matmul
-from jaxinfer.attention import start_cpu_kernel_build
-from jaxinfer.compile_cache import enable_compilation_cache
+from jaxinfer.ops import cpu_matmul
+from jaxinfer.ops.attention import start_cpu_kernel_build
+from jaxinfer.engine.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
-from jaxinfer.engine import Engine, RequestStream
-from jaxinfer.mesh import mesh_placement, placement_report
+from jaxinfer.engine.core import Engine, RequestStream
+from jaxinfer.ops.mesh import mesh_placement, placement_report
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.outputs import StreamDelta, merge_choices
-from jaxinfer.processor import InputProcessor, Prompt
-from jaxinfer.request import Request, new_request_id
-from jaxinfer.runner import ModelRunner
+from jaxinfer.text.processor import InputProcessor, Prompt
+from jaxinfer.engine.request import Request, new_request_id
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -59,9 +59,9 @@ class LLM:
         model_cache: bool = True,
         **engine_overrides,
     ):
-        from jaxinfer import model_cache as cache
+        from jaxinfer.loading import model_cache as cache
         from jaxinfer import progress
-        from jaxinfer.weights import resolve_model
+        from jaxinfer.loading.weights import resolve_model
 
         t0 = time.perf_counter()
         if quantization is not None:
@@ -72,7 +72,7 @@ class LLM:
         with progress.stage(f"resolving model {model}") as s:
             source = resolve_model(model)
             s.note(f"{source.format}: {source.path}")
-        # The converted-model cache (jaxinfer.model_cache): the first load of a GGUF file or an HF
+        # The converted-model cache (jaxinfer.loading.model_cache): the first load of a GGUF file or an HF
         # directory converts it and saves the engine's tree; later loads restore it.
         loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine),
                             quantization=engine.quantization)
@@ -105,7 +105,7 @@ class LLM:
         self = cls.__new__(cls)
         engine = _engine_config(engine_config, None, None, {})
         if engine.quantization and not model_config.quant:  # a float tree, quantized here
-            from jaxinfer.quant import quantize_params
+            from jaxinfer.ops.quant import quantize_params
 
             model_config, params = quantize_params(params, model_config, engine.quantization)
         self._setup(model_config, engine, params, tokenizer, generation or GenerationDefaults(), name, **engine_options)
@@ -161,7 +161,7 @@ class LLM:
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> Request:
         """A validated `Request` for a prompt (text or token ids), or for ``messages=[...]`` with prompt None.
 
-        The one front door (`jaxinfer.processor.InputProcessor.process`): the options are its
+        The one front door (`jaxinfer.text.processor.InputProcessor.process`): the options are its
         keywords (messages, chat_template_kwargs, add_generation_prompt, request_id, priority,
         metrics, fit_max_tokens). Hand the result to `submit` or `stream_request`. For
         ``params.n`` > 1 use `make_requests`.
@@ -288,7 +288,7 @@ class LLM:
     def submit_group(self, requests: Sequence[Request]) -> list:
         """Hand the choices of one prompt (`make_requests`) to the engine: one stream per request,
         in order. The prompt is prefilled once; the other choices fork from it, sharing its KV
-        pages (`jaxinfer.engine.Engine.submit_group`)."""
+        pages (`jaxinfer.engine.core.Engine.submit_group`)."""
         return self.engine.submit_group(requests)
 
     def _run(self, groups: list) -> list:
@@ -350,7 +350,7 @@ class LLM:
         Costs: peak device memory is the old weights, the new ones and whatever ``params``
         holds; a leaf cast or quantized goes through host memory (a device-to-host copy and a
         pass of numpy); tensor-parallel leaves are re-laid out on the devices by the programs
-        loading compiled. On several processes (`jaxinfer.distributed`), call it on process 0:
+        loading compiled. On several processes (`jaxinfer.engine.distributed`), call it on process 0:
         it publishes an update plan and broadcasts the stored tree to the followers, which
         place it too before the next step.
 
@@ -376,7 +376,7 @@ class LLM:
         self.runner.stop_followers()
 
     def follow(self) -> int:
-        """On a process other than 0 of a multi-process run (`jaxinfer.distributed`): run the
+        """On a process other than 0 of a multi-process run (`jaxinfer.engine.distributed`): run the
         steps process 0's engine plans, until it closes. Returns the number of steps run."""
         return self.runner.follow()
 
@@ -409,7 +409,7 @@ class LLM:
 class _Engine(Engine):
     """The engine with what `LLM.update_params` needs of it: a call run on the engine thread
     between two steps, aborting every request in flight, emptying the prefix cache.
-    (These belong in `jaxinfer.engine.Engine` and `jaxinfer.page_allocator.PageAllocator`.)"""
+    (These belong in `jaxinfer.engine.core.Engine` and `jaxinfer.engine.page_allocator.PageAllocator`.)"""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -48,7 +48,7 @@ class StructuredOutputsParams:
     spaces and newlines until max_tokens; False lets JSON's whitespace appear between tokens, as the
     JSON grammar allows (``whitespace_pattern``, a regex, then says which whitespace).
 
-    The grammar engine is llguidance (`jaxinfer.structured`); a constraint that does not compile is a
+    The grammar engine is llguidance (`jaxinfer.engine.structured`); a constraint that does not compile is a
     ValueError naming its kind and llguidance's message, raised before the request reaches the engine.
     """
 

@@ -1,7 +1,7 @@
 """Record how Hugging Face transformers renders a set of chat templates.
 
 ``tests/test_chat_template_features.py`` renders the same templates, messages
-and variables with ``jaxinfer.chat_template`` and checks the text is identical
+and variables with ``jaxinfer.text.chat_template`` and checks the text is identical
 (or that the same error message comes back), so the tests never need
 transformers.
 
@@ -31,7 +31,7 @@ How the fixture was made
 * ``strftime_now`` reads the clock, so while rendering the module-level
   ``datetime`` of ``transformers.utils.chat_template_utils`` is replaced by a
   subclass whose ``now()`` returns ``fixed_now`` (recorded); the test does the
-  same to ``jaxinfer.chat_template``.
+  same to ``jaxinfer.text.chat_template``.
 * A case whose rendering raises records ``error`` (the exception's type and
   message) instead of ``expected``.
 """

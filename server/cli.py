@@ -1,12 +1,12 @@
 """Command-line pieces for the server: ``jaxinfer serve`` and ``jaxinfer generate --server``.
 
-Wired into ``jaxinfer/cli.py``:
+Wired into ``jaxinfer/cli/main.py``:
 
     s = sub.add_parser("serve", ...); add_serve_arguments(s); s.set_defaults(func=run_serve)
     # in cmd_generate: if args.server: return generate_via_server(args)
 
 The flags themselves (model, engine, sampling, prompt format, output, server)
-are the groups of `jaxinfer.cli_flags`, shared with local ``generate``,
+are the groups of `jaxinfer.cli.flags`, shared with local ``generate``,
 ``warmup`` and ``bench``: the same names, help and defaults everywhere.
 Both functions return an exit status: 0, 1 (the server failed or is
 unreachable) or 2 (bad input, reported as one ``jaxinfer: error: ...`` line).
@@ -20,8 +20,8 @@ import logging
 import sys
 from typing import Optional
 
-from jaxinfer.argtypes import int_in
-from jaxinfer.cli_flags import (
+from jaxinfer.cli.argtypes import int_in
+from jaxinfer.cli.flags import (
     add_engine_flags,
     add_model_flags,
     chat_messages,
@@ -234,8 +234,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     config.host, "TLS and a token" if not config.tls_cert and not config.auth_token
                     else "TLS" if not config.tls_cert else "a token")
 
-    from jaxinfer import distributed
-    from jaxinfer.compile_cache import enable_compilation_cache
+    from jaxinfer.engine import distributed
+    from jaxinfer.engine.compile_cache import enable_compilation_cache
     from jaxinfer.llm import LLM
     from jaxinfer.server import serve
 
@@ -308,9 +308,9 @@ def generate_via_server(args: argparse.Namespace) -> int:
     """``jaxinfer generate --server HOST:PORT PROMPT``: the output of local generate, made by a server.
 
     The same checks, sampling defaults, chat decision, max_tokens fitting and
-    output as local generate (`jaxinfer.cli_flags`), with the server's model.
+    output as local generate (`jaxinfer.cli.flags`), with the server's model.
     """
-    from jaxinfer.cli_flags import UsageError
+    from jaxinfer.cli.flags import UsageError
     from jaxinfer.metrics import format_trace
     from jaxinfer.server import read_auth_token
     from jaxinfer.server.client import Client, Completion, InvalidArgument, ServerError
@@ -376,7 +376,7 @@ def generate_via_server(args: argparse.Namespace) -> int:
     else:
         out.write("\n")
         if kw.get("logprobs") is not None and final is not None:  # the same table as local generate's
-            from jaxinfer.cli_flags import print_logprobs
+            from jaxinfer.cli.flags import print_logprobs
 
             tt = final.token_text
             print_logprobs(lambda i: tt.get(i) or None, final.logprobs or [])

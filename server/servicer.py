@@ -14,7 +14,7 @@ Rules the service keeps (the API doc in README.md says the same):
   by the servicer, so a huge prompt does not stall other streams or the
   health check, as far as the tokenizer releases the GIL while it works
   (SentencePiece does; a Hugging Face ``tokenizers.Tokenizer.encode`` call
-  holds it throughout; ``encode_batch_fast``, which `jaxinfer.tokenizer` uses,
+  holds it throughout; ``encode_batch_fast``, which `jaxinfer.text.tokenizer` uses,
   lets go of it but for converting its input and output). Tokenize calls have
   their own threads, so long texts sent to Tokenize do not delay Generate.
 * **request_id.** A client-chosen id must be unique among the Generate calls
@@ -268,7 +268,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # -- Generate ---------------------------------------------------------------
 
     def _build_request(self, msg: pb.GenerateRequest, arrival: float):
-        """The request through the engine's one front door (`jaxinfer.processor`); ValueError for bad input."""
+        """The request through the engine's one front door (`jaxinfer.text.processor`); ValueError for bad input."""
         params = sampling_params_from_proto(msg.sampling, self.llm.get_default_sampling_params())
         structured = structured_outputs_from_proto(msg.sampling)
         if structured is not None:  # compiled by make_request: a bad one is a ValueError naming its kind

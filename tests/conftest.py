@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models import llama
-from jaxinfer.spec import init_random
+from jaxinfer.ops.spec import init_random
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

@@ -12,7 +12,7 @@ import sys
 
 import jax
 
-from jaxinfer import distributed
+from jaxinfer.engine import distributed
 
 distributed.initialize()  # before anything touches the backend
 
@@ -21,7 +21,7 @@ from conftest import TINY, TINY_ENGINE  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from jaxinfer.models import llama  # noqa: E402
-from jaxinfer.spec import init_random  # noqa: E402
+from jaxinfer.ops.spec import init_random  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(20, 45))]
 

@@ -53,7 +53,7 @@ def sp_llm(path, name: str = "tiny-chat", **train) -> "jaxinfer.LLM":
     and a ChatML template."""
     from test_tokenizer import train_tiny_sentencepiece
 
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.text.tokenizer import Tokenizer
 
     (path / "tokenizer.model").write_bytes(train_tiny_sentencepiece(**train))
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
@@ -61,10 +61,10 @@ def sp_llm(path, name: str = "tiny-chat", **train) -> "jaxinfer.LLM":
                                     name=name)
 
 
-def _script_tokenizer(path) -> "jaxinfer.tokenizer.Tokenizer":
+def _script_tokenizer(path) -> "jaxinfer.text.tokenizer.Tokenizer":
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from jaxinfer.tokenizer import Tokenizer as JTokenizer
+    from jaxinfer.text.tokenizer import Tokenizer as JTokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     hf = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import attention
-from jaxinfer.attention import AttentionMetadata
-from jaxinfer.kv_cache import slots_for
+from jaxinfer.ops import attention
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.kv_cache import slots_for
 
 KERNEL = attention.prepare_cpu_kernel()
 PAGE = 8
@@ -194,13 +194,13 @@ def test_kernel_output_does_not_depend_on_the_batch(h, kvh, d, cache_dtype, wind
 
 
 # Known and strict: when XLA's CPU code for these ops stops depending on the shape, this XPASSes
-# and the mark goes. The ops, measured op by op (jaxinfer/attention.py says the same):
+# and the mark goes. The ops, measured op by op (jaxinfer/ops/attention.py says the same):
 # the q.k einsum changes order with the chunk's query rows and the keys gathered (Eigen's
 # matrix product picks its kernel by shape); the softmax's sum over keys changes order with the
 # number of rows reduced and the keys gathered (XLA's reduction). A rewrite in elementwise adds
 # of one fixed tree was not invariant either (XLA fuses it differently per shape and the fused
 # loops contract multiply-adds differently) and ran 2-10x slower.
-PURE_JAX_VARIES = "XLA's CPU dot and reduce order depend on the shapes (jaxinfer/attention.py)"
+PURE_JAX_VARIES = "XLA's CPU dot and reduce order depend on the shapes (jaxinfer/ops/attention.py)"
 
 
 @pytest.mark.xfail(strict=True, reason=PURE_JAX_VARIES)

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import attention, kernels
-from jaxinfer.attention import AttentionMetadata
-from jaxinfer.kv_cache import slots_for
+from jaxinfer.ops import attention, kernels
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.kv_cache import slots_for
 
 pytestmark = pytest.mark.skipif(
     not attention.prepare_cpu_kernel(), reason="native CPU kernel unavailable"
@@ -106,8 +106,8 @@ def test_position_past_the_page_table_is_an_error():
 FALLBACK_PROBE = """
 import warnings, jax, jax.numpy as jnp, numpy as np
 warnings.simplefilter("error")  # disabling is not a failure: no warning either
-from jaxinfer import attention
-from jaxinfer.attention import AttentionMetadata
+from jaxinfer.ops import attention
+from jaxinfer.ops.attention import AttentionMetadata
 q = jnp.zeros((1, 1, 4, 64)); k = jnp.zeros((1, 1, 2, 64)); cache = jnp.zeros((4, 16, 4, 64))
 meta = AttentionMetadata(np.zeros((1, 1), np.int32), np.full((1, 1), 16, np.int32), np.ones((1, 1), np.int32),
                          np.ones((1,), np.int32))

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import cpu_matmul, invariant
+from jaxinfer.ops import cpu_matmul, invariant
 from jaxinfer.config import EngineConfig
 from jaxinfer.sampling_params import SamplingParams
 from tests.conftest import TINY, tiny_params

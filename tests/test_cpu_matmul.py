@@ -1,4 +1,4 @@
-"""The native CPU matmul kernel (`jaxinfer.cpu_matmul`) against a float64 numpy reference,
+"""The native CPU matmul kernel (`jaxinfer.ops.cpu_matmul`) against a float64 numpy reference,
 and its one reduction order: a row's result is bitwise the same alone and among others.
 
 Every weight form it takes (int8 per channel and in groups of 32, int8 with an offset, int4
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import cpu_matmul, kernels, quant
+from jaxinfer.ops import cpu_matmul, kernels, quant
 from jaxinfer.config import cpu_flags
-from jaxinfer.quant import QuantizedWeight
+from jaxinfer.ops.quant import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.prepare(), reason="native CPU matmul kernel unavailable")
 

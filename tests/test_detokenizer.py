@@ -1,4 +1,4 @@
-"""Tests for jaxinfer.detokenizer.IncrementalDetokenizer.
+"""Tests for jaxinfer.text.detokenizer.IncrementalDetokenizer.
 
 The core property: however the output ids arrive (one by one or in chunks),
 the released deltas concatenate to ``tokenizer.decode(all_output_ids)``, and
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.detokenizer import IncrementalDetokenizer
-from jaxinfer.tokenizer import Tokenizer, _bytes_to_unicode
+from jaxinfer.text.detokenizer import IncrementalDetokenizer
+from jaxinfer.text.tokenizer import Tokenizer, _bytes_to_unicode
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_reference.json")

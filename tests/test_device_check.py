@@ -1,4 +1,4 @@
-"""`python -m jaxinfer.device_check --quick --skip-tests` on CPU: its table and its JSON.
+"""`python -m jaxinfer.tools.device_check --quick --skip-tests` on CPU: its table and its JSON.
 
 The accelerator check (tests, parity, bandwidth, roofline, throughput) runs here at
 --quick sizes through the same code path: a tiny random Llama through `LLM.from_params` and
@@ -35,7 +35,7 @@ def quick_run(tmp_path_factory):
     models = "tiny"
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    cmd = [sys.executable, "-m", "jaxinfer.device_check", "--quick", "--skip-tests", "--models", models,
+    cmd = [sys.executable, "-m", "jaxinfer.tools.device_check", "--quick", "--skip-tests", "--models", models,
            "--json", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
-from jaxinfer.detokenizer import NullDetokenizer
-from jaxinfer.engine import Engine
-from jaxinfer.request import Request
-from jaxinfer.runner import ModelRunner
+from jaxinfer.text.detokenizer import NullDetokenizer
+from jaxinfer.engine.core import Engine
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
 
 SP = SamplingParams
@@ -301,7 +301,7 @@ def test_nothing_compiles_after_warmup_under_a_random_mixed_workload(tmp_path):
     """After warm-up, any mix of sampling settings (logit_bias, n and structured output included), logprobs counts,
     prompt lengths, batch sizes and aborts runs programs from the list: the guard counts every lowering in the process, so a
     stray eager op outside the steps would fail it too."""
-    from jaxinfer.compile_cache import compile_count
+    from jaxinfer.engine.compile_cache import compile_count
 
     from test_structured_output import CONSTRAINTS, sp_tokenizer
 
@@ -354,7 +354,7 @@ def test_cpu_preset_program_list_is_short_and_covers_every_step_shape(max_model_
     """The cpu preset's whole program list stays small, and every padded shape the runner can
     produce (any batch up to max_num_seqs, any chunk within the prefill area, any context up to
     max_model_len) is in it; a shorter max_model_len drops the chunk and page sizes it cannot reach."""
-    from jaxinfer.buckets import bucket_for
+    from jaxinfer.engine.buckets import bucket_for
     from jaxinfer.config import EngineConfig
 
     ecfg = EngineConfig.preset("cpu").replace(num_pages=64, dtype="float32", max_model_len=max_model_len)
@@ -521,7 +521,7 @@ def test_the_scheduler_is_host_code_that_imports_without_jax():
         "        if name.split('.')[0] in ('jax', 'jaxlib'):\n"
         "            raise ImportError('JAX is blocked here: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import jaxinfer.scheduler\n"
+        "import jaxinfer.engine.scheduler\n"
         "assert not any(m.split('.')[0] in ('jax', 'jaxlib') for m in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer import kv_cache, weights
-from jaxinfer.attention import AttentionMetadata
+from jaxinfer.ops import kv_cache
+from jaxinfer.loading import weights
+from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models import config_from_hf, get_family, moe
 from jaxinfer.models.hf_config import UnsupportedFeature
@@ -267,8 +268,8 @@ def test_end_of_turn_token_is_a_stop_token_by_the_models_own_config(name):
     """generation_config.json names the family's end-of-turn token; every request the processor
     builds stops on it (that a stop id ends a request is the engine's own test)."""
     f = family(name)
-    from jaxinfer.tokenizer import load_tokenizer
-    from jaxinfer.processor import InputProcessor
+    from jaxinfer.text.tokenizer import load_tokenizer
+    from jaxinfer.text.processor import InputProcessor
 
     tok = load_tokenizer(str(f.dir))
     loaded = weights.load_model(weights.resolve_model(str(f.dir)))

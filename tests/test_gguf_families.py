@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxinfer import gguf_models as G
-from jaxinfer import weights as W
+from jaxinfer.loading import gguf_models as G
+from jaxinfer.loading import weights as W
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
-from jaxinfer.gguf_file import GGUFFile
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.loading.gguf_file import GGUFFile
+from jaxinfer.text.tokenizer import Tokenizer
 
 FAMILIES = Path(__file__).parent / "fixtures" / "families"
 GGUF_FAMILIES = sorted(p.parent.name for p in FAMILIES.glob("*/model.gguf"))

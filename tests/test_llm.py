@@ -7,7 +7,7 @@ import pytest
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE
-from jaxinfer import step
+from jaxinfer.engine import step
 
 SP = jaxinfer.SamplingParams
 

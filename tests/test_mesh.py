@@ -1,4 +1,4 @@
-"""The tensor-parallel layout (`jaxinfer.mesh.TPLayout`) on one device.
+"""The tensor-parallel layout (`jaxinfer.ops.mesh.TPLayout`) on one device.
 
 The layout says which original head (or a zero pad) each laid-out head slot holds, and
 how the fused projections' columns are reordered shard-major. Its properties are checked
@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE
-from jaxinfer import kv_cache, mesh
-from jaxinfer.attention import AttentionMetadata, prepare_cpu_kernel
+from jaxinfer.ops import kv_cache, mesh
+from jaxinfer.ops.attention import AttentionMetadata, prepare_cpu_kernel
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.mesh import TPLayout
+from jaxinfer.ops.mesh import TPLayout
 from jaxinfer.models import get_family
-from jaxinfer.spec import is_spec
+from jaxinfer.ops.spec import is_spec
 
 
 def model(heads: int, kv_heads: int, head_dim: int = 4, intermediate: int = 10, **kw) -> ModelConfig:

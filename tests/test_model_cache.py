@@ -23,11 +23,11 @@ import pytest
 
 import jaxinfer
 from conftest import TINY as TINY_512, TINY_ENGINE, requires_smollm2, tiny_params
-from jaxinfer import checkpoint, gguf_file, model_cache
-from jaxinfer.cli import main as cli_main
+from jaxinfer.loading import checkpoint, gguf_file, model_cache
+from jaxinfer.cli.main import main as cli_main
 from jaxinfer.config import GenerationDefaults, ModelConfig
-from jaxinfer.tokenizer import Tokenizer, load_tokenizer
-from jaxinfer.weights import resolve_model
+from jaxinfer.text.tokenizer import Tokenizer, load_tokenizer
+from jaxinfer.loading.weights import resolve_model
 from test_tokenizer import train_tiny_sentencepiece
 from test_weights import random_hf_tensors, to_file_tensor, to_gguf_name, write_hf_dir
 
@@ -98,7 +98,7 @@ def sp_vocab(sp_model: bytes) -> int:
 def research_params(cfg: ModelConfig, seed: int = 1):
     """A parameter tree as research code holds it: jax arrays of the family's tree."""
     from jaxinfer.models import llama
-    from jaxinfer.spec import init_random
+    from jaxinfer.ops.spec import init_random
 
     return init_random(llama.param_specs(cfg), jax.random.key(seed), scale=0.3)
 
@@ -356,8 +356,8 @@ _RACER = textwrap.dedent("""
     start = sys.argv[2]
     while not os.path.exists(start):
         time.sleep(0.005)
-    from jaxinfer import model_cache
-    from jaxinfer.weights import resolve_model
+    from jaxinfer.loading import model_cache
+    from jaxinfer.loading.weights import resolve_model
     model_cache.load(resolve_model(sys.argv[1]), "float32")
     print(json.dumps(dict(model_cache.stats)))
 """)

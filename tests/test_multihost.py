@@ -1,6 +1,6 @@
 """Two processes x four CPU devices, one tensor-parallel engine: JAX's distributed runtime over
 loopback (gloo collectives), process 0 leading and publishing each step's plan, process 1
-following (`jaxinfer.distributed`). Greedy tokens must equal one process's."""
+following (`jaxinfer.engine.distributed`). Greedy tokens must equal one process's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import jaxinfer
 from conftest import TINY, TINY_ENGINE
 from jaxinfer.models import llama
-from jaxinfer.spec import init_random
+from jaxinfer.ops.spec import init_random
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 

@@ -346,7 +346,7 @@ def _tokenizer(tmp_path):
     from tokenizers import models, pre_tokenizers, decoders
     from tokenizers import AddedToken
 
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.text.tokenizer import Tokenizer
 
     alphabet = sorted(set('abcdefghijklmnopqrstuvwxyz_ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789{}[]":,. '))
     vocab = {"<unk>": 0, **{ch: i + 1 for i, ch in enumerate(alphabet)}}

@@ -536,7 +536,7 @@ def test_health_and_metrics_on_the_http_port(server, oai, llm):
 
 def test_one_greedy_request_gives_one_text_through_http_grpc_cli_and_library(server, oai, llm, tmp_path, capsys):
     from conftest import tiny_params
-    from jaxinfer.cli import main
+    from jaxinfer.cli.main import main
     from jaxinfer.server.client import Client as GrpcClient
 
     params = SamplingParams(temperature=0, max_tokens=10)

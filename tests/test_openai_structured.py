@@ -70,7 +70,7 @@ def json_bpe_llm(path) -> "jaxinfer.LLM":
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from jaxinfer.tokenizer import Tokenizer as JTokenizer
+    from jaxinfer.text.tokenizer import Tokenizer as JTokenizer
 
     rng = random.Random(0)
     words = ["hello", "world", "jax", "cat", "dog", "name", "age", "city", "Paris", "celsius", "yes", "no"]

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import TINY, TINY_ENGINE, tiny_params
-from jaxinfer import kv_cache, step
-from jaxinfer.attention import AttentionMetadata
+from jaxinfer.ops import kv_cache
+from jaxinfer.engine import step
+from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig, RopeScaling
 from jaxinfer.models import decoder, llama
-from jaxinfer.sampler import RowSampling, build_metadata, init_sampler_state
+from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state
 from jaxinfer.sampling_params import SamplingParams
 
 PS = TINY_ENGINE.page_size
@@ -171,7 +172,7 @@ def test_forward_is_a_pure_function_research_code_can_differentiate(params):
 
 
 def test_parameter_spec_tree_derives_shapes_and_shardings():
-    from jaxinfer import spec
+    from jaxinfer.ops import spec
 
     specs = llama.param_specs(TINY)
     params = tiny_params()

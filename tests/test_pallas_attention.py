@@ -26,15 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import AttentionMetadata, _gather_attention
-from jaxinfer.attention_pallas import (
+from jaxinfer.ops.attention import AttentionMetadata, _gather_attention
+from jaxinfer.ops.attention_pallas import (
     from_ragged,
     pallas_tpu_kernel,
     ragged_layout,
     tpu_kernel_fits,
     tpu_ragged_attention,
 )
-from jaxinfer.kv_cache import slots_for
+from jaxinfer.ops.kv_cache import slots_for
 
 PAGE = 4  # tokens per page in these tests
 D = 128  # the kernel's head_dim must be a multiple of 128

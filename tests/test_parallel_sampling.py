@@ -239,7 +239,7 @@ def test_submit_group_streams_each_choice_and_aborting_one_stream_frees_only_it(
 def test_chat_with_n_returns_n_choices(tmp_path):
     from test_tokenizer import train_tiny_sentencepiece
 
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.text.tokenizer import Tokenizer
 
     (tmp_path / "tokenizer.model").write_bytes(train_tiny_sentencepiece())
     (tmp_path / "chat_template.jinja").write_text(

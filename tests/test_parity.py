@@ -17,8 +17,8 @@ import pytest
 
 import jaxinfer
 from conftest import requires_smollm2
-from jaxinfer import kv_cache
-from jaxinfer.attention import AttentionMetadata
+from jaxinfer.ops import kv_cache
+from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig
 from jaxinfer.models import llama
 

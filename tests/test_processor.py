@@ -1,4 +1,4 @@
-"""The input processor (`jaxinfer.processor`): one front door for the library, the CLI and the server.
+"""The input processor (`jaxinfer.text.processor`): one front door for the library, the CLI and the server.
 
 Checked with the real SmolLM2 tokenizer (no model weights are needed: the
 processor turns input into a `Request`, it runs nothing).
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import requires_smollm2
 from jaxinfer.config import GenerationDefaults
-from jaxinfer.processor import InputProcessor
+from jaxinfer.text.processor import InputProcessor
 from jaxinfer.sampling_params import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from jaxinfer.sampling_params import SamplingParams as SP
 
@@ -24,9 +24,9 @@ MAX_LEN = 2048
 
 @pytest.fixture(scope="module")
 def tok():
-    from jaxinfer import model_cache
+    from jaxinfer.loading import model_cache
     from jaxinfer.config import DEFAULT_MODEL
-    from jaxinfer.weights import resolve_model
+    from jaxinfer.loading.weights import resolve_model
 
     return model_cache.load_tokenizer(resolve_model(DEFAULT_MODEL))
 
@@ -143,7 +143,7 @@ def test_a_tokenizer_that_collapses_whitespace_has_no_byte_bound_and_long_blank_
     the byte pre-check must not apply (the prompt is tokenized and counted instead)."""
     import sentencepiece as spm
 
-    from jaxinfer.tokenizer import Tokenizer, _SPBackend
+    from jaxinfer.text.tokenizer import Tokenizer, _SPBackend
     from test_tokenizer import train_tiny_sentencepiece
 
     exact = Tokenizer(_SPBackend(spm.SentencePieceProcessor(model_proto=train_tiny_sentencepiece())))
@@ -160,7 +160,7 @@ def test_a_tokenizer_that_collapses_whitespace_has_no_byte_bound_and_long_blank_
 
 def test_a_template_that_fails_on_a_callers_variable_is_a_value_error():
     """A client's template variable of the wrong type is bad input (INVALID_ARGUMENT), not a crash."""
-    from jaxinfer.chat_template import ChatTemplateError, render_chat_template
+    from jaxinfer.text.chat_template import ChatTemplateError, render_chat_template
 
     template = "{% for t in tools %}{{ t.name }}{% endfor %}{{ messages[0]['content'] }}"
     assert render_chat_template(template, [{"role": "user", "content": "hi"}], tools=[{"name": "f"}]) == "fhi"

@@ -14,16 +14,17 @@ import pytest
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
-from jaxinfer import kv_cache, step
-from jaxinfer.attention import AttentionMetadata
-from jaxinfer.compile_cache import compile_count
+from jaxinfer.ops import kv_cache
+from jaxinfer.engine import step
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.config import EngineConfig
 from jaxinfer.models import llama
-from jaxinfer.sampler import RowSampling, build_metadata, init_sampler_state, token_logprobs
+from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state, token_logprobs
 from jaxinfer.sampling_params import SamplingParams as SP
 
 # Bitwise equality needs one reduction order whatever the rows in the step or the chunking (issue 20): the native
-# CPU kernels' products and attention and jaxinfer.invariant's log_softmax give it, so with the kernels on (what
+# CPU kernels' products and attention and jaxinfer.ops.invariant's log_softmax give it, so with the kernels on (what
 # CPU users get) the bitwise tests must pass. The pure-JAX path (JAXINFER_CPU_KERNELS=0; GPUs, TPUs) is not
 # invariant in its attention (tests/test_attention_invariance.py), so there they are expected to fail.
 NOT_INVARIANT_REASON = ("bitwise needs the batch-invariant kernels (issue 20, items 1-3): the pure-JAX path's "
@@ -33,7 +34,7 @@ NOT_INVARIANT_REASON = ("bitwise needs the batch-invariant kernels (issue 20, it
 @pytest.fixture()
 def bitwise(request, llm):
     """Marks the test an expected failure where the path is not batch-invariant (no native CPU kernels)."""
-    from jaxinfer import cpu_matmul
+    from jaxinfer.ops import cpu_matmul
 
     if not (jax.default_backend() == "cpu" and cpu_matmul.prepare()):
         request.applymarker(pytest.mark.xfail(strict=False, reason=NOT_INVARIANT_REASON))
@@ -78,7 +79,7 @@ def _teacher_forced(params, cfg, tokens, cache, attn):
 def teacher_forced(params, seq, cfg=TINY) -> tuple[np.ndarray, np.ndarray]:
     """One pure forward over all of ``seq`` (`jaxinfer.models`: forward + logits; nothing of the engine's: no
     pages shared, no chunks, no decode steps, no row blocks), then log_softmax: ``jax.nn.log_softmax`` at every
-    position [L, V], and the library's (`jaxinfer.sampler.token_logprobs`, the function every reported logprob
+    position [L, V], and the library's (`jaxinfer.ops.sampler.token_logprobs`, the function every reported logprob
     comes from) of each next token [L - 1]. The two log_softmaxes may round differently by an ulp or so."""
     n, ps = len(seq), TINY_ENGINE.page_size
     cache = kv_cache.init_cache(cfg, EngineConfig(page_size=ps, num_pages=n // ps + 2))

@@ -1,4 +1,4 @@
-"""Quantized weights (jaxinfer.quant): the format, GGUF blocks kept exactly, and models that compute
+"""Quantized weights (jaxinfer.ops.quant): the format, GGUF blocks kept exactly, and models that compute
 the function of their dequantized weights."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from conftest import TINY, TINY_ENGINE, tiny_params
 from test_paged_model import full_logits
-from jaxinfer import quant
+from jaxinfer.ops import quant
 from jaxinfer.config import EngineConfig
 from jaxinfer.models import decoder
-from jaxinfer.spec import abstract, check_tree
+from jaxinfer.ops.spec import abstract, check_tree
 
 def dequantized_tree(params):
     """The float tree a quantized tree stands for (the LM head back to [hidden, vocab])."""
@@ -106,7 +106,7 @@ def test_bad_quantization_is_refused_by_name():
 
 
 def test_a_layout_that_would_split_a_quantization_group_is_refused():
-    from jaxinfer import mesh
+    from jaxinfer.ops import mesh
 
     w = quant.quantize(np.ones((64, 4), np.float32), quant.Scheme.parse("int4-g32"))
     rows = np.concatenate([np.arange(16), -np.ones(16, int), np.arange(16, 64), -np.ones(16, int)])  # a pad mid-group
@@ -122,7 +122,7 @@ def test_float_copy_check_sees_a_materialised_weight(monkeypatch):
     """The check device_check runs on GPU/TPU (where the dequantization must fuse into the dot): on
     CPU the native kernel takes decode's few rows and prefill's many without a float copy, and
     XLA's path (the GPU/TPU code, kernels off) does build the float weight, which the check sees."""
-    from jaxinfer import cpu_matmul
+    from jaxinfer.ops import cpu_matmul
 
     if cpu_matmul.prepare():
         for rows in (1, 64):

@@ -1,4 +1,4 @@
-"""``jaxinfer chat`` (jaxinfer.repl): a conversation on a tiny random-weight model with a real tokenizer.
+"""``jaxinfer chat`` (jaxinfer.cli.repl): a conversation on a tiny random-weight model with a real tokenizer.
 
 The model's tokenizer is character-level (one printable character per token) with a small chat template,
 so a conversation's tokens can be counted and checked exactly: every request must carry the whole
@@ -42,8 +42,8 @@ def tiny_model_dir(tmp_path_factory):
     import jaxinfer
     from conftest import TINY
     from jaxinfer.models import llama
-    from jaxinfer.spec import is_spec
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.ops.spec import is_spec
+    from jaxinfer.text.tokenizer import Tokenizer
 
     src = tmp_path_factory.mktemp("chat-tokenizer")
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))}  # printable ASCII: no id decodes to more or less
@@ -73,7 +73,7 @@ def engine_json(tmp_path_factory):
 
 
 def chat_args(model_dir, engine_json, *extra):
-    from jaxinfer.cli import build_parser
+    from jaxinfer.cli.main import build_parser
 
     return build_parser().parse_args(["chat", "--model", str(model_dir), "--engine-config", engine_json,
                                       "--max-tokens", str(MAX_TOKENS), "--temperature", "0", *extra])
@@ -88,7 +88,7 @@ def llm(tiny_model_dir, engine_json):
 
 
 def new_chat(llm, model_dir, engine_json, *extra, stdin=""):
-    from jaxinfer.repl import Chat, LocalBackend, check_chat_args
+    from jaxinfer.cli.repl import Chat, LocalBackend, check_chat_args
 
     args = chat_args(model_dir, engine_json, *extra)
     backend = LocalBackend(llm, args, check_chat_args(args))
@@ -256,7 +256,7 @@ def test_ctrl_c_before_the_first_word_drops_the_message(llm, tiny_model_dir, eng
 
 
 def test_bad_flags_are_refused_before_the_model_loads(capsys):
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     assert cli.main(["chat", "--top-p", "1.5", "--model", "/nonexistent"]) == 2
     assert "top_p must be in (0, 1], got 1.5" in capsys.readouterr().err
@@ -268,7 +268,7 @@ def test_bad_flags_are_refused_before_the_model_loads(capsys):
 
 def test_local_and_server_chats_give_the_same_answers(llm, tiny_model_dir, engine_json, monkeypatch, capsys):
     """``chat --server`` holds the same conversation on a running server as ``chat`` does here."""
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
     from jaxinfer.server import ServerConfig, ServerThread
 
     lines = "hello there\n/system be brief\nand then?\n"
@@ -287,7 +287,7 @@ def test_local_and_server_chats_give_the_same_answers(llm, tiny_model_dir, engin
 
 
 def test_an_unreachable_server_is_one_line_and_status_1(monkeypatch, capsys):
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert cli.main(["chat", "--server", "127.0.0.1:1", "--timeout", "10"]) == 1
@@ -299,7 +299,7 @@ def test_an_unreachable_server_is_one_line_and_status_1(monkeypatch, capsys):
 def test_chat_refuses_a_model_without_a_chat_template(tmp_path, capsys):
     import jaxinfer
     from conftest import TINY, tiny_params
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     jaxinfer.save_model(tmp_path / "bare", TINY, tiny_params())  # no tokenizer, so no template
     assert cli.main(["chat", "--model", str(tmp_path / "bare"), "--engine-config", "cpu", "--max-model-len", "32",

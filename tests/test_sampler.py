@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.compile_cache import compile_count
-from jaxinfer.sampler import RowSampling, build_metadata, init_sampler_state, record_prompt, sample
+from jaxinfer.engine.compile_cache import compile_count
+from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state, record_prompt, sample
 from jaxinfer.sampling_params import SamplingParams
 
 V = 64
@@ -293,7 +293,7 @@ def _filter_reference(logits, sp):
 def test_filters_keep_exactly_the_reference_set(seed):
     """Top-k / top-p find their cut by bisection over the logits' values (no sort): each row keeps
     exactly the tokens the sorted reference keeps, flat rows, ties and top_k near the vocabulary too."""
-    from jaxinfer.sampler import _apply_filters
+    from jaxinfer.ops.sampler import _apply_filters
 
     rng = np.random.default_rng(seed)
     b = 6

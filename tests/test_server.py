@@ -681,7 +681,7 @@ def test_tokenize_refuses_a_response_larger_than_the_message_limit_with_a_clear_
 def _generate_args(server_addr, prompt_text, **kw):
     import argparse
 
-    from jaxinfer.cli_flags import add_client_flags
+    from jaxinfer.cli.flags import add_client_flags
 
     p = argparse.ArgumentParser()
     p.add_argument("prompt")
@@ -729,8 +729,8 @@ def test_serve_arguments_parse_with_safe_defaults():
 
 
 def test_serve_warms_up_by_default_and_takes_the_dtypes_of_generate():
-    from jaxinfer.argtypes import DTYPE_CHOICES
-    from jaxinfer.cli import build_parser
+    from jaxinfer.cli.argtypes import DTYPE_CHOICES
+    from jaxinfer.cli.main import build_parser
 
     def serve_args(*argv):
         return build_parser().parse_args(["serve", *argv])
@@ -770,7 +770,7 @@ def _char_tokenizer(path):
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.text.tokenizer import Tokenizer
 
     vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
     tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -788,7 +788,7 @@ def _char_tokenizer(path):
 ], ids=["cli-defaults", "cli-defaults+flag", "model-defaults", "model-defaults+flag"])
 def test_generate_via_server_samples_with_the_defaults_of_local_generate(tmp_path, monkeypatch, capsys,
                                                                           model_defaults, flags, want):
-    from jaxinfer.cli import CLI_TEMPERATURE, CLI_TOP_P, cli_sampling_defaults
+    from jaxinfer.cli.main import CLI_TEMPERATURE, CLI_TOP_P, cli_sampling_defaults
     from jaxinfer.config import GenerationDefaults
     from jaxinfer.server import servicer
     from jaxinfer.server.cli import generate_via_server
@@ -854,7 +854,7 @@ def test_real_model_text_and_chat_over_the_server_equal_the_library(smollm2_llm,
 
         import json
 
-        from jaxinfer.cli import cli_sampling_defaults
+        from jaxinfer.cli.main import cli_sampling_defaults
         from jaxinfer.server.cli import generate_via_server
 
         args = _generate_args(srv.address, "Name a primary colour.",

@@ -1,4 +1,4 @@
-"""The soak (``python -m jaxinfer.server.soak``), short: a few hundred hostile requests against a real
+"""The soak (``python -m jaxinfer.tools.soak``), short: a few hundred hostile requests against a real
 ``jaxinfer serve`` process serving a tiny random-weight model with a tokenizer and a chat template."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 
 import jaxinfer
 from jaxinfer.config import ModelConfig
-from jaxinfer.server.soak import (CONSTRAINED_SHARE, GRPC_CONSTRAINED, HTTP_CONSTRAINED, HTTP_INVALID_CONSTRAINED,
+from jaxinfer.tools.soak import (CONSTRAINED_SHARE, GRPC_CONSTRAINED, HTTP_CONSTRAINED, HTTP_INVALID_CONSTRAINED,
                                   INVALID_CONSTRAINED, TOOL_CONSTRAINTS, constraint_bad)
 from jaxinfer.models import llama
-from jaxinfer.spec import init_random
-from jaxinfer.tokenizer import load_tokenizer
+from jaxinfer.ops.spec import init_random
+from jaxinfer.text.tokenizer import load_tokenizer
 from test_tokenizer import train_tiny_sentencepiece
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -49,7 +49,7 @@ def test_short_soak_passes_every_check(model_dir, tmp_path):
     out = tmp_path / "soak.json"
     engine = tmp_path / "tiny-engine.json"
     engine.write_text(json.dumps(TINY_SERVE_ENGINE))
-    cmd = [sys.executable, "-m", "jaxinfer.server.soak", "--model", model_dir, "--engine-config", str(engine), *SERVE, "--requests", "300",
+    cmd = [sys.executable, "-m", "jaxinfer.tools.soak", "--model", model_dir, "--engine-config", str(engine), *SERVE, "--requests", "300",
            "--concurrency", "16", "--max-tokens", "24", "--seed", "0", "--duration", "120", "--json", str(out)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -78,7 +78,7 @@ def test_short_soak_passes_every_check(model_dir, tmp_path):
 def test_the_plan_is_a_function_of_the_seed():
     from types import SimpleNamespace
 
-    from jaxinfer.server.soak import Soak
+    from jaxinfer.tools.soak import Soak
 
     def plan(seed):
         s = Soak(SimpleNamespace(seed=seed, requests=500), "localhost:1", None)
@@ -107,7 +107,7 @@ def test_short_http_soak_passes_every_check(model_dir, tmp_path):
     out = tmp_path / "soak.json"
     engine = tmp_path / "tiny-engine.json"
     engine.write_text(json.dumps(TINY_SERVE_ENGINE))
-    cmd = [sys.executable, "-m", "jaxinfer.server.soak", "--protocol", "http", "--model", model_dir, "--engine-config",
+    cmd = [sys.executable, "-m", "jaxinfer.tools.soak", "--protocol", "http", "--model", model_dir, "--engine-config",
            str(engine), *SERVE, "--requests", "200", "--concurrency", "16", "--max-tokens", "24", "--seed", "1",
            "--duration", "120", "--json", str(out)]
     t0 = time.monotonic()
@@ -141,7 +141,7 @@ def test_short_http_soak_passes_every_check(model_dir, tmp_path):
 def test_the_http_plan_covers_every_http_kind(protocol, kinds):
     from types import SimpleNamespace
 
-    from jaxinfer.server.soak import HTTP_WEIGHTS, WEIGHTS, Soak
+    from jaxinfer.tools.soak import HTTP_WEIGHTS, WEIGHTS, Soak
 
     s = Soak(SimpleNamespace(seed=3, requests=600, protocol=protocol), "localhost:1", None)
     s.info = {"max_waiting": 4}
@@ -197,7 +197,7 @@ def test_sse_lines_end_only_at_line_feeds():
 
     import httpx
 
-    from jaxinfer.server.soak import _sse_lines
+    from jaxinfer.tools.soak import _sse_lines
 
     body = 'data: {"t": "a\u2028b\x85c日本"}\r\n\ndata: [DONE]\n\n'.encode()
 

@@ -72,7 +72,7 @@ def byte_level_tokenizer(path):
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.text.tokenizer import Tokenizer
 
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges = [('"', ":"), ("{", '"'), ("Ġ", "t"), ("y", "e"), ("ye", "s")]
@@ -102,8 +102,8 @@ def model_flags(model_dir):
 @pytest.fixture(scope="module")
 def llm(model_flags):
     """The model as `jaxinfer serve` loads it from these flags (so local CLI runs get the same engine)."""
-    from jaxinfer import cli
-    from jaxinfer.cli_flags import llm_kwargs
+    from jaxinfer.cli.main import main
+    from jaxinfer.cli.flags import llm_kwargs
 
     llm = jaxinfer.LLM(**llm_kwargs(cli.build_parser().parse_args(["serve", *model_flags])))
     yield llm
@@ -265,7 +265,7 @@ def test_a_request_that_ends_with_an_error_carries_its_message_to_the_client(llm
 
 
 def _generate(capsys, *argv) -> tuple:
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     code = cli.main(["generate", PROMPT, "--json", "--quiet", "--temperature", "1", *argv])
     out, err = capsys.readouterr()
@@ -301,7 +301,7 @@ def test_cli_a_request_that_ends_with_an_error_exits_1_with_its_reason(model_fla
 
 
 def _usage_error(capsys, *argv) -> str:
-    from jaxinfer import cli
+    from jaxinfer.cli.main import main
 
     # a model that does not exist: these errors come before any model is looked for
     assert cli.main(["generate", PROMPT, "--model", "/nonexistent/model", *argv]) == 2

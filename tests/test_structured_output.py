@@ -1,4 +1,4 @@
-"""Structured output (`jaxinfer.structured`, the sampler's bitmask stage, the engine's sync): outputs that
+"""Structured output (`jaxinfer.engine.structured`, the sampler's bitmask stage, the engine's sync): outputs that
 finish with "stop" parse and validate, on every tokenizer kind and on the real SmolLM2; constraints leave
 other rows alone; greedy constrained output is batch-invariant; abort, preemption, prefix hits, min_tokens,
 grammars that never end or cannot be spelled, and every bad input behave.
@@ -23,8 +23,8 @@ import jaxinfer
 from conftest import TINY, TINY_ENGINE, requires_smollm2, tiny_params
 from jaxinfer import SamplingParams as SP
 from jaxinfer import StructuredOutputsParams as SO
-from jaxinfer.sampler import RowSampling, build_metadata, init_sampler_state, sample
-from jaxinfer.structured import allowed_ids, bitmask_width
+from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state, sample
+from jaxinfer.engine.structured import allowed_ids, bitmask_width
 
 ENGINE = TINY_ENGINE.replace(num_pages=256)
 
@@ -92,7 +92,7 @@ CONSTRAINTS = {
 def sp_tokenizer(path, **train):
     from test_tokenizer import train_tiny_sentencepiece
 
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.text.tokenizer import Tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.model").write_bytes(train_tiny_sentencepiece(**train))
@@ -104,7 +104,7 @@ def _hf_tokenizer(path):
     """A byte-level BPE in tokenizer.json (HF tokenizers) with a few merges, and ChatML specials."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from jaxinfer.tokenizer import Tokenizer as JTokenizer
+    from jaxinfer.text.tokenizer import Tokenizer as JTokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}
@@ -124,7 +124,7 @@ def _hf_tokenizer(path):
 def _gguf_sp_tokenizer(path):
     from test_tokenizer import write_llama_vocab_gguf
 
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.text.tokenizer import load_tokenizer
 
     sp_tokenizer(path / "sp")
     gguf_path = str(path / "vocab.gguf")
@@ -341,7 +341,7 @@ def test_stop_strings_still_cut_a_constrained_output(sp_llm):
 def test_ids_past_the_tokenizers_vocabulary_are_never_allowed(sp_llm):
     """The tiny model's logits are 512 wide, its SentencePiece vocabulary 340: a grammar that allows any
     text allows many tokens, none of them a padding id."""
-    from jaxinfer.structured import fill_bitmasks
+    from jaxinfer.engine.structured import fill_bitmasks
 
     c = sp_llm.processor.grammars.compile(SO(regex="[\\s\\S]*"))
     ids = allowed_ids(fill_bitmasks([(c, 0)], 1, TINY.vocab_size)[0])

@@ -1,4 +1,4 @@
-"""Tests for jaxinfer.tokenizer and jaxinfer.chat_template.
+"""Tests for jaxinfer.text.tokenizer and jaxinfer.text.chat_template.
 
 Real-model tests use the bundled SmolLM2-135M-Instruct GGUF and compare with
 reference ids and renderings that transformers produced
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.chat_template import ChatTemplateError, render_chat_template
-from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+from jaxinfer.text.chat_template import ChatTemplateError, render_chat_template
+from jaxinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_reference.json")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -182,7 +182,7 @@ def test_decode_inverts_encode_for_any_text(smollm, text):
 
 
 def byte_tokens_in_vocab(tok: Tokenizer) -> set[int]:
-    from jaxinfer.tokenizer import _bytes_to_unicode
+    from jaxinfer.text.tokenizer import _bytes_to_unicode
 
     return {b for b, c in _bytes_to_unicode().items() if tok.backend.token_to_id(c) is not None}
 

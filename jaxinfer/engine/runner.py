@@ -1,0 +1,401 @@
+"""The model runner: turns host request state into padded device inputs and calls the steps.
+
+It owns the device state (parameters, KV cache, sampler state) and the
+compiled step programs (`jaxinfer.engine.programs`), and nothing else; which
+requests run, and where their pages are, is decided by the scheduler. All
+padding to buckets happens here, through `jaxinfer.engine.buckets` and the program
+table's page width.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.ops import cpu_matmul, invariant
+from jaxinfer.engine import distributed
+from jaxinfer.ops.attention import AttentionMetadata, prepare_cpu_kernel, reads_row_lengths
+from jaxinfer.engine.buckets import bucket_for, pages_needed
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.distributed import to_host
+from jaxinfer.ops.kv_cache import init_cache, slots_for
+from jaxinfer.ops.mesh import TPLayout, cache_sharding, make_mesh, place_params, replicated, sharding_for
+from jaxinfer.ops.mesh import _leaf_name, _relayouts
+from jaxinfer.models import get_family
+from jaxinfer.outputs import Logprob
+from jaxinfer.engine.programs import ProgramKey, ProgramTable
+from jaxinfer.ops.quant import is_quantized
+from jaxinfer.engine.request import Request, TokenRef
+from jaxinfer.engine.scheduler import PrefillChunk
+from jaxinfer.ops.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
+from jaxinfer.sampling_params import MAX_LOGIT_BIAS
+from jaxinfer.ops.spec import is_spec
+from jaxinfer.engine.structured import bitmask_width
+from jaxinfer.loading.weights import canonical_specs, check_param_tree, stored_tree
+
+
+WARMUP = "warmup"  # a plan that lists programs to compile, not a step
+UPDATE_PARAMS = "update_params"  # a plan: new weights, broadcast from the leader right after it
+
+
+class ModelRunner:
+    """``model_cfg`` is the model as loaded; ``params`` its tree (host or device arrays, or restored
+    into `jaxinfer.ops.mesh.load_shardings`). On the engine's mesh the runner works with the
+    tensor-parallel layout of both: `cfg` is `TPLayout.config(model_cfg)` (the plain model at
+    ``tensor_parallel_size`` 1), `params` are laid out and placed, the KV cache is split by KV heads.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params: Any):
+        self.model_cfg = model_cfg
+        self.ecfg = engine_cfg
+        self.mesh = make_mesh(engine_cfg)
+        self.layout = TPLayout.of(model_cfg, engine_cfg.tensor_parallel_size)
+        self.cfg = self.layout.config(model_cfg)
+        self.params = place_params(params, model_cfg, self.layout, self.mesh)
+        self.max_model_len = engine_cfg.context_limit(model_cfg.max_position_embeddings, model_cfg.kv_window)
+        self.kv_cache = init_cache(self.cfg, engine_cfg, sharding=cache_sharding(self.mesh))
+        self.sampler_state = jax.jit(  # made on the devices (every process of a multi-host mesh)
+            functools.partial(init_sampler_state, engine_cfg.max_num_seqs, model_cfg.vocab_size),
+            out_shardings=replicated(self.mesh))()
+        # Several processes: the leader (process 0) publishes each step's plan, the others follow it.
+        self.plans = distributed.PlanChannel() if distributed.is_multiprocess() else None
+        # XLA:CPU's collectives block a pool thread per device until every device arrives, so two
+        # steps in flight can starve each other: on a CPU mesh each step completes before the next.
+        self.one_step_in_flight = self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
+        self.warmups_followed = 0  # a follower: warm-up plans of the leader it ran
+        prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace
+        self.matmul_kernel = cpu_matmul.prepare()  # likewise the products' kernel (jaxinfer.ops.cpu_matmul)
+        if engine_cfg.batch_invariant:  # read while the steps are traced; on for the process from here
+            invariant.set_mode(True)
+        self.reads_row_lengths = reads_row_lengths(
+            self.cfg.num_heads // self.layout.shards, self.cfg.num_kv_heads // self.layout.shards,
+            self.cfg.head_dim, engine_cfg.cache_dtype, engine_cfg.page_size,
+        )
+        self.programs = ProgramTable(self)
+        self._neutral_bias: dict = {}  # batch rows -> (bias_ids, bias_values) of no logit_bias, on device
+        self._neutral_mask: dict = {}  # batch rows -> an all-ones allowed-token bitmask, on device
+        self.mask_s = 0.0  # host time building the metadata of steps with constrained rows (the masks)
+        self.mask_rows = 0  # constrained rows masked
+        self.params_updates = 0  # weights swapped in since loading (`swap_params`)
+
+    # -- padded inputs ---------------------------------------------------
+
+    def _page_table(self, reqs: Sequence[Request], num_tokens: Sequence[int], batch: int) -> np.ndarray:
+        ps = self.ecfg.page_size
+        p = self.programs.page_width(max(pages_needed(n, ps) for n in num_tokens))
+        table = np.zeros((batch, p), np.int32)
+        for i, (r, n) in enumerate(zip(reqs, num_tokens)):
+            k = pages_needed(n, ps)
+            if len(r.pages) < k:
+                raise RuntimeError(f"{r.request_id} has {len(r.pages)} pages, needs {k}")
+            table[i, :k] = r.pages[:k]
+        return table
+
+    def _sampling(self, rows: list, batch: int):
+        local = self.plans is None
+        t0 = time.perf_counter()
+        md = build_metadata(rows, batch, num_slots=self.ecfg.max_num_seqs, max_logprobs=self.ecfg.max_logprobs,
+                            neutral_bias=self._neutral_bias_arrays if local else None,
+                            vocab_size=self.model_cfg.vocab_size,
+                            neutral_mask=self._neutral_mask_array if local else None)
+        constrained = sum(1 for r in rows if r is not None and r.constraint is not None)
+        if constrained:
+            self.mask_s += time.perf_counter() - t0
+            self.mask_rows += constrained
+        return md
+
+    def _neutral_bias_arrays(self, batch: int) -> tuple:
+        """The logit-bias arrays of a batch where no row has one, placed once per batch bucket:
+        steps without a bias (nearly all) ship no [batch, MAX_LOGIT_BIAS] arrays to the device.
+        (Several processes send host arrays in each step's plan, so they build them instead.)"""
+        got = self._neutral_bias.get(batch)
+        if got is None:
+            host = (np.full((batch, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((batch, MAX_LOGIT_BIAS), np.float32))
+            got = self._neutral_bias[batch] = jax.device_put(host, replicated(self.mesh))
+        return got
+
+    def _neutral_mask_array(self, batch: int):
+        """An all-ones allowed-token bitmask (no row constrained), placed once per batch bucket."""
+        got = self._neutral_mask.get(batch)
+        if got is None:
+            host = np.full((batch, bitmask_width(self.model_cfg.vocab_size)), -1, np.int32)
+            got = self._neutral_mask[batch] = jax.device_put(host, replicated(self.mesh))
+        return got
+
+    # -- steps -------------------------------------------------------------
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> SamplerOutput:
+        """Dispatch one prefill step (asynchronously); rows follow `chunks`' order."""
+        ps = self.ecfg.page_size
+        b = bucket_for(len(chunks), self.ecfg.batch_buckets, "prefill batch size")
+        t = bucket_for(max(c.length for c in chunks), self.ecfg.chunk_buckets, "prefill chunk length")
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.full((b, t), -1, np.int32)
+        slots = np.zeros((b, t), np.int32)
+        kv_lens = np.zeros((b,), np.int32)
+        last = np.zeros((b,), np.int32)
+        table = self._page_table([c.request for c in chunks], [c.start + c.length for c in chunks], b)
+        rows: list[Optional[RowSampling]] = [None] * b
+        for i, c in enumerate(chunks):
+            r, s, n = c.request, c.start, c.length
+            ids = r.all_token_ids(s, n)
+            pos = np.arange(s, s + n, dtype=np.int32)
+            tokens[i, :n] = ids
+            positions[i, :n] = pos
+            slots[i, :n] = slots_for(table[i], pos, ps)
+            kv_lens[i] = s + n
+            last[i] = n - 1
+            rows[i] = RowSampling(
+                r.params,
+                r.seed,
+                s + n,
+                r.slot,
+                is_output=(s + n == r.prefill_target),
+                banned=r.banned_ids(),
+                prompt_len=r.prompt_len,
+                constraint=r.constraint if s + n == r.prefill_target else None,
+            )
+        attn = AttentionMetadata(positions, slots, table, kv_lens)
+        md = self._sampling(rows, b)
+        return self._run(ProgramKey("prefill", b, t, table.shape[1]), (tokens, attn, last, md))
+
+    def decode(self, reqs: Sequence[Request]) -> SamplerOutput:
+        """Dispatch one decode step: each request's last drawn token goes in, the next comes out.
+
+        A token still on device (`TokenRef`: drawn by a step not yet read back) is taken from
+        the sampler state's per-slot last token, inside the step: no host round trip.
+        """
+        return self._run(*self.decode_inputs(reqs))
+
+    def decode_inputs(self, reqs: Sequence[Request]) -> tuple[ProgramKey, tuple]:
+        """The decode step of ``reqs`` undispatched: its program's key and its host inputs
+        (tokens, from_state, attention and sampling metadata), which follow the runner's
+        params, KV cache and sampler state. Benchmarks time the program on them directly."""
+        ps = self.ecfg.page_size
+        b = bucket_for(len(reqs), self.ecfg.batch_buckets, "decode batch size")
+        pos = np.full((b, 1), -1, np.int32)
+        slots = np.zeros((b, 1), np.int32)
+        kv_lens = np.zeros((b,), np.int32)
+        tokens = np.zeros((b,), np.int32)
+        from_state = np.zeros((b,), np.bool_)
+        table = self._page_table(reqs, [r.num_computed + 1 for r in reqs], b)
+        rows: list[Optional[RowSampling]] = [None] * b
+        for i, r in enumerate(reqs):
+            p = r.num_computed
+            pos[i, 0] = p
+            slots[i, 0] = slots_for(table[i], p, ps)
+            kv_lens[i] = p + 1
+            if isinstance(r.last_token, TokenRef):
+                from_state[i] = True
+            else:
+                tokens[i] = r.last_token
+            rows[i] = RowSampling(r.params, r.seed, p + 1, r.slot, is_output=True, banned=r.banned_ids(),
+                                  constraint=r.constraint)
+        attn = AttentionMetadata(pos, slots, table, kv_lens)
+        md = self._sampling(rows, b)
+        return ProgramKey("decode", b, 1, table.shape[1]), (tokens, from_state, attn, md)
+
+    def _run(self, key: ProgramKey, host_args: tuple) -> SamplerOutput:
+        """Dispatch the program ``key`` on the host inputs; the leader of several processes
+        first publishes them, so every process runs the same step."""
+        prog = self.programs.get(key)
+        if self.plans is None:
+            out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *host_args)
+        else:  # everything that can fail comes before the plan goes out
+            args = distributed.global_inputs(host_args, replicated(self.mesh))
+            step = self.plans.publish(key, host_args)
+            try:
+                out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)
+            except BaseException as e:
+                distributed.lost_step(step, e)
+            self.plans.dispatched(step, out)
+        if self.one_step_in_flight:
+            jax.block_until_ready(out)
+        return out
+
+    def warmup(self, keys: list, complete: bool = True) -> int:
+        """Compile (or load) the programs ``keys`` (`ProgramTable.warmup`); the leader of several
+        processes first tells the followers, so they compile them at the same time instead of
+        one by one when the steps arrive."""
+        if self.plans is not None and distributed.is_leader():
+            self.plans.publish(WARMUP, (list(keys), complete))  # compiles only: no step to wait for
+        return self.programs.warmup(keys, complete)
+
+    # -- the weights (`jaxinfer.LLM.params`, `jaxinfer.LLM.update_params`) ------
+
+    def canonical_params(self) -> Any:
+        """The model's canonical tree (`jaxinfer.loading.weights.canonical_specs`) from the weights the runner
+        holds: a leaf the layout leaves as loaded, float, is the runner's own array (no copy); a leaf
+        re-laid out for tensor parallelism is gathered back into the model's order, and a quantized
+        one dequantized to float32, each by a small jitted program (compiled on first use) into a
+        new array on the mesh, split as the rules split the canonical leaf."""
+        if self.plans is not None:
+            raise ValueError(
+                "LLM.params is not available on several processes: every process would have to "
+                "run the gathers; read the weights in the training code that made them"
+            )
+        specs = jax.tree.leaves(canonical_specs(self.model_cfg), is_leaf=is_spec)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self.params, is_leaf=is_quantized)
+        maps = _relayouts(self.model_cfg, self.layout)
+        out = []
+        for (path, x), spec in zip(flat, specs, strict=True):
+            name = _leaf_name(path)
+            m = maps.get((name, 2 if is_quantized(x) else np.ndim(x)))
+            if m is None and not is_quantized(x):
+                out.append(x)
+                continue
+            axis, inv = (0, None) if m is None else (m[0], _inverse_map(m[1], spec.shape[m[0]]))
+            fn = _canonical_fn(axis, is_quantized(x) and name == "lm_head", sharding_for(spec, self.mesh))
+            out.append(fn(x, inv))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def prepare_params(self, params: Any) -> Any:
+        """A canonical tree from the caller, checked (`jaxinfer.loading.weights.check_param_tree`: ValueError
+        naming the first leaf that differs) and stored as loading stores it
+        (`jaxinfer.loading.weights.stored_tree`: float leaves in the dtypes the runner holds, quantized ones
+        quantized on the host by the model's scheme). Touches no runner state: any thread."""
+        tree = check_param_tree(params, canonical_specs(self.model_cfg))
+        return stored_tree(tree, self._stored_targets())
+
+    def swap_params(self, stored: Any) -> None:
+        """Lay out and place ``stored`` (`prepare_params`) as loading does and make it the weights of
+        every later step; the old arrays are dropped (freed once the steps that use them are done).
+        Same shapes, dtypes and shardings: no program recompiles. The caller runs it between
+        steps, on the thread that dispatches them. The leader of several processes publishes an
+        update plan and broadcasts the stored tree to the followers (`jaxinfer.engine.distributed
+        .broadcast_arrays`), which place it in the same order."""
+        if self.plans is None:
+            self.params = self._place(stored)
+            self.params_updates += 1
+            return
+        leaves, treedef = jax.tree.flatten(stored)
+        leaves = [np.asarray(x) for x in leaves]  # a single process's arrays: `stored_tree` checked them
+        step = self.plans.publish(UPDATE_PARAMS, sum(x.nbytes for x in leaves))
+        try:
+            stored = jax.tree.unflatten(treedef, distributed.broadcast_arrays(leaves))
+            self.params = self._place(stored)
+        except BaseException as e:
+            distributed.lost_step(step, e)
+        self.params_updates += 1
+
+    def _place(self, stored: Any) -> Any:
+        """``stored`` laid out and placed like the weights held now, in arrays of the runner's own."""
+        new = place_params(stored, self.model_cfg, self.layout, self.mesh)
+        # place_params keeps a device array that is already where it belongs: copy it, so the
+        # runner never shares a buffer with the caller (a training step may donate its arrays)
+        given = {id(x) for x in jax.tree.leaves(stored)}
+        new = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False) if id(x) in given else x, new)
+        held = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        for (path, a), b in zip(held, jax.tree.leaves(new), strict=True):
+            if (a.shape, a.dtype, a.sharding) != (b.shape, b.dtype, b.sharding):
+                raise RuntimeError(f"params{jax.tree_util.keystr(path)}: placed as {b.shape} {b.dtype} "
+                                   f"{b.sharding}, the programs take {a.shape} {a.dtype} {a.sharding}")
+        return new
+
+    def _stored_targets(self) -> list:
+        """Per canonical leaf, how the runner stores it: its dtype, or a `QuantizedWeight` of specs."""
+        specs = get_family(self.model_cfg.architecture).param_specs(self.model_cfg)
+        stored = jax.tree.leaves(specs, is_leaf=lambda s: is_spec(s) or is_quantized(s))
+        held = jax.tree.leaves(self.params, is_leaf=is_quantized)
+        return [s if is_quantized(s) else np.dtype(h.dtype) for s, h in zip(stored, held, strict=True)]
+
+    def _stored_zeros(self) -> Any:
+        """Zeros in the structure, shapes and dtypes of a stored tree (a follower's receive buffers)."""
+        specs = get_family(self.model_cfg.architecture).param_specs(self.model_cfg)
+        is_leaf = lambda s: is_spec(s) or is_quantized(s)  # noqa: E731
+        leaves, treedef = jax.tree.flatten(specs, is_leaf=is_leaf)
+        zeros = lambda s, dtype=None: np.zeros(s.shape, dtype or s.dtype)  # noqa: E731
+        return jax.tree.unflatten(treedef, [
+            jax.tree.map(zeros, s) if is_quantized(s) else zeros(s, t)
+            for s, t in zip(leaves, self._stored_targets(), strict=True)
+        ])
+
+    # -- several processes ---------------------------------------------------
+
+    def follow(self) -> int:
+        """A follower process: run the leader's steps, in order, until it stops; returns how many."""
+        if self.plans is None or distributed.is_leader():
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
+        n = 0
+        while (plan := self.plans.receive()) is not None:
+            key, host_args = plan
+            if key == WARMUP:
+                self.programs.warmup(*host_args)
+                self.warmups_followed += 1
+                continue
+            if key == UPDATE_PARAMS:
+                self._receive_params(host_args)
+                continue
+            prog = self.programs.get(key)
+            args = distributed.global_inputs(host_args, replicated(self.mesh))
+            out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *args)
+            if self.one_step_in_flight:
+                jax.block_until_ready(out)
+            n += 1
+        return n
+
+    def _receive_params(self, nbytes: int) -> None:
+        """A follower: the leader's new weights (`swap_params`), broadcast to every process."""
+        zeros = self._stored_zeros()
+        leaves, treedef = jax.tree.flatten(zeros)
+        if sum(x.nbytes for x in leaves) != nbytes:
+            raise RuntimeError(f"the leader sends {nbytes} bytes of weights, this process expects "
+                               f"{sum(x.nbytes for x in leaves)}: the processes hold different models")
+        stored = jax.tree.unflatten(treedef, distributed.broadcast_arrays(leaves))
+        self.params = self._place(stored)
+        self.params_updates += 1
+
+    def stop_followers(self) -> None:
+        """The leader: tell the followers there are no more steps."""
+        if self.plans is not None and distributed.is_leader():
+            self.plans.stop()
+
+
+def _inverse_map(idx: np.ndarray, size: int) -> np.ndarray:
+    """For a layout's index map (laid-out position -> original, -1 a pad): original -> a laid-out
+    position that holds it (a KV head replicated over several shards: any of its copies)."""
+    inv = np.full(size, -1, np.int32)
+    real = np.nonzero(idx >= 0)[0]
+    inv[idx[real]] = real
+    if (inv < 0).any():
+        raise RuntimeError(f"the layout drops positions {np.nonzero(inv < 0)[0][:5]} of a leaf")
+    return inv
+
+
+@functools.lru_cache(maxsize=None)
+def _canonical_fn(axis: int, transpose: bool, out_sharding: Any):
+    """A laid-out (and maybe quantized) leaf -> its canonical float value (`canonical_params`)."""
+
+    def f(x, inv):
+        w = x.dequantize(jnp.float32) if is_quantized(x) else x
+        if inv is not None:
+            w = jnp.take(w, inv, axis=axis)
+        return w.T if transpose else w
+
+    return jax.jit(f, out_shardings=out_sharding)
+
+
+def read_output(out: SamplerOutput, reqs: Sequence[Request], rows: Optional[Sequence[int]] = None) -> list:
+    """Bring a step's results to the host: [(token, Logprob or None)] per request.
+
+    ``rows`` gives each request's row in the step (default: row i for request i).
+    """
+    rows = list(range(len(reqs))) if rows is None else list(rows)
+    tokens = to_host(out.tokens)
+    lps = None
+    if out.logprob is not None and any(r.params.logprobs is not None for r in reqs):
+        lps = (to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs))
+    res = []
+    for i, r in zip(rows, reqs):
+        lp = None
+        if lps is not None and r.params.logprobs is not None:
+            n = r.params.logprobs
+            top = {int(k): float(v) for k, v in zip(lps[1][i, :n], lps[2][i, :n])}
+            lp = Logprob(int(tokens[i]), float(lps[0][i]), top)
+        res.append((int(tokens[i]), lp))
+    return res

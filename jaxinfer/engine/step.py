@@ -1,0 +1,193 @@
+"""The two jitted device entry points: `prefill` and `decode_step`.
+
+Both are pure functions of (params, KV cache, sampler state, token ids,
+attention metadata, sampling metadata); both donate the KV cache and the
+sampler state so they are updated in place, and both return the drawn tokens
+(and logprobs when asked) as device arrays. They share one core: a decode step
+is a prefill chunk of length one.
+
+Compile keys are the model config and the padded shapes (batch, chunk length,
+and the page-table width); sampler settings, logprobs and context lengths are
+data. The engine compiles them ahead of time into its program table
+(`jaxinfer.engine.programs`); calling these jitted functions directly works too.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) come from the prefill itself:
+when a row of the chunk asks for them (a data flag, `lax.cond`: a prefill without
+such a row does nothing more), the hidden state at each of its chunk positions
+goes through the LM head and `jaxinfer.ops.sampler.token_logprobs` — the same
+functions that give a drawn token's logprob — a block of rows at a time
+(`prompt_logprob_rows`), so the logits held at once stay bounded whatever the
+chunk (a 4,096-token step of a 49k vocabulary would be 800 MB at once; a block
+of 128 rows is 25 MB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import get_family
+from jaxinfer.ops.sampler import (
+    SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, sample, token_logprobs,
+)
+
+# Prompt logprobs make at most this many bytes of float32 logits at once, in blocks of at most
+# PROMPT_LOGPROB_MAX_ROWS rows (a power of two). Measured on a 2-core AVX2 box, SmolLM2's head (49,152 x 576,
+# float32, the native kernel): 48 ms for 32 rows, 100 for 64, 146 for 128, 394 for 256; 128 rows per block
+# is the fastest per row, and 25 MB at that vocabulary.
+PROMPT_LOGPROB_BYTES = 32 << 20
+PROMPT_LOGPROB_MAX_ROWS = 128
+
+
+def prompt_logprob_rows(vocab_size: int) -> int:
+    """Rows of logits per block for prompt logprobs: the largest power of two whose float32 logits fit
+    `PROMPT_LOGPROB_BYTES`, within [8, `PROMPT_LOGPROB_MAX_ROWS`] (128 for a 49k vocabulary, 32 for 262k)."""
+    fit = max(1, PROMPT_LOGPROB_BYTES // (4 * vocab_size))
+    return max(8, min(PROMPT_LOGPROB_MAX_ROWS, 1 << (fit.bit_length() - 1)))
+
+
+def prompt_logprobs(
+    params: Any, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array, last_index: jax.Array,
+    sampling: SamplingMetadata,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The logprob of each chunk token given the ones before it, from the chunk's hidden states.
+
+    hidden: [B, T, D]; tokens: [B, T]. Returns (logprob [B, T], top ids [B, T, N], top logprobs
+    [B, T, N], rank [B, T]), N = ``sampling.max_logprobs``: at index j < ``last_index`` of a row
+    that asked (``sampling.want_prompt_logprobs``) the logprob of token j + 1 under the
+    distribution at j, its rank there and the N most likely tokens; zeros elsewhere. The row's last token is scored by the sampler
+    (it is the drawn token's position) or, mid-prompt, by the next chunk (`jaxinfer.engine.scheduler`
+    starts that one a token earlier). Logits are made `prompt_logprob_rows` rows at a time, and a
+    block without a row that asked is skipped.
+    """
+    b, t, d = hidden.shape
+    n = sampling.max_logprobs
+    family = get_family(cfg.architecture)
+    rows = b * t
+    r = min(prompt_logprob_rows(cfg.vocab_size), rows)
+    nb = -(-rows // r)
+    pad = nb * r - rows
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    scored = sampling.want_prompt_logprobs[:, None] & (jnp.arange(t)[None, :] < last_index[:, None])
+
+    def blocks(x, *tail):
+        return jnp.pad(x.reshape(rows, *tail), [(0, pad)] + [(0, 0)] * len(tail)).reshape(nb, r, *tail)
+
+    def zeros(m):
+        return (jnp.zeros((m,), jnp.float32), jnp.zeros((m, n), jnp.int32), jnp.zeros((m, n), jnp.float32),
+                jnp.zeros((m,), jnp.int32))
+
+    def block(args):
+        h, tg, sc = args
+        return jax.lax.cond(
+            jnp.any(sc),
+            lambda: token_logprobs(family.logits(params, cfg, h), tg, n, rank=True),
+            lambda: zeros(r),
+        )
+
+    def every_block():
+        lp, ids, top, rank = jax.lax.map(block, (blocks(hidden, d), blocks(targets), blocks(scored)))
+        m = nb * r
+        return lp.reshape(m)[:rows], ids.reshape(m, n)[:rows], top.reshape(m, n)[:rows], rank.reshape(m)[:rows]
+
+    lp, ids, top, rank = jax.lax.cond(jnp.any(scored), every_block, lambda: zeros(rows))
+    return lp.reshape(b, t), ids.reshape(b, t, n), top.reshape(b, t, n), rank.reshape(b, t)
+
+
+def _step_core(
+    params: Any,
+    kv_cache: list,
+    sampler_state: SamplerState,
+    tokens: jax.Array,
+    attn: AttentionMetadata,
+    last_index: jax.Array,
+    sampling: SamplingMetadata,
+    cfg: ModelConfig,
+    record: bool,
+):
+    b, t = tokens.shape
+    chex.assert_shape(last_index, (b,))
+    family = get_family(cfg.architecture)
+    hidden, kv_cache = family.forward(params, cfg, tokens, kv_cache, attn)
+    h_last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
+    logits = family.logits(params, cfg, h_last)
+    if record:
+        valid = jnp.arange(t)[None, :] <= last_index[:, None]
+        sampler_state = record_prompt_if_needed(sampler_state, tokens, attn.positions, valid, sampling)
+    out, sampler_state = sample(logits, sampling, sampler_state)
+    if record:  # a prefill chunk: prompt logprobs for the rows that ask
+        lp, ids, top, rank = prompt_logprobs(params, cfg, hidden, tokens, last_index, sampling)
+        out = dataclasses.replace(out, prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=top,
+                                  prompt_rank=rank)
+    return out, kv_cache, sampler_state
+
+
+def _prefill(
+    params: Any,
+    kv_cache: list,
+    sampler_state: SamplerState,
+    tokens: jax.Array,
+    attn: AttentionMetadata,
+    last_index: jax.Array,
+    sampling: SamplingMetadata,
+    *,
+    cfg: ModelConfig,
+) -> tuple[SamplerOutput, list, SamplerState]:
+    """Run a chunk of prompt tokens and draw the next token after each row's last one.
+
+    tokens: [B, T] int32 (a chunk starting at ``attn.positions[:, 0]``, padded);
+    last_index: [B] int32, index in the chunk of each row's last real token.
+    The drawn token matters only for a row whose chunk ends its prompt.
+    """
+    return _step_core(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, True)
+
+
+def _decode_step(
+    params: Any,
+    kv_cache: list,
+    sampler_state: SamplerState,
+    tokens: jax.Array,
+    from_state: jax.Array,
+    attn: AttentionMetadata,
+    sampling: SamplingMetadata,
+    *,
+    cfg: ModelConfig,
+) -> tuple[SamplerOutput, list, SamplerState]:
+    """One token per running request; attention metadata has T = 1.
+
+    tokens: [B] int32, each row's input token where the host has it;
+    from_state: [B] bool, take the row's input instead from the token its slot drew
+    last (``sampler_state.last_tokens``): the previous step's output, still on device.
+    """
+    b = tokens.shape[0]
+    chex.assert_shape(from_state, (b,))
+    on_device = sampler_state.last_tokens.at[sampling.slot_ids].get(mode="fill", fill_value=0)
+    tokens = jnp.where(from_state, on_device, tokens)
+    last = jnp.zeros((b,), jnp.int32)
+    return _step_core(params, kv_cache, sampler_state, tokens[:, None], attn, last, sampling, cfg, False)
+
+
+_JIT = dict(static_argnames=("cfg",), donate_argnames=("kv_cache", "sampler_state"))
+prefill = jax.jit(_prefill, **_JIT)
+decode_step = jax.jit(_decode_step, **_JIT)
+
+
+def on_mesh(kind: str, cache_sharding: Any, replicated: Any):
+    """The step ``kind`` ("prefill" | "decode") jitted for a device mesh: the KV cache comes back in
+    ``cache_sharding`` and the rest (drawn tokens, sampler state) replicated, as they went in,
+    so every step's outputs are the next step's inputs as compiled."""
+    fn = _prefill if kind == "prefill" else _decode_step
+    return jax.jit(fn, out_shardings=(replicated, cache_sharding, replicated), **_JIT)
+
+
+def compiled_count() -> int:
+    """Programs lowered in this process (steps and eager ops alike); see `jaxinfer.engine.compile_cache`."""
+    from jaxinfer.engine.compile_cache import compile_count
+
+    return compile_count()

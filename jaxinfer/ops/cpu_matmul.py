@@ -1,0 +1,259 @@
+"""A native CPU kernel for the products ``x @ W`` (XLA FFI), float or quantized, any rows.
+
+Batch-1 decode reads every weight once per token, so a step is bound by memory bandwidth.
+XLA's CPU path for a quantized weight dequantizes it into a float32 copy and then runs its
+dot over that copy (several times the bytes of the weight); its float32 matrix-vector
+product reaches about half the bandwidth, and its bfloat16 one rounds the activations to
+bfloat16. `jaxinfer/ops/kernels/matmul_cpu.cc` reads each weight element once, widens it in
+registers, and shares output columns with XLA's intra-op thread pool. Prefill's many rows
+take the same kernel, blocked: each thread converts a cache-sized panel of its columns to
+float32 once and runs every row over it. See `benchmarks/matmul_kernel.py` for the figures.
+
+Weights it takes (``y [M, N] float32 = x [M, K] float32 @ W``; activations stay float32):
+
+- a `jaxinfer.ops.quant.QuantizedWeight` (int8, or int4 with or without an offset, any group
+  that divides K), contracted over its rows (``w_contract`` 0);
+- a `QuantizedWeight` stored transposed, ``[N, K]`` with groups along its rows (``axis`` 1,
+  GGUF's row blocks: a tied LM head), int8 without an offset only, contracted over its
+  columns (``w_contract`` 1): q ``int8 [N, K]``, scale ``float16 [N, K / group]``;
+- a float32, bfloat16 or float16 ``[K, N]`` array (``w_contract`` 0), or ``[N, K]``
+  (``w_contract`` 1: a tied LM head stored ``[vocab, hidden]``). 16-bit weights are
+  widened exactly to float32 (x is not rounded to 16 bits, as XLA's bfloat16 dot does).
+
+One reduction order: each output element is computed by the same float operations in the
+same order whatever the number of rows in the call, the row's position among them, the
+other rows, the thread count and the path inside the kernel (few rows or blocked), so a
+row's result is bitwise the same alone or in any batch (the kernel's top comment gives the
+order; tests/test_cpu_matmul.py checks it for every weight form).
+
+Use: `start_build` early (a background compile, once per machine, cached on disk), then
+`prepare` before tracing (loads and registers; returns whether the kernel is there). In a
+trace, call `matmul` only where `fits` says so; `fits` never builds, and is False off CPU,
+with ``JAXINFER_CPU_KERNELS=0``, after a failed build, for a weight it does not take, and
+under a multi-device mesh (XLA cannot partition a custom call). `matmul`'s derivatives are
+those of the XLA formula (`xla_matmul`), which computes the same function.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.ops import kernels, mesh
+from jaxinfer.ops.quant import QuantizedWeight
+
+SOURCE = "matmul_cpu.cc"
+TARGET_FLOAT = "jaxinfer_matmul_float"
+TARGET_Q = "jaxinfer_matmul_q"
+_SYMBOLS = {TARGET_FLOAT: "JaxinferMatmulFloat", TARGET_Q: "JaxinferMatmulQ"}
+
+# The float weight dtypes the kernel takes (widened to float32 in registers).
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# ---------------------------------------------------------------------------
+# building
+
+
+def start_build() -> None:
+    """Begin building the kernel in the background (call early at model load, so the
+    once-per-machine compile overlaps reading the weights); `prepare` waits for it."""
+    if jax.default_backend() == "cpu":
+        kernels.build_in_background(SOURCE)
+
+
+def prepare() -> bool:
+    """Build (once per machine, then cached on disk), load and register the kernel.
+
+    Call it before tracing a step. Returns whether the kernel is available; a failed build
+    warns once and callers use XLA's path.
+    """
+    if jax.default_backend() != "cpu" or not kernels.enabled():
+        return False
+    if not kernels.ready(SOURCE) and not kernels.tried(SOURCE):
+        from jaxinfer import progress
+
+        title = "loading the CPU matmul kernel" if kernels.is_built(SOURCE) else (
+            "building the CPU matmul kernel (once per machine)")
+        with progress.stage(title):
+            kernels.load(SOURCE, _SYMBOLS)
+    return kernels.ready(SOURCE)
+
+
+def isa() -> Optional[str]:
+    """The SIMD path the loaded kernel was compiled for ("avx512", "avx2" or "scalar"), or None."""
+    lib = kernels._loaded.get(SOURCE)
+    return None if lib is None else _isa_of(lib)
+
+
+def _isa_of(lib: ctypes.CDLL) -> str:
+    fn = lib.JaxinferMatmulIsa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+_variants: dict = {}  # flags -> (targets {"float": name, "q": name}, isa)
+
+
+def load_variant(flags: Sequence[str]) -> tuple[dict, str]:
+    """Build the kernel with other compiler flags (e.g. ``["-O3", "-march=native",
+    "-mno-avx512f"]`` for the AVX2 path), load it and register its handlers under their own
+    target names; returns ({"float": target, "q": target}, isa). For tests and benchmarks:
+    pass the targets to `matmul` (``targets=``). Cached on disk like the default build.
+    Raises RuntimeError when it cannot be built."""
+    flags = tuple(flags)
+    if flags in _variants:
+        return _variants[flags]
+    import jaxlib
+
+    cxx = kernels._compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    src = os.path.join(os.path.dirname(kernels.__file__), SOURCE)
+    with open(src, "rb") as f:
+        text = f.read()
+    full = [*flags, "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(b"\0".join([text, " ".join(full).encode(), cxx.encode(), jaxlib.__version__.encode(),
+                                     kernels._cpu_signature().encode()])).hexdigest()[:16]
+    out_dir = kernels.cache_dir()
+    out = os.path.join(out_dir, f"matmul_cpu-variant-{key}.so")
+    if not os.path.exists(out):
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cxx, *full, f"-I{jax.ffi.include_dir()}", src, "-o", tmp], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed to build {SOURCE} with {' '.join(flags)}:\n{proc.stderr[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(out)
+    targets = {"float": f"{TARGET_FLOAT}_{key}", "q": f"{TARGET_Q}_{key}"}
+    jax.ffi.register_ffi_target(targets["float"], jax.ffi.pycapsule(lib.JaxinferMatmulFloat), platform="cpu")
+    jax.ffi.register_ffi_target(targets["q"], jax.ffi.pycapsule(lib.JaxinferMatmulQ), platform="cpu")
+    _variants[flags] = (targets, _isa_of(lib))
+    _libs.append(lib)
+    return _variants[flags]
+
+
+_libs: list = []  # variant libraries stay loaded (their handlers are registered)
+
+
+# ---------------------------------------------------------------------------
+# use
+
+
+def _axis(w: QuantizedWeight) -> int:
+    """The axis a quantized weight's groups run along (0: [K, N]; 1: [N, K])."""
+    return w.axis
+
+
+def _transposed_ok(w: QuantizedWeight, w_contract: int) -> bool:
+    """An ``axis`` 1 weight the kernel takes: int8 ``[N, K]``, no offset, contracted over axis 1."""
+    if w_contract != 1 or w.bits != 8 or w.offset is not None or w.scale is None:
+        return False
+    if len(w.q.shape) != 2 or len(w.scale.shape) != 2:
+        return False
+    n, k = w.q.shape
+    group = w.group or k
+    return (group > 0 and k % group == 0 and jnp.dtype(w.q.dtype) == jnp.int8
+            and jnp.dtype(w.scale.dtype) == jnp.float16 and tuple(w.scale.shape) == (n, k // group))
+
+
+def _weight_ok(w: Any, w_contract: int) -> bool:
+    if isinstance(w, QuantizedWeight):
+        if _axis(w) == 1:
+            return _transposed_ok(w, w_contract)
+        if _axis(w) != 0 or w_contract != 0 or w.bits not in (8, 4) or len(w.q.shape) != 2 or len(w.scale.shape) != 2:
+            return False
+        k, n = w.shape
+        group = w.group or k
+        if group <= 0 or k % group or (w.bits == 4 and group % 2):
+            return False
+        qdtype = jnp.int8 if w.bits == 8 else jnp.uint8
+        def side_ok(a) -> bool:
+            return a is None or (jnp.dtype(a.dtype) == jnp.float16 and tuple(a.shape) == (k // group, n))
+
+        return jnp.dtype(w.q.dtype) == qdtype and w.scale is not None and side_ok(w.scale) and side_ok(w.offset)
+    shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
+    return (shape is not None and len(shape) == 2 and dtype is not None
+            and jnp.dtype(dtype) in [jnp.dtype(d) for d in FLOAT_DTYPES] and w_contract in (0, 1))
+
+
+def fits(rows: int, w: Any, w_contract: int = 0) -> bool:
+    """Whether to stage the kernel for ``rows`` rows of x times ``w``: a CPU default backend,
+    the kernel already loaded (this never builds: safe in a trace), at least one row (any
+    number: decode's few and prefill's many take the same kernel, in the same reduction
+    order), a weight it takes, and no multi-device mesh being traced under."""
+    return (
+        jax.default_backend() == "cpu"
+        and kernels.enabled()
+        and kernels.ready(SOURCE)
+        and rows >= 1
+        and _weight_ok(w, w_contract)
+        and mesh.tp_size() == 1
+    )
+
+
+def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
+    """XLA's path for the same function: dequantize (a quantized weight) or widen (a 16-bit
+    one), then dot, in float32. The kernel's derivatives; the reference its tests use."""
+    f32 = jnp.float32
+    if isinstance(w, QuantizedWeight) and _axis(w) == 1 and w.bits == 8 and w.offset is None:
+        n, k = w.q.shape  # [N, K], scale [N, K / group]
+        group = w.group or k
+        deq = w.q.astype(f32).reshape(n, k // group, group) * w.scale.astype(f32)[:, :, None]
+        w, w_contract = deq.reshape(n, k), 1
+    elif isinstance(w, QuantizedWeight):
+        w, w_contract = w.dequantize(f32), (w_contract if _axis(w) == 1 else 0)
+    dims = (((1,), (w_contract,)), ((), ()))
+    return jax.lax.dot_general(x2.astype(f32), w.astype(f32), dims, preferred_element_type=f32)
+
+
+def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] = None,
+           share: Optional[bool] = None) -> jax.Array:
+    """``x2 [M, K] @ w`` -> ``[M, N]`` float32 by the native kernel (see `fits`).
+
+    ``w``: a `QuantizedWeight` [K, N] (``w_contract`` 0) or int8 [N, K] (``axis`` 1,
+    ``w_contract`` 1), or float32, bfloat16 or float16 [K, N] (``w_contract`` 0) or [N, K]
+    (``w_contract`` 1). ``x2`` is taken as float32 (never rounded to the weight's dtype).
+    ``targets``: another build's handlers (`load_variant`), for tests.
+    ``share``: whether to share the work with XLA's intra-op threads (default: unless a
+    multi-device mesh is being traced under); False measures one thread, in benchmarks.
+    """
+    names = (targets["float"], targets["q"]) if targets else (TARGET_FLOAT, TARGET_Q)
+    if share is None:
+        share = mesh.tp_size() == 1
+    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names, bool(share))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool):
+    m, k = x2.shape
+    if isinstance(w, QuantizedWeight):
+        qc = 1 if _axis(w) == 1 else 0  # the axis of q that meets x's K
+        n = w.q.shape[1 - qc]
+        offset = w.offset if w.offset is not None else jnp.zeros((0, n), jnp.float16)
+        return jax.ffi.ffi_call(names[1], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
+            x2, w.q, w.scale, offset, bits=np.int64(w.bits), group=np.int64(w.group or k), w_contract=np.int64(qc),
+            share=share)
+    n = w.shape[1 - w_contract]
+    return jax.ffi.ffi_call(names[0], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
+        x2, w, w_contract=np.int64(w_contract), share=share)
+
+
+@_kernel_matmul.defjvp
+def _kernel_matmul_jvp(w_contract, names, share, primals, tangents):
+    return jax.jvp(functools.partial(xla_matmul, w_contract=w_contract), primals, tangents)

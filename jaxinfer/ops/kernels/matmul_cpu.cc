@@ -1,0 +1,1091 @@
+// Matrix products for XLA's CPU backend (XLA FFI handlers): y = x @ W, float32 out, any rows.
+//
+// Decode multiplies a handful of activation rows by every weight of the model, once per
+// token, so a step is bound by how fast the weights stream from memory. XLA's CPU path
+// dequantizes a quantized weight into a float32 copy before its dot (several times the
+// bytes), and its float32 matrix-vector product reaches about half the bandwidth. These
+// kernels read each weight element once, widen it in registers, and keep every row's
+// partial sums in registers. Prefill's many rows take the same kernels, blocked so that a
+// converted weight panel serves every row while it is in cache.
+//
+// Handlers (jaxinfer/ops/cpu_matmul.py calls them):
+//
+//   JaxinferMatmulFloat x [M, K] f32, w f32, bf16 or f16: [K, N] (w_contract 0) or [N, K]
+//                       (w_contract 1, a tied LM head stored [vocab, hidden]) -> y [M, N] f32.
+//                       16-bit weights are widened exactly (bf16: a shift; f16: cvtph) and
+//                       multiplied in float32: x is never rounded.
+//   JaxinferMatmulQ     x [M, K] f32, q, scale, offset -> y [M, N] f32, the weight being a
+//                       jaxinfer.ops.quant.QuantizedWeight:
+//                         bits 8: q int8 [K, N];  bits 4: q uint8 [K/2, N], row 2j in the
+//                         low nibble of byte row j, row 2j+1 in the high one (u in 0..15);
+//                         scale f16 [K/group, N]; offset f16 [K/group, N], or [0, N] for none.
+//                       w[k, n] = scale[k/group, n] * v + offset[k/group, n], where v is the
+//                       int8, or the nibble u (u - 8 when there is no offset).
+//                       Attr w_contract 1: the transposed int8 layout (rows are outputs, as
+//                       GGUF's blocks): q int8 [N, K], scale f16 [N, K/group], offset [0, N];
+//                       w[n, k] = scale[n, k/group] * q[n, k], y[m, n] = sum_k x[m, k] w[n, k].
+//
+// ONE REDUCTION ORDER. Each output element y[m, n] is computed by the same sequence of
+// float operations whatever the number of rows M, the row's position, the other rows, the
+// tile sizes, the thread count and band split, and whichever of the two [K, N] paths below
+// runs, so a row's result is bitwise the same alone or in any batch:
+//
+//   [K, N]: y = 0; for each block of kKBlock contraction rows (never straddling a scale
+//     group; K itself for a float weight in blocks of kKBlock): acc = 0, then acc =
+//     fma(x[k], w[k, n], acc) for k in order (w: the float value, the int8, or the nibble
+//     u of row k, each exact in float32); then float: y = y + acc; quantized: y =
+//     fma(scale, acc', y), with acc' = acc - 8 xsum at a group's last block (int4 without
+//     offset) and, at a group's last block with an offset, y = fma(offset, xsum, y).
+//     Columns past the last whole vector: a scalar loop of its own fixed order (tail_columns).
+//   [N, K]: acc lanes over k in steps of the vector width, a fixed horizontal sum, then the
+//     k past the last whole vector in order (int8: per group or per row scales as below).
+//
+// [K, N] layout, few rows (at most kMaxTile: decode). A work item is a band of output
+// columns (at most 16 x 4 vectors; the bands split evenly over the threads). Rows of x are
+// one tile, columns go in panels of NV vectors; for each block the tile's partial sums are
+// MT x NV vector registers: each weight vector is loaded and converted once and multiplied
+// into every row (x, repacked at the start of a call, broadcast from one pointer). At the
+// end of a block the sums go into y (in cache) as above. Each panel prefetches its next
+// block. Columns past the last whole vector are done by a scalar loop. An int4 byte row j
+// is converted to its low nibbles (row 2j) and high nibbles (row 2j + 1).
+//
+// [K, N] layout, more rows (prefill): per band and block, the block's weights over the
+// band's whole vectors are converted once to float32 (int4: a row of each nibble)
+// into a thread-local panel (kKBlock x band, in L2), then every tile of kGemmRows rows runs
+// over it, panel of kGemmVecs vectors by panel (a panel's 2-4 KB stay in L1 across the
+// tiles). Converting is exact, and the multiply-adds and the fold into y are the ones the
+// few-row path does, in the same order: bitwise the same results.
+//
+// [N, K] layout (transposed: float32, bf16, f16 or int8): a work item is a band of weight
+// rows (= output columns), a contiguous run of memory; tiles of MT x NT dot products along
+// K, reduced at the end (int8: converted in registers, scaled per group or per row).
+//
+// Work items are shared with XLA's intra-op thread pool (as the attention kernel does):
+// workers take items from an atomic counter, the calling thread works too and then waits
+// for all items to be done.
+//
+// SIMD is chosen at compile time (the build uses -march=native): AVX-512 (16 lanes),
+// AVX2 + FMA + F16C (8 lanes), or a scalar fallback (1 lane), all from the same templates.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// scalar helpers
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;  // man * 2^-24 (0 or subnormal)
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// a * b + c for the scalar loops (tails, odd groups): one rounding where the build has FMA
+// (every SIMD build), two otherwise, spelled out so that the compiler cannot contract
+// `c += a * b` in one template instance (one tile size) and not in another: that gave a
+// row other bits alone than among others.
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// bfloat16 is float32's upper half: widening is a shift.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// vector traits: F a vector of L floats
+
+struct Scalar {
+  static constexpr int L = 1;
+  static constexpr int kBudget = 8;  // accumulators a tile may hold
+  using F = float;
+  static F zero() { return 0.f; }
+  static F set1(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F v) { *p = v; }
+  static F add(F a, F b) { return a + b; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return a * b + c; }
+  static F load_i8(const int8_t* p) { return static_cast<float>(*p); }
+  // A byte of two nibbles: `lo` = the low nibble, `hi` = the high one, as floats.
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
+    lo = static_cast<float>(*p & 15);
+    hi = static_cast<float>(*p >> 4);
+  }
+  static F load_h(const uint16_t* p) { return half_to_float(*p); }
+  static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  static float h2f(uint16_t h) { return half_to_float(h); }
+  static float sum(F v) { return v; }
+};
+
+#if defined(__AVX512F__)
+struct Avx512 {
+  static constexpr int L = 16;
+  static constexpr int kBudget = 24;
+  using F = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    // vpermps reads the low 4 bits of each index: a table lookup gives the low nibble as a float
+    lo = _mm512_permutexvar_ps(u, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4));
+  }
+  static F load_h(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static F load_bf16(const uint16_t* p) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+};
+using Vec = Avx512;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Avx2 {
+  static constexpr int L = 8;
+  static constexpr int kBudget = 12;
+  using F = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(u, 4));
+  }
+  static F load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_bf16(const uint16_t* p) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+  static float h2f(uint16_t h) { return _cvtsh_ss(h); }
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+using Vec = Avx2;
+#else
+using Vec = Scalar;
+#endif
+
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr const char* kIsa = "avx2";
+#else
+constexpr const char* kIsa = "scalar";
+#endif
+
+constexpr int kMaxTile = Vec::L == 16 ? 16 : (Vec::L == 8 ? 12 : 8);  // rows of x per tile (few-row path)
+// The many-row path's register tile: kGemmRows rows of x by kGemmVecs vectors of columns
+// (accumulators + the panel's weight vectors + one broadcast fit the register file; loads
+// per multiply-add: AVX-512 10 / 24, AVX2 8 / 12).
+constexpr int kGemmRows = Vec::L == 1 ? 4 : 6;
+constexpr int kGemmVecs = Vec::L == 16 ? 4 : 2;
+// Contraction rows per block (a multiple of 2). Prefetching the next block of a panel while
+// this one is summed gives the quantized panels (one cache line or less a row) memory-level
+// parallelism that the hardware prefetchers do not: measured single-threaded on cold int8 /
+// int4 weights, 2-3x the GB/s of no prefetching; float32 rows (4 lines a panel) stream well
+// without it at one row of x, and take it from 2 rows on. The block is also the unit of
+// the reduction order (see the top of the file): changing it changes every result's bits.
+constexpr int kKBlock = 32;
+constexpr int kPrefetchRows = 32;
+constexpr int64_t kMaxBandUnits = 16;  // a work item's columns, at most, in units of 4 vectors
+
+// A hint only: an address past the weight's end (the last block's lookahead) is harmless.
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// How many vectors wide a panel is for a tile of MT rows: as many as fit the register budget, <= 4.
+constexpr int panel_vectors(int mt) {
+  return 4 * mt <= Vec::kBudget ? 4 : (2 * mt <= Vec::kBudget ? 2 : 1);
+}
+
+// ---------------------------------------------------------------------------
+// the problem
+
+enum Kind { kF32 = 0, kI8 = 1, kU4 = 2, kBF16 = 3, kF16 = 4 };
+enum OffsetMode { kNoOffset = 0, kOffset = 1, kMinus8 = 2 };  // kMinus8: int4 without offset, v = u - 8
+
+constexpr bool is_float(int kind) { return kind == kF32 || kind == kBF16 || kind == kF16; }
+constexpr int elem_bytes(int kind) { return kind == kF32 ? 4 : (kind == kBF16 || kind == kF16 ? 2 : 1); }
+
+// One weight element, widened to float32 (exactly; int4 is not an element: see tail_columns).
+template <int KIND>
+inline float w_at(const void* w, int64_t i) {
+  if constexpr (KIND == kF32)
+    return static_cast<const float*>(w)[i];
+  else if constexpr (KIND == kI8)
+    return static_cast<const int8_t*>(w)[i];
+  else if constexpr (KIND == kBF16)
+    return bf16_to_float(static_cast<const uint16_t*>(w)[i]);
+  else
+    return half_to_float(static_cast<const uint16_t*>(w)[i]);
+}
+
+// L weight elements from element i on, widened to float32 in registers.
+template <class V, int KIND>
+inline typename V::F load_w(const void* w, int64_t i) {
+  if constexpr (KIND == kF32)
+    return V::load(static_cast<const float*>(w) + i);
+  else if constexpr (KIND == kI8)
+    return V::load_i8(static_cast<const int8_t*>(w) + i);
+  else if constexpr (KIND == kBF16)
+    return V::load_bf16(static_cast<const uint16_t*>(w) + i);
+  else
+    return V::load_h(static_cast<const uint16_t*>(w) + i);
+}
+
+struct Problem {
+  const float* x = nullptr;  // [M, K]
+  // x transposed per tile of rows (`tile` rows; the tile at row m0 with mt rows: mt * K
+  // floats at m0 * K, [K][mt]), so a tile's rows at one k are broadcast from one pointer.
+  const float* xt = nullptr;
+  const void* w = nullptr;   // f32 / bf16 / f16 [K, N] or [N, K], int8 [K, N] or [N, K], uint8 [K/2, N]
+  const uint16_t* scale = nullptr;   // [G, N] f16
+  const uint16_t* offset = nullptr;  // [G, N] f16 or null
+  const float* xsum = nullptr;       // [M, G]: sums of x over each group (offset modes only)
+  float* y = nullptr;                // [M, N]
+  int64_t m = 0, k = 0, n = 0;
+  int64_t group = 0;  // contraction rows per scale (K for float)
+  int64_t groups = 1;
+  int64_t band = 0;   // columns (rows of a transposed w) per work item
+  int64_t items = 0;
+  int64_t tile = kMaxTile;  // rows per tile of xt
+  int kind = kF32;
+  int offset_mode = kNoOffset;
+  bool transposed = false;
+  bool blocked = false;  // [K, N]: the many-row path
+};
+
+// ---------------------------------------------------------------------------
+// [K, N] layout: the end of a block. acc[i][v] holds rows m0 + i, columns n + v L, summed
+// over one block of group g; adds it into y (float: y + acc; quantized: scale * acc + y),
+// and the group's offset term when `last`. Both [K, N] paths end their blocks here.
+
+template <class V, int MT, int NV, int KIND, int OFF>
+inline void fold(const Problem& p, typename V::F (&acc)[MT][NV], int64_t m0, int64_t n, int64_t g, bool last) {
+  using F = typename V::F;
+  constexpr int L = V::L;
+  const int64_t N = p.n;
+  float* y = p.y + m0 * N + n;
+  if constexpr (is_float(KIND)) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) V::store(y + i * N + v * L, V::add(V::load(y + i * N + v * L), acc[i][v]));
+  } else {
+    F s[NV], o[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      s[v] = V::load_h(p.scale + g * N + n + v * L);
+      if constexpr (OFF == kOffset) o[v] = V::load_h(p.offset + g * N + n + v * L);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const float xs = OFF != kNoOffset && last ? p.xsum[(m0 + i) * p.groups + g] : 0.f;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        F a = acc[i][v];
+        if constexpr (OFF == kMinus8) {
+          if (last) a = V::add(a, V::set1(-8.f * xs));
+        }
+        F out = V::fma(s[v], a, V::load(y + i * N + v * L));
+        if constexpr (OFF == kOffset) {
+          if (last) out = V::fma(o[v], V::set1(xs), out);
+        }
+        V::store(y + i * N + v * L, out);
+      }
+    }
+  }
+}
+
+// [K, N], few rows: one panel (MT rows of x, NV vectors of columns at n) over rows [k0, k1)
+// of one group g, reading and widening the weights in registers.
+
+template <class V, int MT, int NV, int KIND, int OFF>
+inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k1, int64_t g, bool last) {
+  using F = typename V::F;
+  constexpr int L = V::L;
+  const int64_t N = p.n, K = p.k;
+  const float* xt = p.xt + m0 * K;
+  F acc[MT][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
+
+  if constexpr (KIND != kU4) {
+    // One row streams well on the hardware prefetchers alone (float32 rows are 4 lines a panel).
+    const bool pf = KIND != kF32 || p.m > 1;
+    constexpr int kBytes = elem_bytes(KIND);
+    for (int64_t k = k0; k < k1; ++k) {
+      F wv[NV];
+      if (KIND != kF32 || pf)
+#pragma GCC unroll 4
+        for (int line = 0; line < NV * L * kBytes; line += 64)
+          prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) wv[v] = load_w<V, KIND>(p.w, k * N + n + v * L);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F xb = V::set1(xt[k * MT + i]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
+      }
+    }
+  } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high nibble), summed in order
+    const uint8_t* q = static_cast<const uint8_t*>(p.w);
+    for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
+      F lo[NV], hi[NV];
+#pragma GCC unroll 4
+      for (int line = 0; line < NV * L; line += 64) prefetch(q + (j + kPrefetchRows / 2) * N + n + line);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, lo[v], hi[v]);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const F a = V::set1(xt[2 * j * MT + i]);        // x[2j]
+        const F b = V::set1(xt[(2 * j + 1) * MT + i]);  // x[2j + 1]
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, hi[v], V::fma(a, lo[v], acc[i][v]));
+      }
+    }
+  }
+  fold<V, MT, NV, KIND, OFF>(p, acc, m0, n, g, last);
+}
+
+// Scalar, for the columns [n0, n1) past the last whole vector: rows [m0, m0 + mt), all of K.
+// Its order (per group: a sequential sum of x * w, then scaled into the total) is its own,
+// fixed, the same for any rows.
+template <int KIND, int OFF>
+void tail_columns(const Problem& p, int64_t m0, int64_t mt, int64_t n0, int64_t n1) {
+  const int64_t N = p.n, K = p.k;
+  for (int64_t i = m0; i < m0 + mt; ++i) {
+    const float* x = p.x + i * K;
+    for (int64_t n = n0; n < n1; ++n) {
+      float total = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float acc = 0.f;
+        for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) {
+          float v;
+          if constexpr (KIND == kU4) {
+            const uint8_t b = static_cast<const uint8_t*>(p.w)[(k / 2) * N + n];
+            v = (k & 1) ? (b >> 4) : (b & 15);
+          } else {
+            v = w_at<KIND>(p.w, k * N + n);
+          }
+          acc = madd(x[k], v, acc);
+        }
+        if constexpr (is_float(KIND)) {
+          total += acc;
+        } else {
+          const float xs = OFF != kNoOffset ? p.xsum[i * p.groups + g] : 0.f;
+          if constexpr (OFF == kMinus8) acc += -8.f * xs;  // exact: a power of two
+          total = madd(half_to_float(p.scale[g * N + n]), acc, total);
+          if constexpr (OFF == kOffset) total = madd(half_to_float(p.offset[g * N + n]), xs, total);
+        }
+      }
+      p.y[i * N + n] = total;
+    }
+  }
+}
+
+// One tile of MT rows over the band's columns [c0, c1), all of K.
+template <int MT, int KIND, int OFF>
+void tile_kn(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
+  using V = Vec;
+  constexpr int L = V::L;
+  constexpr int NV = panel_vectors(MT);
+  const int64_t N = p.n;
+  for (int i = 0; i < MT; ++i) std::fill(p.y + (m0 + i) * N + c0, p.y + (m0 + i) * N + c1, 0.f);
+  const int64_t vec_end = c0 + (c1 - c0) / L * L;  // columns in whole vectors
+  const int64_t wide_end = c0 + (vec_end - c0) / (NV * L) * (NV * L);
+  const int64_t block = std::min<int64_t>(kKBlock, p.group);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t g0 = g * p.group, g1 = g0 + p.group;
+    for (int64_t k0 = g0; k0 < g1; k0 += block) {
+      const int64_t k1 = std::min(g1, k0 + block);
+      const bool last = k1 == g1;
+      for (int64_t n = c0; n < wide_end; n += NV * L) panel<V, MT, NV, KIND, OFF>(p, m0, n, k0, k1, g, last);
+      for (int64_t n = wide_end; n < vec_end; n += L) panel<V, MT, 1, KIND, OFF>(p, m0, n, k0, k1, g, last);
+    }
+  }
+  if (vec_end < c1) tail_columns<KIND, OFF>(p, m0, MT, vec_end, c1);
+}
+
+template <int KIND, int OFF, int MT = kMaxTile>
+void tile_dispatch(const Problem& p, int64_t m0, int mt, int64_t c0, int64_t c1) {
+  if constexpr (MT >= 1) {
+    if (mt == MT)
+      tile_kn<MT, KIND, OFF>(p, m0, c0, c1);
+    else
+      tile_dispatch<KIND, OFF, MT - 1>(p, m0, mt, c0, c1);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// [K, N], many rows: per block, the band's weights converted once into a float32 panel
+// (`wb`, row stride `ws`; int4: byte row j gives rows 2j and 2j + 1, its low and high
+// nibbles), then every row tile over it with the few-row path's multiply-adds and fold.
+
+float* scratch(size_t floats) {
+  static thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
+template <class V, int MT, int NV, int KIND, int OFF>
+inline void micro(const Problem& p, const float* wb, int64_t ws, int64_t m0, int64_t n, int64_t k0, int64_t k1,
+                  int64_t g, bool last) {
+  using F = typename V::F;
+  constexpr int L = V::L;
+  const float* xt = p.xt + m0 * p.k;
+  F acc[MT][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
+  for (int64_t k = k0; k < k1; ++k, wb += ws) {
+    F wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = V::load(wb + v * L);
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const F xb = V::set1(xt[k * MT + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
+    }
+  }
+  fold<V, MT, NV, KIND, OFF>(p, acc, m0, n, g, last);
+}
+
+template <int NV, int KIND, int OFF, int MT = kGemmRows - 1>
+void micro_rest(const Problem& p, int mt, const float* wb, int64_t ws, int64_t m0, int64_t n, int64_t k0, int64_t k1,
+                int64_t g, bool last) {
+  if constexpr (MT >= 1) {
+    if (mt == MT)
+      micro<Vec, MT, NV, KIND, OFF>(p, wb, ws, m0, n, k0, k1, g, last);
+    else
+      micro_rest<NV, KIND, OFF, MT - 1>(p, mt, wb, ws, m0, n, k0, k1, g, last);
+  }
+}
+
+// Every row of x over one panel of NV vectors (columns n...) of a converted block.
+template <int NV, int KIND, int OFF>
+void all_rows(const Problem& p, const float* wb, int64_t ws, int64_t n, int64_t k0, int64_t k1, int64_t g,
+              bool last) {
+  int64_t m0 = 0;
+  for (; m0 + kGemmRows <= p.m; m0 += kGemmRows)
+    micro<Vec, kGemmRows, NV, KIND, OFF>(p, wb, ws, m0, n, k0, k1, g, last);
+  if (m0 < p.m) micro_rest<NV, KIND, OFF>(p, static_cast<int>(p.m - m0), wb, ws, m0, n, k0, k1, g, last);
+}
+
+// Rows [k0, k1) of w over columns [c0, c0 + W) (whole vectors) into buf, float32, row stride W.
+template <int KIND>
+void convert_block(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t W, float* buf) {
+  using V = Vec;
+  constexpr int L = V::L;
+  const int64_t N = p.n;
+  if constexpr (KIND == kU4) {
+    const uint8_t* q = static_cast<const uint8_t*>(p.w);
+    for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
+      const uint8_t* row = q + j * N + c0;
+      float* lo = buf + (2 * j - k0) * W;  // rows 2j and 2j + 1 of the block
+      for (int64_t c = 0; c < W; c += L) {
+        if ((c & 63) < L) prefetch(row + kPrefetchRows / 2 * N + c);
+        typename V::F l, h;
+        V::load_u4(row + c, l, h);
+        V::store(lo + c, l);
+        V::store(lo + W + c, h);
+      }
+    }
+  } else {
+    constexpr int64_t kBytes = elem_bytes(KIND);
+    const char* base = static_cast<const char*>(p.w);
+    for (int64_t k = k0; k < k1; ++k) {
+      float* dst = buf + (k - k0) * W;
+      for (int64_t c = 0; c < W; c += L) {
+        if (((c * kBytes) & 63) < L * kBytes) prefetch(base + ((k + kPrefetchRows) * N + c0 + c) * kBytes);
+        V::store(dst + c, load_w<V, KIND>(p.w, k * N + c0 + c));
+      }
+    }
+  }
+}
+
+template <int KIND, int OFF>
+void item_kn_blocked(const Problem& p, int64_t c0, int64_t c1) {
+  constexpr int L = Vec::L;
+  constexpr int NV = kGemmVecs;
+  const int64_t N = p.n;
+  const int64_t vec_end = c0 + (c1 - c0) / L * L, W = vec_end - c0;
+  if (W > 0) {
+    for (int64_t i = 0; i < p.m; ++i) std::fill(p.y + i * N + c0, p.y + i * N + vec_end, 0.f);
+    float* buf = scratch(static_cast<size_t>(kKBlock * W));
+    const int64_t wide = W / (NV * L) * (NV * L);
+    const int64_t block = std::min<int64_t>(kKBlock, p.group);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int64_t g0 = g * p.group, g1 = g0 + p.group;
+      for (int64_t k0 = g0; k0 < g1; k0 += block) {
+        const int64_t k1 = std::min(g1, k0 + block);
+        const bool last = k1 == g1;
+        convert_block<KIND>(p, k0, k1, c0, W, buf);
+        for (int64_t c = 0; c < wide; c += NV * L) all_rows<NV, KIND, OFF>(p, buf + c, W, c0 + c, k0, k1, g, last);
+        for (int64_t c = wide; c < W; c += L) all_rows<1, KIND, OFF>(p, buf + c, W, c0 + c, k0, k1, g, last);
+      }
+    }
+  }
+  if (vec_end < c1) tail_columns<KIND, OFF>(p, 0, p.m, vec_end, c1);
+}
+
+template <int KIND, int OFF>
+void item_kn(const Problem& p, int64_t item) {
+  const int64_t c0 = item * p.band, c1 = std::min(p.n, c0 + p.band);
+  if (p.blocked) return item_kn_blocked<KIND, OFF>(p, c0, c1);
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTile) {
+    const int mt = static_cast<int>(std::min<int64_t>(kMaxTile, p.m - m0));
+    tile_dispatch<KIND, OFF>(p, m0, mt, c0, c1);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// [N, K] layout (float32, bf16, f16): y[m, n] = sum_k x[m, k] w[n, k]
+
+// A transposed tile: kTileT rows of x by kRowsT weight rows, kTileT * kRowsT accumulators
+// (measured on AVX-512, 1 to 16 rows: 4 x 6 beats 2 x 8, 3 x 8 and 4 x 4).
+constexpr int kTileT = Vec::L == 16 ? 4 : 2;
+constexpr int kRowsT = Vec::L == 16 ? 6 : 4;
+
+template <int MT, int NT, int KIND>
+inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
+  using V = Vec;
+  using F = V::F;
+  constexpr int L = V::L;
+  const int64_t K = p.k;
+  const float* x = p.x + m0 * K;
+  const int64_t w0 = n0 * K;  // element offset of weight row n0
+  F acc[MT][NT];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[i][t] = V::zero();
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    F xv[MT];
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) xv[i] = V::load(x + i * K + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const F wv = load_w<V, KIND>(p.w, w0 + t * K + k);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) acc[i][t] = V::fma(xv[i], wv, acc[i][t]);
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int t = 0; t < NT; ++t) {
+      float r = V::sum(acc[i][t]);
+      for (int64_t kk = k; kk < K; ++kk) r = madd(x[i * K + kk], w_at<KIND>(p.w, w0 + t * K + kk), r);
+      p.y[(m0 + i) * p.n + n0 + t] = r;
+    }
+}
+
+template <int MT, int KIND>
+void tile_t(const Problem& p, int64_t m0, int64_t r0, int64_t r1) {
+  constexpr int NT = kRowsT;
+  int64_t r = r0;
+  for (; r + NT <= r1; r += NT) panel_t<MT, NT, KIND>(p, m0, r);
+  for (; r < r1; ++r) panel_t<MT, 1, KIND>(p, m0, r);
+}
+
+template <int KIND>
+void item_t(const Problem& p, int64_t item) {
+  const int64_t r0 = item * p.band, r1 = std::min(p.n, r0 + p.band);
+  for (int64_t m0 = 0; m0 < p.m; m0 += kTileT) {
+    const int64_t mt = std::min<int64_t>(kTileT, p.m - m0);
+    if (mt == 1)
+      tile_t<1, KIND>(p, m0, r0, r1);
+    else if (mt == 2 || kTileT == 2)
+      tile_t<2, KIND>(p, m0, r0, r1);
+    else if (mt == 3)
+      tile_t<3, KIND>(p, m0, r0, r1);
+    else
+      tile_t<kTileT, KIND>(p, m0, r0, r1);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// [N, K] layout, int8 (w_contract 1): y[m, n] = sum_g scale[n, g] sum_{k in g} x[m, k] q[n, k]
+//
+// A band of weight rows is one contiguous run of memory, read front to back. Tiles are
+// kTileT rows of x by kRowsT weight rows, as for float32. Per-row scales (one group) are
+// applied to the reduced sums; smaller groups scale each converted weight vector (one
+// multiply per vector, shared by the tile's rows of x). Groups that are not a multiple of
+// the vector width take a scalar loop. Each weight row prefetches kPrefetchT bytes ahead,
+// one line per 64 bytes (rows are contiguous, so that is the next panels' bytes): measured
+// single-threaded at M = 1 on the cold [49152, 576] head (AVX-512), 6.3 GB/s without,
+// 8.1 at 2 KB, ~9.5-10 from 4 to 16 KB (flat; an L2 hint instead of L1 made no difference).
+
+#ifndef JAXINFER_PREFETCH_T
+#define JAXINFER_PREFETCH_T 8192
+#endif
+constexpr int64_t kPrefetchT = JAXINFER_PREFETCH_T;  // bytes; 0: no software prefetch
+
+enum QtMode { kQtRow = 0, kQtGroup = 1, kQtScalar = 2 };
+
+template <int MT, int NT, int MODE>
+inline void panel_qt(const Problem& p, int64_t m0, int64_t n0) {
+  using V = Vec;
+  using F = V::F;
+  constexpr int L = V::L;
+  const int64_t K = p.k, G = p.groups;
+  const float* x = p.x + m0 * K;
+  const int8_t* w = static_cast<const int8_t*>(p.w) + n0 * K;
+  const uint16_t* sc = p.scale + n0 * G;
+  if constexpr (MODE == kQtScalar) {
+    for (int i = 0; i < MT; ++i)
+      for (int t = 0; t < NT; ++t) {
+        float total = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          float acc = 0.f;
+          for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) acc = madd(x[i * K + k], w[t * K + k], acc);
+          total = madd(V::h2f(sc[t * G + g]), acc, total);
+        }
+        p.y[(m0 + i) * p.n + n0 + t] = total;
+      }
+    return;
+  } else {
+    F acc[MT][NT];
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) acc[i][t] = V::zero();
+    int64_t k = 0;
+    if constexpr (MODE == kQtRow) {
+      for (; k + L <= K; k += L) {
+        if (kPrefetchT > 0 && (k & 63) < L)
+#pragma GCC unroll 8
+          for (int t = 0; t < NT; ++t) prefetch(w + t * K + k + kPrefetchT);
+        F xv[MT];
+#pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) xv[i] = V::load(x + i * K + k);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) {
+          const F wv = V::load_i8(w + t * K + k);
+#pragma GCC unroll 16
+          for (int i = 0; i < MT; ++i) acc[i][t] = V::fma(xv[i], wv, acc[i][t]);
+        }
+      }
+    } else {  // kQtGroup: group % L == 0, so K % L == 0
+      for (int64_t g = 0; g < G; ++g) {
+        F sv[NT];
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) sv[t] = V::set1(V::h2f(sc[t * G + g]));
+        for (const int64_t k1 = k + p.group; k < k1; k += L) {
+          if (kPrefetchT > 0 && (k & 63) < L)
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; ++t) prefetch(w + t * K + k + kPrefetchT);
+          F xv[MT];
+#pragma GCC unroll 16
+          for (int i = 0; i < MT; ++i) xv[i] = V::load(x + i * K + k);
+#pragma GCC unroll 8
+          for (int t = 0; t < NT; ++t) {
+            const F wv = V::mul(V::load_i8(w + t * K + k), sv[t]);
+#pragma GCC unroll 16
+            for (int i = 0; i < MT; ++i) acc[i][t] = V::fma(xv[i], wv, acc[i][t]);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int t = 0; t < NT; ++t) {
+        float r = V::sum(acc[i][t]);
+        if constexpr (MODE == kQtRow) {
+          for (int64_t kk = k; kk < K; ++kk) r = madd(x[i * K + kk], w[t * K + kk], r);
+          r *= V::h2f(sc[t]);
+        }
+        p.y[(m0 + i) * p.n + n0 + t] = r;
+      }
+  }
+}
+
+template <int MT, int MODE>
+void tile_qt(const Problem& p, int64_t m0, int64_t r0, int64_t r1) {
+  constexpr int NT = kRowsT;
+  int64_t r = r0;
+  for (; r + NT <= r1; r += NT) panel_qt<MT, NT, MODE>(p, m0, r);
+  for (; r < r1; ++r) panel_qt<MT, 1, MODE>(p, m0, r);
+}
+
+template <int MODE>
+void item_qt_mode(const Problem& p, int64_t r0, int64_t r1) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kTileT) {
+    const int64_t mt = std::min<int64_t>(kTileT, p.m - m0);
+    if (mt == 1)
+      tile_qt<1, MODE>(p, m0, r0, r1);
+    else if (mt == 2 || kTileT == 2)
+      tile_qt<2, MODE>(p, m0, r0, r1);
+    else if (mt == 3)
+      tile_qt<3, MODE>(p, m0, r0, r1);
+    else
+      tile_qt<kTileT, MODE>(p, m0, r0, r1);
+  }
+}
+
+void item_qt(const Problem& p, int64_t item) {
+  const int64_t r0 = item * p.band, r1 = std::min(p.n, r0 + p.band);
+  if (p.groups == 1)
+    item_qt_mode<kQtRow>(p, r0, r1);
+  else if (p.group % Vec::L == 0)
+    item_qt_mode<kQtGroup>(p, r0, r1);
+  else
+    item_qt_mode<kQtScalar>(p, r0, r1);
+}
+
+// ---------------------------------------------------------------------------
+// work sharing
+
+void run_item(const Problem& p, int64_t item) {
+  if (p.transposed) {
+    switch (p.kind) {
+      case kI8: return item_qt(p, item);
+      case kF32: return item_t<kF32>(p, item);
+      case kBF16: return item_t<kBF16>(p, item);
+      case kF16: return item_t<kF16>(p, item);
+      default: return;
+    }
+  }
+  switch (p.kind * 3 + p.offset_mode) {
+    case kF32 * 3 + kNoOffset: return item_kn<kF32, kNoOffset>(p, item);
+    case kBF16 * 3 + kNoOffset: return item_kn<kBF16, kNoOffset>(p, item);
+    case kF16 * 3 + kNoOffset: return item_kn<kF16, kNoOffset>(p, item);
+    case kI8 * 3 + kNoOffset: return item_kn<kI8, kNoOffset>(p, item);
+    case kI8 * 3 + kOffset: return item_kn<kI8, kOffset>(p, item);
+    case kU4 * 3 + kOffset: return item_kn<kU4, kOffset>(p, item);
+    case kU4 * 3 + kMinus8: return item_kn<kU4, kMinus8>(p, item);
+    default: return;
+  }
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void run_items(const Problem& p, Progress& prog) {
+  for (;;) {
+    const int64_t item = prog.next.fetch_add(1);
+    if (item >= p.items) return;
+    run_item(p, item);
+    prog.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Chooses the [K, N] path (few rows: one tile, weights widened in registers; more: blocked
+// over converted panels) and fills `buf` with x repacked per tile of that path (see Problem::xt).
+void pack_x(Problem& p, std::vector<float>& buf) {
+  p.blocked = p.m > kMaxTile;
+  p.tile = p.blocked ? kGemmRows : kMaxTile;
+  buf.resize(p.m * p.k);
+  for (int64_t m0 = 0; m0 < p.m; m0 += p.tile) {
+    const int64_t mt = std::min<int64_t>(p.tile, p.m - m0);
+    float* dst = buf.data() + m0 * p.k;
+    const float* x = p.x + m0 * p.k;
+    for (int64_t k = 0; k < p.k; ++k)
+      for (int64_t i = 0; i < mt; ++i) dst[k * mt + i] = x[i * p.k + k];
+  }
+  p.xt = buf.data();
+}
+
+// Splits the output columns into items, then runs them on the calling thread and up to
+// `pool.num_threads() - 1` pool threads. `unit`: the column granularity of a band.
+void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t weight_bytes) {
+  const int64_t threads = share ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  // A product this small is done before a pool thread wakes up.
+  const bool alone = threads == 1 || weight_bytes * std::max<int64_t>(1, p.m) < (64 << 10);
+  const int64_t units = (p.n + unit - 1) / unit;
+  // Wide bands stream better (a band's rows are read left to right); as few items as keep a
+  // band within kMaxBandUnits, in a multiple of the thread count so that threads get equal shares.
+  int64_t per = std::min<int64_t>(units, kMaxBandUnits);
+  if (!alone) {
+    for (int64_t c = 1;; ++c) {
+      per = (units + threads * c - 1) / (threads * c);
+      if (per <= kMaxBandUnits) break;
+    }
+  }
+  p.band = per * unit;
+  p.items = (p.n + p.band - 1) / p.band;
+  auto prog = std::make_shared<Progress>();
+  const int64_t helpers = alone ? 0 : std::min<int64_t>(threads, p.items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    // `p` is copied; its pointers are used only while items remain, i.e. before we return.
+    pool.Schedule([prog, p] { run_items(p, *prog); });
+  }
+  run_items(p, *prog);
+  // Items are even, so the others finish soon: spin briefly (a yield is a system call, and
+  // there are ~120 of these calls a decode step), then yield to whoever holds the core.
+  for (int spin = 0; prog->done.load(std::memory_order_acquire) < p.items; ++spin) {
+    if (spin < 2000)
+      cpu_relax();
+    else
+      std::this_thread::yield();
+  }
+}
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::U8: return "uint8";
+    default: return "another type";
+  }
+}
+
+ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, int64_t w_contract,
+                       bool share, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("cpu matmul: x, w and y must be 2-D; got x " + dims_str(xd) + ", w " +
+                                       dims_str(wd) + ", y " + dims_str(yd));
+  const ffi::DataType wt = w.element_type();
+  if (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16 && wt != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument(std::string("cpu matmul: w must be float32, bfloat16 or float16, got ") +
+                                       dtype_name(wt));
+  if (w_contract != 0 && w_contract != 1)
+    return ffi::Error::InvalidArgument("cpu matmul: w_contract must be 0 or 1, got " + std::to_string(w_contract));
+  Problem p;
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = wd[1 - w_contract];
+  if (wd[w_contract] != p.k)
+    return ffi::Error::InvalidArgument("cpu matmul: x " + dims_str(xd) + " and w " + dims_str(wd) +
+                                       " do not agree on the contraction (w_contract " + std::to_string(w_contract) +
+                                       ")");
+  if (yd[0] != p.m || yd[1] != p.n)
+    return ffi::Error::InvalidArgument("cpu matmul: y " + dims_str(yd) + " should be [" + std::to_string(p.m) + ", " +
+                                       std::to_string(p.n) + "]");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.x = x.typed_data();
+  p.w = w.untyped_data();
+  p.y = y->typed_data();
+  p.kind = wt == ffi::DataType::F32 ? kF32 : (wt == ffi::DataType::BF16 ? kBF16 : kF16);
+  p.group = std::max<int64_t>(1, p.k);
+  p.groups = p.k == 0 ? 0 : 1;
+  p.transposed = w_contract == 1;
+  std::vector<float> xt;
+  if (p.transposed) {
+    run(pool, share, p, kRowsT, p.k * p.n * elem_bytes(p.kind));
+  } else {
+    pack_x(p, xt);
+    run(pool, share, p, 4 * Vec::L, p.k * p.n * elem_bytes(p.kind));
+  }
+  return ffi::Error::Success();
+}
+
+// The [N, K] int8 layout (w_contract 1): q int8 [N, K], scale f16 [N, K/group], no offset.
+ffi::Error MatmulQT(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::Buffer<ffi::F16>& scale,
+                    ffi::Buffer<ffi::F16>& offset, int64_t bits, int64_t group, bool share,
+                    ffi::ResultBuffer<ffi::F32>& y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  const auto yd = y->dimensions();
+  if (bits != 8 || q.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: w_contract 1 ([N, K]) takes int8 q (bits 8) only, got "
+                                       "bits " + std::to_string(bits));
+  if (od[0] != 0)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: w_contract 1 ([N, K]) takes no offset, got offset " +
+                                       dims_str(od));
+  Problem p;
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = qd[0];
+  if (qd[1] != p.k)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: x " + dims_str(xd) + " and q " + dims_str(qd) +
+                                       " do not agree on the contraction (q is [N, K] for w_contract 1)");
+  if (group <= 0 || p.k % group != 0)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: group " + std::to_string(group) +
+                                       " must be positive and divide K = " + std::to_string(p.k));
+  p.group = group;
+  p.groups = p.k / group;
+  if (sd[0] != p.n || sd[1] != p.groups)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: scale " + dims_str(sd) + " should be [" +
+                                       std::to_string(p.n) + ", " + std::to_string(p.groups) +
+                                       "] (N, K / group) for w_contract 1");
+  if (yd[0] != p.m || yd[1] != p.n)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: y " + dims_str(yd) + " should be [" +
+                                       std::to_string(p.m) + ", " + std::to_string(p.n) + "]");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.kind = kI8;
+  p.transposed = true;
+  p.x = x.typed_data();
+  p.w = q.untyped_data();
+  p.scale = scale.typed_data();
+  p.y = y->typed_data();
+  run(pool, share, p, kRowsT, p.n * p.k + 2 * p.n * p.groups);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
+                   ffi::Buffer<ffi::F16> offset, int64_t bits, int64_t group, int64_t w_contract, bool share,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || od.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: x, q, scale, offset and y must be 2-D; got x " +
+                                       dims_str(xd) + ", q " + dims_str(qd) + ", scale " + dims_str(sd) +
+                                       ", offset " + dims_str(od) + ", y " + dims_str(yd));
+  if (bits != 8 && bits != 4)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: bits must be 8 or 4, got " + std::to_string(bits));
+  const auto want = bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (q.element_type() != want)
+    return ffi::Error::InvalidArgument(std::string("cpu quantized matmul: q must be ") +
+                                       (bits == 8 ? "int8" : "uint8 (two int4 per byte)") + " for bits " +
+                                       std::to_string(bits));
+  if (w_contract != 0 && w_contract != 1)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: w_contract must be 0 or 1, got " +
+                                       std::to_string(w_contract));
+  if (w_contract == 1) return MatmulQT(pool, x, q, scale, offset, bits, group, share, y);
+  Problem p;
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = qd[1];
+  const int64_t q_rows = bits == 8 ? p.k : p.k / 2;
+  if (qd[0] != q_rows || (bits == 4 && p.k % 2 != 0))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: x " + dims_str(xd) + " and q " + dims_str(qd) +
+                                       " do not agree on the contraction (q has K" + (bits == 4 ? "/2" : "") +
+                                       " rows for bits " + std::to_string(bits) + ")");
+  if (group <= 0 || p.k % group != 0 || (bits == 4 && group % 2 != 0))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: group " + std::to_string(group) +
+                                       " must be positive, divide K = " + std::to_string(p.k) +
+                                       (bits == 4 ? " and be even" : ""));
+  p.group = group;
+  p.groups = p.k / group;
+  if (sd[0] != p.groups || sd[1] != p.n)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: scale " + dims_str(sd) + " should be [" +
+                                       std::to_string(p.groups) + ", " + std::to_string(p.n) + "] (K / group, N)");
+  const bool has_offset = od[0] != 0;
+  if (has_offset && (od[0] != p.groups || od[1] != p.n))
+    return ffi::Error::InvalidArgument("cpu quantized matmul: offset " + dims_str(od) + " should be [" +
+                                       std::to_string(p.groups) + ", " + std::to_string(p.n) +
+                                       "] (K / group, N), or [0, N] for none");
+  if (yd[0] != p.m || yd[1] != p.n)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: y " + dims_str(yd) + " should be [" +
+                                       std::to_string(p.m) + ", " + std::to_string(p.n) + "]");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.kind = bits == 8 ? kI8 : kU4;
+  p.offset_mode = has_offset ? kOffset : (bits == 4 ? kMinus8 : kNoOffset);
+  p.x = x.typed_data();
+  p.w = q.untyped_data();
+  p.scale = scale.typed_data();
+  p.offset = has_offset ? offset.typed_data() : nullptr;
+  p.y = y->typed_data();
+  std::vector<float> xsum;
+  if (p.offset_mode != kNoOffset) {
+    xsum.assign(p.m * p.groups, 0.f);
+    for (int64_t i = 0; i < p.m; ++i)
+      for (int64_t g = 0; g < p.groups; ++g) {
+        const float* xr = p.x + i * p.k + g * group;
+        float s = 0.f;
+        for (int64_t k = 0; k < group; ++k) s += xr[k];
+        xsum[i * p.groups + g] = s;
+      }
+    p.xsum = xsum.data();
+  }
+  std::vector<float> xt;
+  pack_x(p, xt);
+  run(pool, share, p, 4 * Vec::L, q_rows * p.n + 2 * (sd[0] + od[0]) * p.n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" const char* JaxinferMatmulIsa() { return kIsa; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulFloat, MatmulFloat,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // w f32 / bf16 / f16 [K, N] or [N, K]
+                                  .Attr<int64_t>("w_contract")   // the axis of w that meets x's K
+                                  .Attr<bool>("share")           // share the items with the intra-op pool
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulQ, MatmulQ,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // q int8 [K, N] or uint8 [K/2, N]; int8 [N, K]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scale [K/group, N]; [N, K/group]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // offset [K/group, N] or [0, N]
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("w_contract")   // 0: q [K, N]; 1: int8 q [N, K]
+                                  .Attr<bool>("share")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -1,0 +1,481 @@
+// Causal attention over the paged KV cache, for XLA's CPU backend (an XLA FFI handler).
+//
+// XLA lowers the page gather of the pure-JAX path to an element-by-element copy, and that
+// gather, with the masked softmax over the gathered copy, was most of a batched CPU step.
+// This kernel reads each sequence's pages where they lie, in page-sized blocks, with an
+// online softmax, so the context is read once and never copied.
+//
+// Layout (see jaxinfer/ops/kv_cache.py): cache [num_pages, page_size, 2*KVH, D] with K at even and
+// V at odd head indices. The kernel first writes the chunk's own keys/values into their slots
+// (the cache is an input aliased to an output, so the write is in place), then attends.
+//
+//   q          [B, T, H, D]    float32   queries (RoPE applied)
+//   k, v       [B, T, KVH, D]  float32   the chunk's keys (RoPE applied) and values
+//   cache      [P, S, 2*KVH, D]          float32 or bfloat16 (rounded to nearest even)
+//   page_table [B, NP]         int32     pages of each row, in order
+//   positions  [B, T]          int32     position of each token; -1: padding (not written,
+//                                        output zeros)
+//   out        [B, T, H, D]    float32;  cache_out: the cache, updated (aliases `cache`)
+//
+// Query token at position p attends keys 0..p of its row (causal; grouped-query heads share
+// their kv head); with the `window` attribute w > 0, only keys p-w+1..p (sliding window: the
+// blocks before a row's window are never read, so those pages may be gone). Work items are (row,
+// kv head, tile of query tokens), shared with XLA's intra-op thread pool; a decode step is a tile
+// of one token. Keys and values are read from the cache a vector (16 elements of head_dim) at a
+// time, converted from bfloat16 on the fly.
+//
+// One order per output element, whatever else is computed with it. A query row's output is
+// bitwise the same in a decode step, anywhere in a prefill chunk of any size, beside any other
+// rows, sequences or padding, and whichever thread runs it: every row is computed on its own
+// by the one routine (`attend_rows`), and nothing in it depends on the other rows of its item:
+//   * keys come in blocks fixed by absolute position (every kBlock positions from 0, split at
+//     page boundaries), never by where a chunk or window starts;
+//   * each score q.k is `dot`: lane i sums elements i, i+16, ... in order, then a fixed tree;
+//   * per block: the max, exp of the scores less it, the tree sum of the weights, one rescale
+//     of the running sum and the accumulators; keys outside the row's range (causal, window)
+//     are masked out of the max and the sum and never touch the accumulators;
+//   * values are added to each row in key order, one multiply-add per key; the output is the
+//     accumulator times 1 / sum.
+// tests/test_attention_invariance.py checks it bitwise.
+// head_dim must be 16, 32, 64, 128 or 256 (Gemma 3) (jaxinfer/ops/attention.py checks before calling).
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+constexpr int kMaxDV = 16;        // head_dim / 16, at most
+constexpr int kMaxGroup = 64;     // query heads per kv head
+constexpr int kBlock = kLanes;    // keys per block (never more than what is left of a page)
+constexpr int kTileRows = 48;     // target query rows (tokens x grouped heads) per prefill tile
+constexpr int kMaxRows = 64;      // query rows per work item (one token of kMaxGroup heads)
+constexpr float kNeg = -1e30f;    // masked score (finite: no inf - inf)
+
+inline vf splat(float x) { return vf{} + x; }
+
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, uint16_t* dst) {  // round to nearest even, as XLA converts
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *dst = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays a (quiet) NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline vf load(const uint16_t* p) {  // bfloat16 -> float32: the high half of the bits
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  vi bits = __builtin_convertvector(h, vi) << 16;
+  vf x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// Horizontal sum / max by halving (4 shuffles): a sequential 16-lane chain costs ~4x the latency.
+#if defined(__clang__)
+#define JI_SWAP(x, a) \
+  __builtin_shufflevector(x, x, (0 ^ a), (1 ^ a), (2 ^ a), (3 ^ a), (4 ^ a), (5 ^ a), (6 ^ a), (7 ^ a), (8 ^ a), \
+                          (9 ^ a), (10 ^ a), (11 ^ a), (12 ^ a), (13 ^ a), (14 ^ a), (15 ^ a))
+#else
+#define JI_SWAP(x, a) \
+  __builtin_shuffle(x, vi{0 ^ a, 1 ^ a, 2 ^ a, 3 ^ a, 4 ^ a, 5 ^ a, 6 ^ a, 7 ^ a, 8 ^ a, 9 ^ a, 10 ^ a, 11 ^ a, \
+                          12 ^ a, 13 ^ a, 14 ^ a, 15 ^ a})
+#endif
+
+inline float hsum(vf x) {
+  x += JI_SWAP(x, 8);
+  x += JI_SWAP(x, 4);
+  x += JI_SWAP(x, 2);
+  x += JI_SWAP(x, 1);
+  return x[0];
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+inline float hmax(vf x) {
+  x = vmax(x, JI_SWAP(x, 8));
+  x = vmax(x, JI_SWAP(x, 4));
+  x = vmax(x, JI_SWAP(x, 2));
+  x = vmax(x, JI_SWAP(x, 1));
+  return x[0];
+}
+
+// exp for a vector (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~2 ulp).
+inline vf vexp(vf x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting rounds to nearest
+  vf k = (x * 1.44269504088896341f + magic) - magic;
+  vf r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits = (__builtin_convertvector(k, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Per-thread working memory (kept off the stack).
+struct Scratch {
+  vf q[kMaxRows][kMaxDV];    // the item's query rows, scaled
+  vf acc[kMaxRows][kMaxDV];  // output accumulators, one per query row
+  float s[kMaxRows][kBlock]; // scores, then softmax weights, of the current key block
+};
+
+Scratch& scratch() {
+  thread_local std::unique_ptr<Scratch> mem(new Scratch());
+  return *mem;
+}
+
+struct Problem {
+  const float* q;
+  const void* cache;
+  const int32_t* page_table;
+  const int32_t* positions;
+  float* out;
+  int64_t batch, tokens, heads, kv_heads, head_dim, page_size, num_pages, pages_per_row;
+  int64_t group, tile_tokens, tiles;
+  int64_t window;  // 0: full causal attention; w > 0: keys within w positions, self included
+  float scale;
+};
+
+// The cache row of kv head `kvh` (K if which = 0, V if 1) at `pos`, or null for a bad page.
+template <typename T>
+const T* kv_row(const Problem& p, const int32_t* table, int64_t kvh, int64_t pos, int which) {
+  const int64_t page = table[pos / p.page_size];
+  if (page < 0 || page >= p.num_pages) return nullptr;  // the engine never does this; guards memory
+  return static_cast<const T*>(p.cache) +
+         ((page * p.page_size + pos % p.page_size) * 2 * p.kv_heads + 2 * kvh + which) * p.head_dim;
+}
+
+// Key blocks are fixed by absolute positions: boundaries at every multiple of kBlock and at every
+// page boundary. A query row meets the same blocks, holding its keys in the same slots, whatever
+// chunk, tile or step it is computed in.
+inline int64_t block_start(int64_t pos, int64_t page_size) {
+  return std::max(pos - pos % kBlock, pos - pos % page_size);
+}
+inline int64_t block_end(int64_t start, int64_t page_size) {
+  return std::min(start - start % kBlock + kBlock, start - start % page_size + page_size);
+}
+
+// q.k of one query row and one key: lane i sums elements i, i + 16, ... in order, then the
+// fixed halving tree of hsum. The one order of every score, in decode and prefill alike.
+template <int DV>
+inline float dot(const vf* q, const vf* k) {
+  vf acc = q[0] * k[0];
+  for (int dv = 1; dv < DV; ++dv) acc += q[dv] * k[dv];
+  return hsum(acc);
+}
+
+// acc += w[j] * v[j] for keys j0 <= j < j1, in order of j (one row, or two rows sharing the loads).
+template <typename T, int DV>
+inline void add_values(vf* acc, const float* w, const T* v0, int64_t stride, int64_t j0, int64_t j1) {
+  if (j0 >= j1) return;
+  vf a[DV];
+  for (int dv = 0; dv < DV; ++dv) a[dv] = acc[dv];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float wj = w[j];
+    for (int dv = 0; dv < DV; ++dv) a[dv] += wj * load(v0 + j * stride + dv * kLanes);
+  }
+  for (int dv = 0; dv < DV; ++dv) acc[dv] = a[dv];
+}
+
+template <typename T, int DV>
+inline void add_values2(vf* acc0, const float* w0, vf* acc1, const float* w1, const T* v0, int64_t stride,
+                        int64_t j0, int64_t j1) {
+  if (j0 >= j1) return;
+  vf a0[DV], a1[DV];
+  for (int dv = 0; dv < DV; ++dv) {
+    a0[dv] = acc0[dv];
+    a1[dv] = acc1[dv];
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float x0 = w0[j], x1 = w1[j];
+    for (int dv = 0; dv < DV; ++dv) {
+      const vf x = load(v0 + j * stride + dv * kLanes);
+      a0[dv] += x0 * x;
+      a1[dv] += x1 * x;
+    }
+  }
+  for (int dv = 0; dv < DV; ++dv) {
+    acc0[dv] = a0[dv];
+    acc1[dv] = a1[dv];
+  }
+}
+
+// A work item: query rows (tokens t0 .. t0 + nt - 1 of row b, x the kv head's grouped heads; a
+// decode step is one token). Every row is computed on its own, in the same order whatever the
+// other rows of the item are: its keys, in absolute blocks; per block its scores by `dot`, the
+// block max, exp, the halving-tree sum of the weights, one rescale; its values in key order.
+// Keys outside a row's range (causal, window) never touch its sums.
+template <typename T, int DV>
+void attend_rows(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
+  constexpr int64_t d = DV * kLanes;
+  const int64_t g = p.group;
+  const int64_t t0 = tile * p.tile_tokens;
+  const int64_t rows = std::min(p.tile_tokens, p.tokens - t0) * g;
+  Scratch& sc = scratch();
+  int64_t lo[kMaxRows], hi[kMaxRows];  // row r attends keys lo[r] <= pos < hi[r]
+  float m[kMaxRows], l[kMaxRows];
+  int64_t first = INT64_MAX, last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t bt = b * p.tokens + t0 + r / g;
+    const int64_t pos = p.positions[bt];
+    lo[r] = pos < 0 ? 0 : p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+    hi[r] = pos < 0 ? 0 : pos + 1;
+    if (hi[r] > lo[r]) {
+      first = std::min(first, lo[r]);
+      last = std::max(last, hi[r]);
+    }
+    const float* qr = p.q + (bt * p.heads + kvh * g + r % g) * d;
+    for (int dv = 0; dv < DV; ++dv) {
+      sc.q[r][dv] = load(qr + dv * kLanes) * p.scale;
+      sc.acc[r][dv] = splat(0.0f);
+    }
+    m[r] = kNeg;
+    l[r] = 0.0f;
+  }
+  const int32_t* table = p.page_table + b * p.pages_per_row;
+  const int64_t stride = 2 * p.kv_heads * d;  // between consecutive positions of a page
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  int64_t jlo[kMaxRows], jhi[kMaxRows];
+  for (int64_t start = first < last ? block_start(first, p.page_size) : last; start < last;) {
+    const int64_t bs = start, n = std::min(block_end(start, p.page_size), last) - start;
+    start += n;
+    const T* k0 = kv_row<T>(p, table, kvh, bs, 0);
+    if (k0 == nullptr) continue;
+    for (int64_t j = 0; j < n; ++j) {
+      vf k[DV];
+      for (int dv = 0; dv < DV; ++dv) k[dv] = load(k0 + j * stride + dv * kLanes);
+      for (int64_t r = 0; r < rows; ++r) sc.s[r][j] = dot<DV>(sc.q[r], k);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      jlo[r] = std::max<int64_t>(lo[r] - bs, 0);
+      jhi[r] = std::min<int64_t>(hi[r] - bs, n);
+      if (jlo[r] >= jhi[r]) continue;  // no key of this block for this row
+      const vi in = (lane >= static_cast<int32_t>(jlo[r])) & (lane < static_cast<int32_t>(jhi[r]));
+      vf sv;
+      std::memcpy(&sv, sc.s[r], sizeof(sv));
+      sv = in ? sv : splat(kNeg);
+      const float mx = std::max(m[r], hmax(sv));
+      vf e = vexp(sv - mx);
+      e = in ? e : splat(0.0f);
+      const float c = m[r] == mx ? 1.0f : std::exp(m[r] - mx);
+      l[r] = l[r] * c + hsum(e);
+      m[r] = mx;
+      std::memcpy(sc.s[r], &e, sizeof(e));
+      if (c != 1.0f)
+        for (int dv = 0; dv < DV; ++dv) sc.acc[r][dv] = sc.acc[r][dv] * c;
+    }
+    // The rescaled accumulators go through memory: no multiply-add may fuse the rescale into
+    // the first value of the block in one loop and not in another.
+    asm volatile("" ::: "memory");
+    const T* v0 = k0 + d;
+    for (int64_t r = 0; r < rows; r += 2) {
+      if (r + 1 == rows) {
+        add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, jlo[r], jhi[r]);
+        break;
+      }
+      const int64_t r1 = r + 1;
+      const int64_t a = std::max(jlo[r], jlo[r1]), z = std::min(jhi[r], jhi[r1]);
+      if (a >= z) {  // disjoint ranges: one row at a time
+        add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, jlo[r], jhi[r]);
+        add_values<T, DV>(sc.acc[r1], sc.s[r1], v0, stride, jlo[r1], jhi[r1]);
+        continue;
+      }
+      // each row's keys stay in order: its part before the shared range, the shared range, after
+      add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, jlo[r], a);
+      add_values<T, DV>(sc.acc[r1], sc.s[r1], v0, stride, jlo[r1], a);
+      add_values2<T, DV>(sc.acc[r], sc.s[r], sc.acc[r1], sc.s[r1], v0, stride, a, z);
+      add_values<T, DV>(sc.acc[r], sc.s[r], v0, stride, z, jhi[r]);
+      add_values<T, DV>(sc.acc[r1], sc.s[r1], v0, stride, z, jhi[r1]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = p.out + ((b * p.tokens + t0 + r / g) * p.heads + kvh * g + r % g) * d;
+    const float inv = (hi[r] > lo[r] && l[r] > 0.0f) ? 1.0f / l[r] : 0.0f;
+    for (int dv = 0; dv < DV; ++dv) {
+      const vf o = sc.acc[r][dv] * inv;
+      std::memcpy(out + dv * kLanes, &o, sizeof(o));
+    }
+  }
+}
+
+template <typename T>
+void run_item(const Problem& p, int64_t item) {
+  const int64_t kvh = item % p.kv_heads;
+  const int64_t rest = item / p.kv_heads;
+  const int64_t tile = rest % p.tiles, b = rest / p.tiles;
+  switch (p.head_dim) {
+    case 16:
+      return attend_rows<T, 1>(p, b, tile, kvh);
+    case 32:
+      return attend_rows<T, 2>(p, b, tile, kvh);
+    case 64:
+      return attend_rows<T, 4>(p, b, tile, kvh);
+    case 128:
+      return attend_rows<T, 8>(p, b, tile, kvh);
+    default:
+      return attend_rows<T, 16>(p, b, tile, kvh);
+  }
+}
+
+// Write the chunk's keys and values into their cache slots (padding tokens are skipped).
+template <typename T>
+void write_chunk(const Problem& p, const float* k, const float* v, void* cache) {
+  const int64_t d = p.head_dim, kvh = p.kv_heads;
+  for (int64_t bt = 0; bt < p.batch * p.tokens; ++bt) {
+    const int64_t pos = p.positions[bt];
+    if (pos < 0) continue;
+    const int64_t page = p.page_table[(bt / p.tokens) * p.pages_per_row + pos / p.page_size];
+    if (page < 0 || page >= p.num_pages) continue;
+    T* dst = static_cast<T*>(cache) + (page * p.page_size + pos % p.page_size) * 2 * kvh * d;
+    for (int64_t h = 0; h < kvh; ++h)
+      for (int64_t i = 0; i < d; ++i) {
+        from_float(k[(bt * kvh + h) * d + i], dst + (2 * h) * d + i);
+        from_float(v[(bt * kvh + h) * d + i], dst + (2 * h + 1) * d + i);
+      }
+  }
+}
+
+// Workers take items from a shared counter. A worker that starts after the work is gone
+// touches nothing but the (shared, reference-counted) counters.
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void run_items(const Problem& p, bool bf16, Progress& prog, int64_t total) {
+  for (;;) {
+    const int64_t item = prog.next.fetch_add(1);
+    if (item >= total) return;
+    if (bf16)
+      run_item<uint16_t>(p, item);
+    else
+      run_item<float>(p, item);
+    prog.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> page_table,
+                          ffi::Buffer<ffi::S32> positions, float scale, int64_t window, bool share,
+                          ffi::ResultBuffer<ffi::F32> out,
+                          ffi::Result<ffi::AnyBuffer> cache) {
+  const auto qd = q.dimensions();
+  const auto cd = cache->dimensions();
+  const auto kd = k.dimensions();
+  const auto td = page_table.dimensions();
+  const auto pd = positions.dimensions();
+  if (qd.size() != 4 || cd.size() != 4 || td.size() != 2 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("paged attention: q must be [B,T,H,D], cache [P,S,2*KVH,D], "
+                                       "page_table [B,NP], positions [B,T]");
+  Problem p;
+  p.batch = qd[0];
+  p.tokens = qd[1];
+  p.heads = qd[2];
+  p.head_dim = qd[3];
+  p.num_pages = cd[0];
+  p.page_size = cd[1];
+  p.kv_heads = cd[2] / 2;
+  p.pages_per_row = td[1];
+  p.scale = scale;
+  p.window = window;
+  if (cd[3] != p.head_dim || cd[2] % 2 != 0 || p.kv_heads == 0 || p.heads % p.kv_heads != 0 ||
+      td[0] != p.batch || pd[0] != p.batch || pd[1] != p.tokens || kd.size() != 4 || kd[0] != p.batch ||
+      kd[1] != p.tokens || kd[2] != p.kv_heads || kd[3] != p.head_dim || v.element_count() != k.element_count())
+    return ffi::Error::InvalidArgument("paged attention: shapes do not agree");
+  if (cache->untyped_data() != cache_in.untyped_data())
+    return ffi::Error::InvalidArgument("paged attention: the cache output must alias the cache input");
+  p.group = p.heads / p.kv_heads;
+  if (p.group > kMaxGroup)
+    return ffi::Error::InvalidArgument("paged attention: at most 64 query heads per kv head");
+  if (p.head_dim != 16 && p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
+    return ffi::Error::InvalidArgument("paged attention: head_dim must be 16, 32, 64, 128 or 256");
+  const bool bf16 = cache->element_type() == ffi::DataType::BF16;
+  if (!bf16 && cache->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("paged attention: the cache must be float32 or bfloat16");
+  const int64_t capacity = p.pages_per_row * p.page_size;
+  for (int64_t i = 0; i < p.batch * p.tokens; ++i)
+    if (positions.typed_data()[i] >= capacity)
+      return ffi::Error::InvalidArgument("paged attention: a position lies past the pages given");
+  p.tile_tokens = std::max<int64_t>(1, std::min<int64_t>(p.tokens, kTileRows / p.group));
+  p.tiles = (p.tokens + p.tile_tokens - 1) / p.tile_tokens;
+  p.q = q.typed_data();
+  p.cache = cache->untyped_data();
+  p.page_table = page_table.typed_data();
+  p.positions = positions.typed_data();
+  p.out = out->typed_data();
+
+  if (bf16)
+    write_chunk<uint16_t>(p, k.typed_data(), v.typed_data(), cache->untyped_data());
+  else
+    write_chunk<float>(p, k.typed_data(), v.typed_data(), cache->untyped_data());
+
+  const int64_t total = p.batch * p.tiles * p.kv_heads;
+  auto prog = std::make_shared<Progress>();
+  // `share` false (a multi-device mesh, whose devices already keep every core busy, and whose
+  // collectives block pool threads): the calling thread does every item itself.
+  const int64_t helpers = share ? std::min<int64_t>(pool.num_threads(), total) - 1 : 0;
+  for (int64_t i = 0; i < helpers; ++i) {
+    // `p` is copied; its pointers are used only while items remain, i.e. before we return.
+    pool.Schedule([prog, p, bf16, total] { run_items(p, bf16, *prog, total); });
+  }
+  run_items(p, bf16, *prog, total);
+  while (prog->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::AnyBuffer>()         // cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")  // 0: full causal attention
+                                  .Attr<bool>("share")      // share the items with the intra-op pool
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::AnyBuffer>());       // cache, updated in place
