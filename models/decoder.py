@@ -20,13 +20,13 @@ Canonical tensor names are those of Hugging Face Llama (``model.layers.N.self_at
 ``mlp.gate_proj``...), with ``self_attn.q_norm``/``k_norm``, Gemma's
 ``pre_feedforward_layernorm``/``post_feedforward_layernorm``, and for experts
 ``mlp.gate.weight`` (router) and ``mlp.experts.E.{gate,up,down}_proj.weight``.
-Loaders (`jaxinfer.weights`) map every file format and family naming to these.
+Loaders (`jaxinfer.loading.weights`) map every file format and family naming to these.
 
 Layout: weights are stored ``[in, out]`` so a layer is ``x @ w``. Q, K and V are
 fused into one ``wqkv`` and gate/up into one ``w_gate_up``: fewer, larger
 matmuls, which is what a memory-bound decode step wants. On a device mesh their
 columns are ordered per tensor-parallel shard (`split_qkv`, `split_gate_up`; the
-layout is `jaxinfer.mesh.TPLayout`'s), so each device's columns are its own heads;
+layout is `jaxinfer.ops.mesh.TPLayout`'s), so each device's columns are its own heads;
 the same code runs at every tensor-parallel size. Layers are a Python
 list, so a jitted step unrolls them and each layer's cache array is updated
 in place (a `lax.scan` carrying the whole cache copies it every step); it also
@@ -42,12 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import cpu_matmul, invariant, quant
-from jaxinfer.attention import AttentionMetadata, paged_attention
+from jaxinfer.ops import cpu_matmul, invariant, quant
+from jaxinfer.ops.attention import AttentionMetadata, paged_attention
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.models import moe
-from jaxinfer.quant import is_quantized
-from jaxinfer.spec import ArraySpec
+from jaxinfer.ops.quant import is_quantized
+from jaxinfer.ops.spec import ArraySpec
 
 Params = dict[str, Any]
 
@@ -139,7 +139,7 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     """Convert canonical Hugging Face tensors (``[out, in]`` weights) to our parameter tree.
 
-    The tree is in host memory (numpy arrays of ``dtype``): `jaxinfer.mesh.place_params` puts it
+    The tree is in host memory (numpy arrays of ``dtype``): `jaxinfer.ops.mesh.place_params` puts it
     on the devices, each device receiving only its shard.
     """
 
@@ -163,7 +163,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
         return quant.weight_from_hf([raw(n) for n in names], scheme, put)
 
     def head_weight(name: str, float_layout) -> Any:
-        """The embeddings or the LM head: quantized in the HF orientation ``[vocab, hidden]`` (`jaxinfer.quant`),
+        """The embeddings or the LM head: quantized in the HF orientation ``[vocab, hidden]`` (`jaxinfer.ops.quant`),
         else float in ``float_layout``."""
         w = raw(name)
         if head is not None and head.fits(w.shape[1]):
@@ -211,7 +211,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm in float32, scaled by ``offset + weight`` (offset 1 for Gemma's zero-centred weights).
 
-    The mean square and the reciprocal root are the batch-invariant forms (`jaxinfer.invariant`):
+    The mean square and the reciprocal root are the batch-invariant forms (`jaxinfer.ops.invariant`):
     a row's norm does not depend on how many rows are normalised with it."""
     xf = x.astype(jnp.float32)
     xf = xf * invariant.rsqrt(invariant.row_mean(xf * xf, keepdims=True) + eps)
@@ -287,7 +287,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
 def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """x @ w in the weights' dtype, accumulated and returned in float32.
 
-    On CPU every product goes to the native kernel (`jaxinfer.cpu_matmul`) where it takes
+    On CPU every product goes to the native kernel (`jaxinfer.ops.cpu_matmul`) where it takes
     the weight: float32, bfloat16, float16 or quantized, any number of rows (decode's few,
     prefill's many). It reads each weight element once, widens it to float32 in registers
     (a quantized one: dequantizes a cache-sized panel at a time for many rows, never a
@@ -297,7 +297,7 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     same alone or in any batch.
 
     Elsewhere (GPU, TPU, ``JAXINFER_CPU_KERNELS=0``, a multi-device mesh) XLA computes it:
-    a quantized weight (`jaxinfer.quant.QuantizedWeight`) is dequantized to float32 inside
+    a quantized weight (`jaxinfer.ops.quant.QuantizedWeight`) is dequantized to float32 inside
     the program and multiplied (GPU and TPU fuse the dequantization into the product). With
     float32 weights this is a plain float32 matmul. With bfloat16 weights the activations
     are rounded to bfloat16 just for the product, which the hardware runs natively;
@@ -306,8 +306,8 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     ``w_contract`` is the axis of ``w`` that meets x's last axis (1 for the tied
     embedding, stored [vocab, hidden]).
 
-    In batch-invariant mode (`jaxinfer.invariant.active`) XLA's path runs the product as a loop
-    of fixed-shape row tiles (`jaxinfer.invariant.tiled_dot`), so a row's result does not
+    In batch-invariant mode (`jaxinfer.ops.invariant.active`) XLA's path runs the product as a loop
+    of fixed-shape row tiles (`jaxinfer.ops.invariant.tiled_dot`), so a row's result does not
     depend on the step's other rows there either.
 
     On XLA's path a single bfloat16 row is padded to two: XLA's CPU backend turns a one-row
@@ -344,7 +344,7 @@ def activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def split_gate_up(cfg: ModelConfig, y: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[..., 2i] -> gate, up [..., i]; the columns are [gate | up] per tensor-parallel shard
-    (`ModelConfig.tp_shards`, see `jaxinfer.mesh`), one shard: [gate | up]."""
+    (`ModelConfig.tp_shards`, see `jaxinfer.ops.mesh`), one shard: [gate | up]."""
     s = cfg.tp_shards
     y = y.reshape(*y.shape[:-1], s, 2, y.shape[-1] // (2 * s))
     lead = y.shape[:-3]
@@ -423,7 +423,7 @@ def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     if cfg.tie_word_embeddings:
         out = matmul(hidden, params["embed"], w_contract=1)
     else:
-        head = params["lm_head"]  # quantized: [vocab, hidden] (jaxinfer.quant)
+        head = params["lm_head"]  # quantized: [vocab, hidden] (jaxinfer.ops.quant)
         out = matmul(hidden, head, w_contract=1 if is_quantized(head) else 0)
     out = out.astype(jnp.float32)
     if cfg.final_logit_softcap:

@@ -23,7 +23,7 @@ expert, masked (measured, 64 experts of 512 x 1024: 81 ms for 2 tokens against 0
 for one expert's matmul). One mechanism that costs what the active experts cost on
 every backend is what this module does instead. The sort uses `jnp.argsort` and the top-k
 is k rounds of argmax (k is small): `lax.top_k` is kept out of step programs on CPU
-(see `jaxinfer.sampler`).
+(see `jaxinfer.ops.sampler`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import invariant
+from jaxinfer.ops import invariant
 from jaxinfer.config import ModelConfig
-from jaxinfer.spec import ArraySpec
+from jaxinfer.ops.spec import ArraySpec
 
 MAX_BLOCK_ROWS = 64
 
