@@ -33,7 +33,7 @@ _LAZY = {
     "Logprob": "jaxinfer.outputs",
     "RequestOutput": "jaxinfer.outputs",
     "StreamDelta": "jaxinfer.outputs",
-    "InputProcessor": "jaxinfer.text.processor",
+    "InputProcessor": "jaxinfer.engine.processor",
     "SamplerState": "jaxinfer.ops.sampler",
     "SamplingMetadata": "jaxinfer.ops.sampler",
     "init_sampler_state": "jaxinfer.ops.sampler",

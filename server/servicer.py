@@ -268,7 +268,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # -- Generate ---------------------------------------------------------------
 
     def _build_request(self, msg: pb.GenerateRequest, arrival: float):
-        """The request through the engine's one front door (`jaxinfer.text.processor`); ValueError for bad input."""
+        """The request through the engine's one front door (`jaxinfer.engine.processor`); ValueError for bad input."""
         params = sampling_params_from_proto(msg.sampling, self.llm.get_default_sampling_params())
         structured = structured_outputs_from_proto(msg.sampling)
         if structured is not None:  # compiled by make_request: a bad one is a ValueError naming its kind

@@ -102,7 +102,7 @@ def test_processor_passes_chat_template_kwargs_and_reports_template_errors(tmp_p
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import WordLevel
 
-    from jaxinfer.text.processor import InputProcessor
+    from jaxinfer.engine.processor import InputProcessor
     from jaxinfer.text.tokenizer import load_tokenizer
 
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]

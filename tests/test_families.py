@@ -269,7 +269,7 @@ def test_end_of_turn_token_is_a_stop_token_by_the_models_own_config(name):
     builds stops on it (that a stop id ends a request is the engine's own test)."""
     f = family(name)
     from jaxinfer.text.tokenizer import load_tokenizer
-    from jaxinfer.text.processor import InputProcessor
+    from jaxinfer.engine.processor import InputProcessor
 
     tok = load_tokenizer(str(f.dir))
     loaded = weights.load_model(weights.resolve_model(str(f.dir)))

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 from jaxinfer.loading import gguf_models as G
 from jaxinfer.loading import weights as W
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
-from jaxinfer.loading.gguf_file import GGUFFile
+from jaxinfer.gguf_file import GGUFFile
 from jaxinfer.text.tokenizer import Tokenizer
 
 FAMILIES = Path(__file__).parent / "fixtures" / "families"

@@ -9,7 +9,8 @@ import pytest
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
 from jaxinfer.engine.compile_cache import compile_count
-from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state, sample
+from jaxinfer.ops.sampler import init_sampler_state, sample
+from jaxinfer.engine.sampling import RowSampling, build_metadata
 from jaxinfer.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 SP = SamplingParams

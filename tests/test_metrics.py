@@ -192,7 +192,7 @@ def test_unauthenticated_calls_are_counted(llm, tmp_path):
 def test_serve_flag_sets_the_metrics_port():
     import argparse
 
-    from jaxinfer.server.cli import add_serve_arguments, server_config_from_args
+    from jaxinfer.cli.serve import add_serve_arguments, server_config_from_args
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)

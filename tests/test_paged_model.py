@@ -13,7 +13,8 @@ from jaxinfer.engine import step
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig, RopeScaling
 from jaxinfer.models import decoder, llama
-from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state
+from jaxinfer.ops.sampler import init_sampler_state
+from jaxinfer.engine.sampling import RowSampling, build_metadata
 from jaxinfer.sampling_params import SamplingParams
 
 PS = TINY_ENGINE.page_size

@@ -1,4 +1,4 @@
-"""The input processor (`jaxinfer.text.processor`): one front door for the library, the CLI and the server.
+"""The input processor (`jaxinfer.engine.processor`): one front door for the library, the CLI and the server.
 
 Checked with the real SmolLM2 tokenizer (no model weights are needed: the
 processor turns input into a `Request`, it runs nothing).
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import requires_smollm2
 from jaxinfer.config import GenerationDefaults
-from jaxinfer.text.processor import InputProcessor
+from jaxinfer.engine.processor import InputProcessor
 from jaxinfer.sampling_params import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from jaxinfer.sampling_params import SamplingParams as SP
 

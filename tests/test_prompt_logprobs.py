@@ -20,7 +20,8 @@ from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.config import EngineConfig
 from jaxinfer.models import llama
-from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state, token_logprobs
+from jaxinfer.ops.sampler import init_sampler_state, token_logprobs
+from jaxinfer.engine.sampling import RowSampling, build_metadata
 from jaxinfer.sampling_params import SamplingParams as SP
 
 # Bitwise equality needs one reduction order whatever the rows in the step or the chunking (issue 20): the native

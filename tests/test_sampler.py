@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.engine.compile_cache import compile_count
-from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state, record_prompt, sample
+from jaxinfer.ops.sampler import init_sampler_state, record_prompt, sample
+from jaxinfer.engine.sampling import RowSampling, build_metadata
 from jaxinfer.sampling_params import SamplingParams
 
 V = 64

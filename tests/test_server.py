@@ -703,7 +703,7 @@ def _generate_args(server_addr, prompt_text, **kw):
 
 
 def test_generate_via_server_reports_bad_input_in_one_line(server, capsys):
-    from jaxinfer.server.cli import generate_via_server
+    from jaxinfer.cli.serve import generate_via_server
 
     assert generate_via_server(_generate_args(server.address, "hello", **{"--top-p": 2})) == 2
     assert "top_p must be in (0, 1], got 2.0." in capsys.readouterr().err
@@ -717,7 +717,7 @@ def test_generate_via_server_reports_bad_input_in_one_line(server, capsys):
 def test_serve_arguments_parse_with_safe_defaults():
     import argparse
 
-    from jaxinfer.server.cli import add_serve_arguments, server_config_from_args
+    from jaxinfer.cli.serve import add_serve_arguments, server_config_from_args
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
@@ -747,7 +747,7 @@ def test_serve_warms_up_by_default_and_takes_the_dtypes_of_generate():
 def test_serve_logging_keeps_jaxinfer_info_and_lifts_jax_to_warning():
     """`serve` logs at INFO, but JAX's INFO lines ("Unable to initialize backend 'tpu'") stay out of its log."""
     script = (
-        "import argparse, logging; from jaxinfer.server.cli import _configure_logging\n"
+        "import argparse, logging; from jaxinfer.cli.serve import _configure_logging\n"
         "_configure_logging(argparse.Namespace(quiet=False))\n"
         "logging.getLogger('jax._src.xla_bridge').info('Unable to initialize backend tpu')\n"
         "logging.getLogger('jaxinfer.server').info('server line')\n"
@@ -791,7 +791,7 @@ def test_generate_via_server_samples_with_the_defaults_of_local_generate(tmp_pat
     from jaxinfer.cli.main import CLI_TEMPERATURE, CLI_TOP_P, cli_sampling_defaults
     from jaxinfer.config import GenerationDefaults
     from jaxinfer.server import servicer
-    from jaxinfer.server.cli import generate_via_server
+    from jaxinfer.cli.serve import generate_via_server
 
     generation = GenerationDefaults(*model_defaults) if model_defaults else None
     llm = jaxinfer.LLM.from_params(TINY, tiny_params(), tokenizer=_char_tokenizer(tmp_path), engine_config=ENGINE,
@@ -855,7 +855,7 @@ def test_real_model_text_and_chat_over_the_server_equal_the_library(smollm2_llm,
         import json
 
         from jaxinfer.cli.main import cli_sampling_defaults
-        from jaxinfer.server.cli import generate_via_server
+        from jaxinfer.cli.serve import generate_via_server
 
         args = _generate_args(srv.address, "Name a primary colour.",
                               **{"--json": None, "--temperature": 0.7, "--seed": 42, "--max-tokens": 24})

@@ -23,7 +23,8 @@ import jaxinfer
 from conftest import TINY, TINY_ENGINE, requires_smollm2, tiny_params
 from jaxinfer import SamplingParams as SP
 from jaxinfer import StructuredOutputsParams as SO
-from jaxinfer.ops.sampler import RowSampling, build_metadata, init_sampler_state, sample
+from jaxinfer.ops.sampler import init_sampler_state, sample
+from jaxinfer.engine.sampling import RowSampling, build_metadata
 from jaxinfer.engine.structured import allowed_ids, bitmask_width
 
 ENGINE = TINY_ENGINE.replace(num_pages=256)

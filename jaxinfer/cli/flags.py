@@ -561,3 +561,43 @@ def print_logprobs(token_text, logprobs, file=None) -> None:
     out = file if file is not None else sys.stderr
     out.write(format_logprobs(token_text, logprobs) + "\n")
     out.flush()
+
+
+def one_line(message: str) -> str:
+    """Collapse a multi-line message (bullet lists included) onto one line."""
+    parts: list[str] = []
+    in_bullets = False
+    for raw in str(message).splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        bullet = line.startswith("- ")
+        if bullet:
+            line = line[2:].strip()
+            if parts and in_bullets:
+                parts[-1] += ";"
+        elif in_bullets and parts and parts[-1][-1] not in ".:;!?":
+            parts[-1] += "."
+        parts.append(line)
+        in_bullets = bullet
+    return " ".join(parts)
+
+
+def load_llm(args: argparse.Namespace):
+    """``LLM(**llm_kwargs(args))``: the model of every command that loads one.
+
+    Importing the engine (and JAX) takes seconds on a cold start; when that has not happened yet
+    (``import jaxinfer.cli.main`` alone does not do it unless the package imports it eagerly), it runs
+    as a start-up stage of its own, so the terminal shows it instead of sitting silent.
+    """
+    import contextlib
+    import sys
+
+    from jaxinfer import progress
+    from jaxinfer.engine.compile_cache import enable_compilation_cache
+
+    first = "jaxinfer.llm" not in sys.modules
+    with progress.stage("loading the engine") if first else contextlib.nullcontext():
+        enable_compilation_cache()
+        from jaxinfer.llm import LLM  # here, not at the top: importing JAX is the stage shown
+    return LLM(**llm_kwargs(args))

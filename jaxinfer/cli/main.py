@@ -25,7 +25,6 @@ stderr. Ctrl-C exits with status 130.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -57,9 +56,10 @@ from jaxinfer.cli.flags import (
     configure_progress,
     generate_result,
     generate_sampling,
-    llm_kwargs,
+    load_llm,
     model_name,
     number,
+    one_line,
     positive_int,
     print_logprobs,
     read_prompt,
@@ -77,26 +77,6 @@ EXIT_USAGE = 2
 EXIT_REQUEST_FAILED = 1  # the request ended with finish_reason "error" (e.g. its structured output failed)
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
-
-
-def one_line(message: str) -> str:
-    """Collapse a multi-line message (bullet lists included) onto one line."""
-    parts: list[str] = []
-    in_bullets = False
-    for raw in str(message).splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        bullet = line.startswith("- ")
-        if bullet:
-            line = line[2:].strip()
-            if parts and in_bullets:
-                parts[-1] += ";"
-        elif in_bullets and parts and parts[-1][-1] not in ".:;!?":
-            parts[-1] += "."
-        parts.append(line)
-        in_bullets = bullet
-    return " ".join(parts)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -199,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over gRPC: Generate (streamed), Tokenize, GetModelInfo, health, reflection. "
         "Binds 127.0.0.1 unless --host says otherwise. Model and engine flags are generate's.",
     )
-    from jaxinfer.server.cli import add_serve_arguments
+    from jaxinfer.cli.serve import add_serve_arguments
 
     add_serve_arguments(sv)  # the model and engine groups, and the network's own flags
     add_progress_flags(sv)
@@ -348,20 +328,6 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def load_llm(args: argparse.Namespace):
-    """``LLM(**llm_kwargs(args))``: the model of every command that loads one.
-
-    Importing the engine (and JAX) takes seconds on a cold start; when that has not happened yet
-    (``import jaxinfer.cli.main`` alone does not do it unless the package imports it eagerly), it runs
-    as a start-up stage of its own, so the terminal shows it instead of sitting silent.
-    """
-    first = "jaxinfer.llm" not in sys.modules
-    with progress.stage("loading the engine") if first else contextlib.nullcontext():
-        enable_compilation_cache()
-        from jaxinfer.llm import LLM
-    return LLM(**llm_kwargs(args))
-
-
 def _write(stream, text: str) -> None:
     stream.write(text)
     stream.flush()
@@ -374,7 +340,7 @@ def _write(stream, text: str) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if getattr(args, "server", None):
-        from jaxinfer.server.cli import generate_via_server
+        from jaxinfer.cli.serve import generate_via_server
 
         return generate_via_server(args)
     # Everything that can be checked without the model is checked first.
@@ -465,7 +431,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from jaxinfer.loading import model_cache
-    from jaxinfer.text.processor import InputProcessor
+    from jaxinfer.engine.processor import InputProcessor
     from jaxinfer.loading.weights import resolve_model
 
     text = read_prompt(args.text, "text")
@@ -497,7 +463,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxinfer.server.cli import run_serve
+    from jaxinfer.cli.serve import run_serve
 
     return run_serve(args)
 

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Optional, TextIO
 from jaxinfer.cli.flags import (
     UsageError,
     generate_sampling,
+    one_line,
     print_logprobs,
     sampling_overrides,
 )
@@ -349,12 +350,12 @@ class Chat:
             server_error = _server_error_class()
             code = getattr(e, "code", None) if server_error and isinstance(e, server_error) else None
             if isinstance(e, ValueError):  # the processor's checks; the server's INVALID_ARGUMENT
-                self.note(f"jaxinfer: error: {_one_line(e.details if code is not None else str(e))}")
+                self.note(f"jaxinfer: error: {one_line(e.details if code is not None else str(e))}")
                 return None
             if code is None:
                 raise
             if code.name == "RESOURCE_EXHAUSTED":
-                self.note(f"jaxinfer: the server is busy ({_one_line(e.details)}); send the message again")
+                self.note(f"jaxinfer: the server is busy ({one_line(e.details)}); send the message again")
                 return None
             self.note(f"jaxinfer: error: {_server_failure(getattr(backend, 'address', '?'), e)}")
             return EXIT_SERVER_ERROR
@@ -399,15 +400,9 @@ def _server_error_class():
 def _server_failure(address: str, e) -> str:
     """One line for a failed call, worded as ``generate --server`` words it (nothing answered, too slow, or
     what the server answered)."""
-    from jaxinfer.server.cli import server_error_message
+    from jaxinfer.cli.serve import server_error_message
 
-    return _one_line(server_error_message(address, e))
-
-
-def _one_line(message: str) -> str:
-    from jaxinfer.cli.main import one_line
-
-    return one_line(message)
+    return one_line(server_error_message(address, e))
 
 
 # --------------------------------------------------------------------------- #
@@ -449,7 +444,7 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
             stderr.flush()
             return EXIT_SERVER_ERROR
     else:
-        from jaxinfer.cli.main import load_llm
+        from jaxinfer.cli.flags import load_llm
         from jaxinfer.cli.flags import check_engine_flags
 
         overrides = check_chat_args(args)

@@ -46,7 +46,7 @@ from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.engine.buckets import bucket_for, pages_needed
 from jaxinfer.engine.compile_cache import cache_root, caching_enabled, jax_cache_active
 from jaxinfer.ops.mesh import cache_sharding, replicated
-from jaxinfer.ops.sampler import build_metadata
+from jaxinfer.engine.sampling import build_metadata
 
 log = logging.getLogger("jaxinfer")
 

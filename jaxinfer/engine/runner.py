@@ -32,7 +32,8 @@ from jaxinfer.engine.programs import ProgramKey, ProgramTable
 from jaxinfer.ops.quant import is_quantized
 from jaxinfer.engine.request import Request, TokenRef
 from jaxinfer.engine.scheduler import PrefillChunk
-from jaxinfer.ops.sampler import RowSampling, SamplerOutput, build_metadata, init_sampler_state
+from jaxinfer.ops.sampler import SamplerOutput, init_sampler_state
+from jaxinfer.engine.sampling import RowSampling, build_metadata
 from jaxinfer.sampling_params import MAX_LOGIT_BIAS
 from jaxinfer.ops.spec import is_spec
 from jaxinfer.engine.structured import bitmask_width

@@ -1,7 +1,7 @@
-"""Text in and out: the tokenizer (HF tokenizer.json, SentencePiece, a GGUF vocabulary), the
-incremental detokenizer, chat templates, and the `InputProcessor` that turns a prompt or a
-conversation into a validated engine request.
+"""Text: the tokenizer (HF tokenizer.json, SentencePiece, a GGUF vocabulary), the incremental
+detokenizer and chat templates.
 
-May import: engine (the request it builds, grammar constraints), loading (a GGUF vocabulary),
-and the base modules. Never cli, tools or server.
+May import: the base modules (a GGUF vocabulary is read with `jaxinfer.gguf_file`). Never ops,
+models, loading, engine, cli, tools or server: loading builds and stores tokenizers, the
+engine's `processor` uses them.
 """

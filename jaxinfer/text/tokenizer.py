@@ -450,7 +450,7 @@ class Tokenizer:
     def from_gguf(cls, path: Union[str, os.PathLike], gguf_file: Any = None) -> "Tokenizer":
         """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
 
-        ``gguf_file``: the file's header already parsed (`jaxinfer.loading.gguf_file.GGUFFile`),
+        ``gguf_file``: the file's header already parsed (`jaxinfer.gguf_file.GGUFFile`),
         so a load that also reads the weights parses it once.
         """
         path = os.fspath(path)
@@ -612,7 +612,7 @@ def _read_gguf_tokenizer_metadata(path: str, gguf_file: Any = None) -> dict[str,
     if gguf_file is None:
         if not os.path.isfile(path):
             raise ValueError(f"{path} does not exist")
-        from jaxinfer.loading.gguf_file import GGUFFile
+        from jaxinfer.gguf_file import GGUFFile
 
         try:
             gguf_file = GGUFFile(path)

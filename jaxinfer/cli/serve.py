@@ -389,8 +389,8 @@ def generate_via_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """``python -m jaxinfer.server.cli [serve flags]``: the server without the main CLI (development)."""
-    p = argparse.ArgumentParser(prog="python -m jaxinfer.server.cli", description="Serve a model over gRPC.")
+    """``python -m jaxinfer.cli.serve [serve flags]``: the server without the main CLI (development)."""
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.cli.serve", description="Serve a model over gRPC.")
     add_serve_arguments(p)
     return run_serve(p.parse_args(argv))
 
