@@ -1,12 +1,15 @@
-"""What the package reads from the process environment in more than one place: on/off switches
-(``JAXINFER_CPU_KERNELS``, ``JAXINFER_COMPILATION_CACHE``, ``JAXINFER_MODEL_CACHE``) and the cache root.
-Standard library only, so any layer may import it."""
+"""What the package reads from the process environment and the host in more than one place: on/off
+switches (``JAXINFER_CPU_KERNELS``, ``JAXINFER_COMPILATION_CACHE``, ``JAXINFER_MODEL_CACHE``,
+``JAXINFER_BATCH_INVARIANT``), the cache root and the CPU's feature flags. Standard library only, so any
+layer may import it."""
 
 from __future__ import annotations
 
 import os
 
 OFF = frozenset({"0", "false", "no", "off"})
+ON = frozenset({"1", "true", "yes", "on"})
+BATCH_INVARIANT = "JAXINFER_BATCH_INVARIANT"  # batch-invariant mode (`jaxinfer.ops.invariant`); off unless set
 
 
 def switched_off(value) -> bool:
@@ -19,7 +22,24 @@ def is_on(name: str) -> bool:
     return not switched_off(os.environ.get(name))
 
 
+def is_set(name: str) -> bool:
+    """A switch that is off unless the variable ``name`` turns it on ("1", "true", "yes", "on", in any case)."""
+    return (os.environ.get(name) or "").strip().lower() in ON
+
+
 def cache_root() -> str:
     """``$XDG_CACHE_HOME/jaxinfer`` (``~/.cache/jaxinfer``): kernels, programs and converted models live below."""
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxinfer")
+
+
+def cpu_flags() -> frozenset:
+    """The host CPU's feature flags (x86 "flags" / Arm "Features" in /proc/cpuinfo); empty if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
