@@ -31,11 +31,13 @@ from typing import Optional
 
 import jax
 
+from jaxinfer.engine.buckets import bucket_for, pages_needed
 from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.engine.engine_stats import EngineStats
 from jaxinfer.engine.distributed import to_host
 from jaxinfer.outputs import Logprob, StreamDelta
 from jaxinfer.engine.page_allocator import PageAllocator
+from jaxinfer.engine.programs import ProgramKey
 from jaxinfer.engine.request import Request, TokenRef
 from jaxinfer.engine.runner import ModelRunner, read_output
 from jaxinfer.engine.scheduler import Scheduler
@@ -419,9 +421,6 @@ class Engine:
 
         ``prompt_logprobs``: the request asks for them, so its chunks after the first start a
         token back (`jaxinfer.engine.scheduler.overlap`)."""
-        from jaxinfer.engine.buckets import bucket_for, pages_needed
-        from jaxinfer.engine.programs import ProgramKey
-
         e, table = self.ecfg, self.runner.programs
         b = bucket_for(1, e.batch_buckets)
         keys = set()

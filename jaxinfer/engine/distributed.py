@@ -30,13 +30,18 @@ program that relies on a cluster manager to supply the coordinator's address cal
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import sys
 import threading
 from typing import Any, Optional
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxinfer import progress
 
 PLAN_PREFIX = "jaxinfer/plan/"
 _STOP = "stop"
@@ -71,6 +76,7 @@ def is_leader() -> bool:
 
 
 def _client():
+    # Lazy: a private JAX module, so a JAX release that moves it breaks multi-process runs only.
     from jax._src.distributed import global_state
 
     if global_state.client is None:
@@ -154,8 +160,6 @@ def broadcast_arrays(arrays: list) -> list:
     compiled program per chunk size, reused by every later update of the same model; a host
     holds the whole tree once more while it arrives.
     """
-    from jax.experimental import multihost_utils
-
     sizes = [int(np.asarray(a).nbytes) for a in arrays]
     words = max(1, -(-sum(sizes) // 4))
     chunk = min(BROADCAST_WORDS, words)
@@ -184,9 +188,6 @@ def lost_step(step: int, error: BaseException) -> None:
     """The leader failed to run a step whose plan is out: the followers are running it and would
     pair their next collectives with the wrong program. End this process (the runtime's
     heartbeat ends the others) rather than run on out of step."""
-    import logging
-    import sys
-
     message = f"jaxinfer: process 0 failed step {step} after publishing its plan ({type(error).__name__}: {error}); " \
               "the processes are out of step, exiting"
     logging.getLogger("jaxinfer").critical(message)
@@ -217,7 +218,5 @@ def run_as_follower(llm) -> bool:
     if not is_multiprocess() or is_leader():
         return False
     steps = llm.follow()
-    from jaxinfer import progress
-
     progress.say(f"process {jax.process_index()}: followed {steps} steps of process 0")
     return True

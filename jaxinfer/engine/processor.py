@@ -29,6 +29,7 @@ from jaxinfer.config import GenerationDefaults
 from jaxinfer.text.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.engine.request import Request, new_request_id
+from jaxinfer.engine.structured import GrammarCompiler
 from jaxinfer.sampling_params import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -241,8 +242,6 @@ class InputProcessor:
     def grammars(self):
         """The `jaxinfer.engine.structured.GrammarCompiler` of this model's tokenizer (built on first use)."""
         if self._grammars is None:
-            from jaxinfer.engine.structured import GrammarCompiler
-
             tok = self._need_tokenizer("structured output needs one to read the grammar's text.")
             self._grammars = GrammarCompiler(tok, self.vocab_size or tok.vocab_size, self.eos_token_ids)
         return self._grammars

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -37,8 +38,11 @@ import numpy as np
 
 from jaxinfer._version import __version__
 from jaxinfer.config import GenerationDefaults, ModelConfig
-from jaxinfer.ops.spec import abstract, is_spec
 from jaxinfer.loading.weights import CONVERTED_MANIFEST
+from jaxinfer.models import get_family
+from jaxinfer.ops.quant import is_quantized
+from jaxinfer.ops.spec import abstract, check_tree, is_spec
+from jaxinfer.text.tokenizer import Tokenizer
 
 __all__ = [
     "FORMAT_VERSION",
@@ -102,12 +106,12 @@ def _leaf_shapes(specs) -> dict[str, list[int]]:
 
 
 def _family(cfg: ModelConfig):
-    from jaxinfer.models import get_family
-
     return get_family(cfg.architecture)
 
 
 def _orbax():
+    # Lazy: orbax.checkpoint (with tensorstore) takes seconds to import, and only saving or
+    # restoring a converted model needs it (a model built from params or a source never does).
     import orbax.checkpoint as ocp
 
     return ocp
@@ -128,8 +132,6 @@ def _prepare_params(cfg: ModelConfig, params: Any, dtype: Optional[str]) -> tupl
 
     Quantized weights (`jaxinfer.ops.quant.QuantizedWeight`) keep their integer and float16 leaves;
     ``dtype`` is that of the float leaves."""
-    from jaxinfer.ops.quant import is_quantized
-
     leaves = [x for x in jax.tree.leaves(params, is_leaf=is_quantized) if not is_quantized(x)]
     if dtype is None:
         kinds = sorted({jnp.dtype(x.dtype).name for x in leaves})
@@ -144,8 +146,6 @@ def _prepare_params(cfg: ModelConfig, params: Any, dtype: Optional[str]) -> tupl
             f"the parameter tree does not have the structure of a {cfg.architecture!r} model "
             f"with this config:\n  expected {want}\n  got      {got}"
         )
-    from jaxinfer.ops.spec import check_tree
-
     check_tree(specs, params)
     params = jax.tree.map(lambda s, x: x if jnp.dtype(x.dtype) == jnp.dtype(s.dtype) else x.astype(s.dtype),
                           specs, params, is_leaf=is_spec)
@@ -343,8 +343,6 @@ def _restore_params(path: Path, specs, sharding: Any = None) -> Any:
 def load_converted_tokenizer(path: Union[str, os.PathLike], manifest: Optional[dict] = None,
                              source: Optional[str] = None) -> Any:
     """The tokenizer of a converted directory (None if it was saved without one)."""
-    from jaxinfer.text.tokenizer import Tokenizer
-
     path = Path(path)
     manifest = manifest if manifest is not None else read_manifest(path)
     facts = manifest.get("tokenizer")
@@ -413,8 +411,6 @@ def load_converted(
                 f"expected {jnp.dtype(s.dtype).name}{list(s.shape)}"
             )
     if dtype is not None and dtype_name(dtype) != saved:  # the float leaves; quantized weights stay
-        from jaxinfer.ops.quant import is_quantized
-
         want = jnp.dtype(dtype_name(dtype))
         params = jax.tree.map(lambda x: x if is_quantized(x) else x.astype(want), params, is_leaf=is_quantized)
     tokenizer = tokenizer_future.result() if tokenizer_future is not None else None
@@ -427,7 +423,5 @@ _pool = None
 def _executor():
     global _pool
     if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
         _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxinfer-restore")
     return _pool

@@ -30,6 +30,7 @@ rebuilds), so tests can check a load used the cache without timing it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -52,6 +53,9 @@ from jaxinfer.loading.checkpoint import DTYPES, dtype_name
 from jaxinfer.env import cache_root, switched_off
 from jaxinfer.config import GenerationDefaults, ModelConfig
 from jaxinfer.loading.weights import ModelSource, load_model, open_gguf
+from jaxinfer.models import get_family
+from jaxinfer.ops import quant
+from jaxinfer.text.tokenizer import Tokenizer, load_tokenizer as tokenizer_from_source
 
 __all__ = [
     "ENV",
@@ -167,12 +171,6 @@ def _convert_in_memory(source: ModelSource, dtype: str, quantization: Optional[s
     """Parse ``source`` (a GGUF parsed once for weights and tokenizer) into the tree: dequantized to
     ``dtype``, or with ``quantization`` its big weights quantized (`jaxinfer.ops.quant`: GGUF blocks of
     the scheme's format are kept as they are, others are requantized once, here)."""
-    import dataclasses
-
-    from jaxinfer.ops import quant
-    from jaxinfer.models import get_family
-    from jaxinfer.text.tokenizer import Tokenizer, load_tokenizer
-
     what = dtype if quantization is None else f"{quantization} ({dtype} activations)"
     with progress.stage(f"converting {source.name} to {what}", unit="tensor") as s:
         def on_tensor(total: int) -> None:
@@ -186,7 +184,7 @@ def _convert_in_memory(source: ModelSource, dtype: str, quantization: Optional[s
         if gguf_file is not None:
             tokenizer = Tokenizer.from_gguf(source.path, gguf_file=gguf_file)
         else:
-            tokenizer = load_tokenizer(source.path)
+            tokenizer = tokenizer_from_source(source.path)
         family = get_family(loaded.config.architecture)
         config = loaded.config
         if quantization is not None:
@@ -280,8 +278,6 @@ def _restore_entry(entry: Path, source: ModelSource, identity: dict, dtype: str,
 
 
 def _renamed(config: ModelConfig, name: str) -> ModelConfig:
-    import dataclasses
-
     return dataclasses.replace(config, name=name)
 
 
@@ -359,8 +355,6 @@ def load(source: ModelSource, dtype: Any, *, use_cache: bool = True, placement: 
     a restore puts the parameters (`jaxinfer.loading.checkpoint.load_converted`'s
     ``sharding``); a conversion leaves them in host memory.
     """
-    from jaxinfer.ops import quant
-
     dtype = dtype_name(dtype)
     quantization = quant.check_mode(quantization)
     if source.format == "jaxinfer":
@@ -406,8 +400,6 @@ def load_tokenizer(source: ModelSource, *, use_cache: bool = True) -> Any:
     Without an entry it is built from the source (a GGUF's header only;
     no weights are read). Any entry of the source serves, whatever its dtype.
     """
-    from jaxinfer.text.tokenizer import load_tokenizer as from_source
-
     if source.format == "jaxinfer":
         tok = checkpoint.load_converted_tokenizer(source.path)
         if tok is None:
@@ -429,4 +421,4 @@ def load_tokenizer(source: ModelSource, *, use_cache: bool = True) -> Any:
             if tok is not None:
                 stats["tokenizer_restored"] += 1
                 return tok
-    return from_source(source.path)
+    return tokenizer_from_source(source.path)

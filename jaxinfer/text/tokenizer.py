@@ -25,9 +25,12 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
+import sentencepiece
 import tokenizers
+from sentencepiece import sentencepiece_model_pb2 as pb
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from jaxinfer.gguf_file import GGUFFile
 from jaxinfer.text.chat_template import render_chat_template
 
 __all__ = ["Tokenizer", "load_tokenizer"]
@@ -138,8 +141,6 @@ class _SPBackend:
 
     def dropped_bytes(self) -> Optional[bytes]:
         """None where normalization can drop or collapse text (NFKC, extra-whitespace removal), else none dropped."""
-        from sentencepiece import sentencepiece_model_pb2 as pb
-
         spec = pb.ModelProto.FromString(self.sp.serialized_model_proto()).normalizer_spec
         return None if spec.name not in ("identity", "") or spec.remove_extra_whitespaces else b""
 
@@ -490,8 +491,6 @@ class Tokenizer:
         if os.path.isfile(tj):
             backend: Union[_HFBackend, _SPBackend] = _HFBackend(tokenizers.Tokenizer.from_file(tj))
         elif os.path.isfile(tm):
-            import sentencepiece
-
             backend = _SPBackend(sentencepiece.SentencePieceProcessor(model_file=tm))
         else:
             ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
@@ -612,8 +611,6 @@ def _read_gguf_tokenizer_metadata(path: str, gguf_file: Any = None) -> dict[str,
     if gguf_file is None:
         if not os.path.isfile(path):
             raise ValueError(f"{path} does not exist")
-        from jaxinfer.gguf_file import GGUFFile
-
         try:
             gguf_file = GGUFFile(path)
         except OSError as e:
@@ -713,9 +710,6 @@ def _bpe_from_gguf(meta: Mapping[str, Any], path: str) -> tokenizers.Tokenizer:
 
 def _sentencepiece_from_gguf(meta: Mapping[str, Any], path: str) -> Any:
     """A ``SentencePieceProcessor`` from GGUF tokens, scores and types (llama-style BPE)."""
-    import sentencepiece
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
