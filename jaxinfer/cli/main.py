@@ -492,8 +492,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.loading import model_cache
-    from jaxinfer.config import EngineConfig, resolve_dtype
+    from jaxinfer.config import EngineConfig
     from jaxinfer.loading.weights import resolve_model
+    from jaxinfer.ops.backend import resolve_dtype
 
     dtype = resolve_dtype(args.dtype or EngineConfig.for_backend().dtype)
     source = resolve_model(args.src)

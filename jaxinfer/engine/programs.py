@@ -14,8 +14,12 @@ JAX's ahead-of-time API; the compiled executable is also serialized to
 ``$XDG_CACHE_HOME/jaxinfer/programs/<key>/`` so a later start loads it
 without tracing or compiling (about 0.1 s a program instead of 1-3 s). The
 cache key covers everything the executables depend on: JAX and jaxlib
-versions, the device, the CPU's flags, the model and engine configs, the
-parameter tree's shapes and dtypes, and the source of jaxinfer's device code.
+versions, the device, the CPU's flags, the model and engine configs (and the
+values the trace reads from the model config's derived properties), the
+kernel choice (`jaxinfer.ops.backend.KernelChoice`, decided once when the
+table is made), the parameter tree's shapes and dtypes, and the source of
+jaxinfer's device code (ops/, its C++ kernels, models/, engine/step.py; not
+the configs' or this module's code: editing a default there keeps the cache).
 `JAXINFER_COMPILATION_CACHE=0` turns it off. Within one process, tables with the same
 fingerprint (another `LLM` of the same model and engine config) share the executables
 themselves, so a process never deserializes a program it already holds.
@@ -40,8 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import progress
+from jaxinfer import models, progress
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine import step
+from jaxinfer.env import cpu_flags
+from jaxinfer.ops import backend
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.engine.buckets import bucket_for, pages_needed
 from jaxinfer.engine.compile_cache import cache_root, caching_enabled, jax_cache_active
@@ -50,7 +57,7 @@ from jaxinfer.engine.sampling import build_metadata
 
 log = logging.getLogger("jaxinfer")
 
-FORMAT = 3  # bump when the serialized program layout changes
+FORMAT = 4  # bump when the serialized program layout changes, or the step's arguments (`_abstract_args`)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -95,6 +102,9 @@ class ProgramTable:
     def __init__(self, runner):
         self.runner = runner
         self.ecfg = runner.ecfg
+        # Which kernels the programs call, decided once here (after the runner loaded them), or the
+        # runner's own decision: a static argument of every program, and part of the cache key.
+        self.kernels: backend.KernelChoice = getattr(runner, "kernels", None) or backend.prepare()
         self._compiled: dict[ProgramKey, Any] = {}
         self.warmed_up = False
         self.compiled_late: list[ProgramKey] = []  # keys first reached after warm-up
@@ -107,7 +117,10 @@ class ProgramTable:
     @property
     def full_width(self) -> bool:
         """Whether the page table goes at full width (the attention reads each row's length)."""
-        return self.runner.reads_row_lengths
+        r = self.runner
+        shards = r.layout.shards  # one device's heads
+        return self.kernels.reads_row_lengths(r.cfg.num_heads // shards, r.cfg.num_kv_heads // shards,
+                                              r.cfg.head_dim, self.ecfg.cache_dtype, self.ecfg.page_size)
 
     @functools.cached_property
     def page_buckets(self) -> tuple[int, ...]:
@@ -252,7 +265,7 @@ class ProgramTable:
         else:
             fn, args = self._abstract_args(key)
             with jax.set_mesh(self.runner.mesh):  # attention shard_maps over its "tp" axis
-                prog = fn.lower(*args, cfg=self.runner.cfg).compile()
+                prog = fn.lower(*args, cfg=self.runner.cfg, kernels=self.kernels).compile()
             if not jax_cache_active():  # see jaxinfer.engine.compile_cache: such a copy would not reload
                 self._save(key, prog)
         with self._lock:
@@ -272,8 +285,6 @@ class ProgramTable:
     @functools.cached_property
     def fingerprint(self) -> str:
         """What every program of this table depends on, hashed (computed once per table)."""
-        from jaxinfer.config import cpu_flags
-
         import jaxlib
 
         r = self.runner
@@ -282,7 +293,7 @@ class ProgramTable:
         for part in (
             FORMAT, jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
             getattr(dev.client, "platform_version", ""), sorted(cpu_flags()) if dev.platform == "cpu" else "",
-            repr(r.cfg), repr(self.ecfg), r.reads_row_lengths, r.matmul_kernel, r.mesh.devices.shape,
+            repr(r.cfg), traced_config_values(r.cfg), repr(self.ecfg), self.kernels, r.mesh.devices.shape,
             [d.id for d in r.mesh.devices.flat], jax.device_count(), jax.process_count(),
             jax.process_index(),
             [(s.shape, str(s.dtype)) for s in jax.tree.leaves(_sds(r.params))],
@@ -337,25 +348,46 @@ _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def traced_config_values(cfg: ModelConfig) -> tuple:
+    """What the trace reads from the model config's derived properties (`ModelConfig.attn_scale`,
+    ``layer_window``, ...), as values: the key holds them as data, so config.py's code (a formula or a
+    default there) need not be hashed with the device sources."""
+    layers = range(cfg.num_layers)
+    return (cfg.q_size, cfg.kv_size, cfg.attn_scale, cfg.kv_window, tuple(cfg.layer_window(li) for li in layers),
+            tuple(cfg.is_moe_layer(li) for li in layers))
+
+
 def _device_code_digest() -> bytes:
-    """A hash of the source the programs are built from: any change invalidates cached programs."""
+    """A hash of the source the programs are built from: any change invalidates cached programs.
+
+    Only device code: ops/ (with its C++ kernels), models/ and engine/step.py. Host modules (the
+    configs, this table, the runner) reach the key as data instead (`ProgramTable.fingerprint`)."""
     global _DIGEST
     if _DIGEST is None:
-        import jaxinfer
-        from jaxinfer import models
-
-        root = os.path.dirname(os.path.abspath(jaxinfer.__file__))
-        files = [os.path.join(root, n) for n in _DEVICE_SOURCES]
-        for d in (os.path.join(root, "ops"), os.path.join(root, "ops", "kernels"),
-                  os.path.dirname(os.path.abspath(models.__file__))):
-            files += [os.path.join(d, n) for n in sorted(os.listdir(d)) if n.endswith((".py", ".cc"))]
-        h = hashlib.sha256()
-        for path in files:
-            with open(path, "rb") as f:
-                h.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
-        _DIGEST = h.digest()
+        _DIGEST = source_digest(device_sources())
     return _DIGEST
 
 
-# The modules whose code ends up in a step program besides ops/ (with kernels/) and models/.
-_DEVICE_SOURCES = ("engine/step.py", "config.py", "engine/programs.py")
+def device_sources() -> list[tuple[str, str]]:
+    """(name, path) of each file whose code ends up in a step program, in a fixed order."""
+    import jaxinfer
+
+    root = os.path.dirname(os.path.abspath(jaxinfer.__file__))
+    out = [("jaxinfer/engine/step.py", os.path.join(root, "engine", "step.py"))]
+    for name, top in (("jaxinfer/ops", os.path.join(root, "ops")),
+                      ("jaxinfer/models", os.path.dirname(os.path.abspath(models.__file__)))):
+        for d, subdirs, files in sorted(os.walk(top)):
+            subdirs[:] = sorted(n for n in subdirs if n != "__pycache__")
+            rel = os.path.relpath(d, top)
+            out += [(os.path.normpath(os.path.join(name, rel, f)), os.path.join(d, f))
+                    for f in sorted(files) if f.endswith((".py", ".cc"))]
+    return out
+
+
+def source_digest(files: list[tuple[str, str]]) -> bytes:
+    """The files' names and contents, hashed."""
+    h = hashlib.sha256()
+    for name, path in files:
+        with open(path, "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.digest()

@@ -6,10 +6,14 @@ sampler state so they are updated in place, and both return the drawn tokens
 (and logprobs when asked) as device arrays. They share one core: a decode step
 is a prefill chunk of length one.
 
-Compile keys are the model config and the padded shapes (batch, chunk length,
-and the page-table width); sampler settings, logprobs and context lengths are
-data. The engine compiles them ahead of time into its program table
-(`jaxinfer.engine.programs`); calling these jitted functions directly works too.
+Compile keys are the model config, the kernel choice (``kernels``, a
+`jaxinfer.ops.backend.KernelChoice`: which attention and matmul kernels the
+program calls, decided once after the kernels load) and the padded shapes
+(batch, chunk length, and the page-table width); sampler settings, logprobs and
+context lengths are data. The engine compiles them ahead of time into its
+program table (`jaxinfer.engine.programs`); calling these jitted functions
+directly works too: without ``kernels`` they take the host's choice at the call
+(`KernelChoice.loaded`), decided before the trace, so jit's cache keys on it.
 
 Prompt logprobs (`SamplingParams.prompt_logprobs`) come from the prefill itself:
 when a row of the chunk asks for them (a data flag, `lax.cond`: a prefill without
@@ -23,16 +27,20 @@ of 128 rows is 25 MB).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.models import get_family
+from jaxinfer.ops import backend
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.sampler import (
     SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, sample, token_logprobs,
 )
@@ -110,7 +118,14 @@ def _step_core(
     sampling: SamplingMetadata,
     cfg: ModelConfig,
     record: bool,
+    kernels: Optional[KernelChoice],
 ):
+    # Device code reads the kernel choice from here (`backend.current`); None: the host's at trace time.
+    with backend.using(kernels) if kernels is not None else contextlib.nullcontext():
+        return _step_body(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, record)
+
+
+def _step_body(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, record):
     b, t = tokens.shape
     chex.assert_shape(last_index, (b,))
     family = get_family(cfg.architecture)
@@ -138,6 +153,7 @@ def _prefill(
     sampling: SamplingMetadata,
     *,
     cfg: ModelConfig,
+    kernels: Optional[KernelChoice] = None,
 ) -> tuple[SamplerOutput, list, SamplerState]:
     """Run a chunk of prompt tokens and draw the next token after each row's last one.
 
@@ -145,7 +161,7 @@ def _prefill(
     last_index: [B] int32, index in the chunk of each row's last real token.
     The drawn token matters only for a row whose chunk ends its prompt.
     """
-    return _step_core(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, True)
+    return _step_core(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, True, kernels)
 
 
 def _decode_step(
@@ -158,6 +174,7 @@ def _decode_step(
     sampling: SamplingMetadata,
     *,
     cfg: ModelConfig,
+    kernels: Optional[KernelChoice] = None,
 ) -> tuple[SamplerOutput, list, SamplerState]:
     """One token per running request; attention metadata has T = 1.
 
@@ -170,24 +187,55 @@ def _decode_step(
     on_device = sampler_state.last_tokens.at[sampling.slot_ids].get(mode="fill", fill_value=0)
     tokens = jnp.where(from_state, on_device, tokens)
     last = jnp.zeros((b,), jnp.int32)
-    return _step_core(params, kv_cache, sampler_state, tokens[:, None], attn, last, sampling, cfg, False)
+    return _step_core(params, kv_cache, sampler_state, tokens[:, None], attn, last, sampling, cfg, False, kernels)
 
 
-_JIT = dict(static_argnames=("cfg",), donate_argnames=("kv_cache", "sampler_state"))
-prefill = jax.jit(_prefill, **_JIT)
-decode_step = jax.jit(_decode_step, **_JIT)
+_JIT = dict(static_argnames=("cfg", "kernels"), donate_argnames=("kv_cache", "sampler_state"))
+
+
+class _Step:
+    """A jitted step whose ``kernels`` (static) defaults to the host's choice at the call,
+    `KernelChoice.loaded`: decided before the trace, so jit's cache keys on it and a kernel loaded
+    later gives a new program, not a stale one. Calls, ``lower`` and ``trace`` take it alike;
+    anything else is the jitted function's."""
+
+    def __init__(self, fn):
+        self._jit = jax.jit(fn, **_JIT)
+        self.__wrapped__ = fn
+        self.__doc__ = fn.__doc__
+
+    @staticmethod
+    def _with_choice(kw: dict) -> dict:
+        if kw.get("kernels") is None:
+            kw = {**kw, "kernels": KernelChoice.loaded()}
+        return kw
+
+    def __call__(self, *args, **kw):
+        return self._jit(*args, **self._with_choice(kw))
+
+    def lower(self, *args, **kw):
+        return self._jit.lower(*args, **self._with_choice(kw))
+
+    def trace(self, *args, **kw):
+        return self._jit.trace(*args, **self._with_choice(kw))
+
+    def __getattr__(self, name):
+        return getattr(self._jit, name)
+
+
+prefill = _Step(_prefill)
+decode_step = _Step(_decode_step)
 
 
 def on_mesh(kind: str, cache_sharding: Any, replicated: Any):
     """The step ``kind`` ("prefill" | "decode") jitted for a device mesh: the KV cache comes back in
     ``cache_sharding`` and the rest (drawn tokens, sampler state) replicated, as they went in,
-    so every step's outputs are the next step's inputs as compiled."""
+    so every step's outputs are the next step's inputs as compiled. Static: ``cfg`` and ``kernels``
+    (the program table passes its `KernelChoice`)."""
     fn = _prefill if kind == "prefill" else _decode_step
     return jax.jit(fn, out_shardings=(replicated, cache_sharding, replicated), **_JIT)
 
 
 def compiled_count() -> int:
     """Programs lowered in this process (steps and eager ops alike); see `jaxinfer.engine.compile_cache`."""
-    from jaxinfer.engine.compile_cache import compile_count
-
     return compile_count()

@@ -1,7 +1,7 @@
 """Accelerator attention kernels behind the same contract as the pure-JAX path.
 
 Each adapter here is ``fn(q, k, v, cache_layer, meta, scale, window) -> (out, cache_layer)``
-exactly like `jaxinfer.ops.attention._gather_attention`: q [B, T, H, D]; k, v [B, T, KVH, D];
+exactly like `jaxinfer.ops.gather_attention.gather_attention`: q [B, T, H, D]; k, v [B, T, KVH, D];
 cache_layer [num_pages, page_size, 2*KVH, D] (K at even, V at odd head indices, page 0 a
 dummy); meta an `AttentionMetadata`. The chunk's keys/values are written to ``meta.slots``
 first (`kv_cache.write_kv`) and then attended with the cached context.
@@ -119,15 +119,13 @@ kernel's layout) or a GPU-specific cache layout in `kv_cache.cache_specs` (and i
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.ops.gather_attention import AttentionMetadata, gather_attention
 from jaxinfer.ops.kv_cache import write_kv
-
-if TYPE_CHECKING:
-    from jaxinfer.ops.attention import AttentionMetadata
 
 TPU_LANES = 128  # the kernel's softmax statistics are this wide; head_dim must be a multiple
 _DEFAULT_KV_TOKENS_PER_BLOCK = 128  # explicit block sizes off a TPU (the kernel's own default
@@ -289,7 +287,7 @@ def tpu_ragged_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """TPU attention over the paged cache with Pallas ragged paged attention.
 
-    Same contract as `_gather_attention`; the shapes must pass `tpu_kernel_fits`. Writes
+    Same contract as `gather_attention`; the shapes must pass `tpu_kernel_fits`. Writes
     the chunk's keys/values to ``meta.slots``, then attends (``meta.kv_lens`` is not read:
     each row's kv length is its last position + 1). ``interpret`` runs the kernel in TPU
     interpret mode (CPU); the block sizes default as in `pallas_tpu_kernel`. ``kernel``
@@ -339,7 +337,5 @@ def _ragged_attention(q, k, v, cache_layer, meta, scale: float, window: int, ker
 
 @_ragged_attention.defjvp
 def _ragged_attention_jvp(scale, window, kernel, primals, tangents):
-    from jaxinfer.ops.attention import _gather_attention  # attention.py imports this module
-
-    return jax.jvp(functools.partial(_gather_attention, scale=scale, window=window), primals, tangents)
+    return jax.jvp(functools.partial(gather_attention, scale=scale, window=window), primals, tangents)
 

@@ -26,35 +26,30 @@ other rows, the thread count and the path inside the kernel (few rows or blocked
 row's result is bitwise the same alone or in any batch (the kernel's top comment gives the
 order; tests/test_cpu_matmul.py checks it for every weight form).
 
-Use: `start_build` early (a background compile, once per machine, cached on disk), then
-`prepare` before tracing (loads and registers; returns whether the kernel is there). In a
-trace, call `matmul` only where `fits` says so; `fits` never builds, and is False off CPU,
-with ``JAXINFER_CPU_KERNELS=0``, after a failed build, for a weight it does not take, and
-under a multi-device mesh (XLA cannot partition a custom call). `matmul`'s derivatives are
-those of the XLA formula (`xla_matmul`), which computes the same function.
+Use: `jaxinfer.ops.backend.start_build` early (a background compile, once per machine, cached
+on disk), then `jaxinfer.ops.backend.prepare` before tracing (loads and registers it, and returns
+the `KernelChoice` that says whether programs use it). In a trace, call `matmul` only where
+`fits` says so; `fits` reads only the choice (the step's), never the process's registry, and is
+False where the choice has no CPU matmul (off CPU, ``JAXINFER_CPU_KERNELS=0``, a failed build),
+for a weight it does not take, and under a multi-device mesh (XLA cannot partition a custom call).
+`matmul`'s derivatives are those of the XLA formula (`xla_matmul`), which computes the same function.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.ops import kernels, mesh
+from jaxinfer.ops import backend, kernels, mesh
+from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.quant import QuantizedWeight
 
-SOURCE = "matmul_cpu.cc"
-TARGET_FLOAT = "jaxinfer_matmul_float"
-TARGET_Q = "jaxinfer_matmul_q"
-_SYMBOLS = {TARGET_FLOAT: "JaxinferMatmulFloat", TARGET_Q: "JaxinferMatmulQ"}
+SOURCE = kernels.MATMUL
+TARGET_FLOAT, TARGET_Q = kernels.TARGETS[SOURCE]  # registered by `kernels.load`
 
 # The float weight dtypes the kernel takes (widened to float32 in registers).
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -64,91 +59,30 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # building
 
 
-def start_build() -> None:
-    """Begin building the kernel in the background (call early at model load, so the
-    once-per-machine compile overlaps reading the weights); `prepare` waits for it."""
-    if jax.default_backend() == "cpu":
-        kernels.build_in_background(SOURCE)
-
-
 def prepare() -> bool:
     """Build (once per machine, then cached on disk), load and register the kernel.
 
-    Call it before tracing a step. Returns whether the kernel is available; a failed build
-    warns once and callers use XLA's path.
+    Call it before tracing (`jaxinfer.ops.backend.prepare` does). Returns whether the kernel is
+    available; a failed build warns once and callers use XLA's path.
     """
-    if jax.default_backend() != "cpu" or not kernels.enabled():
+    if backend.host_platform() != "cpu":
         return False
-    if not kernels.ready(SOURCE) and not kernels.tried(SOURCE):
-        from jaxinfer import progress
-
-        title = "loading the CPU matmul kernel" if kernels.is_built(SOURCE) else (
-            "building the CPU matmul kernel (once per machine)")
-        with progress.stage(title):
-            kernels.load(SOURCE, _SYMBOLS)
-    return kernels.ready(SOURCE)
+    return kernels.prepare(SOURCE)
 
 
 def isa() -> Optional[str]:
     """The SIMD path the loaded kernel was compiled for ("avx512", "avx2" or "scalar"), or None."""
-    lib = kernels._loaded.get(SOURCE)
-    return None if lib is None else _isa_of(lib)
-
-
-def _isa_of(lib: ctypes.CDLL) -> str:
-    fn = lib.JaxinferMatmulIsa
-    fn.restype = ctypes.c_char_p
-    return fn().decode()
-
-
-_variants: dict = {}  # flags -> (targets {"float": name, "q": name}, isa)
+    return KernelChoice.loaded().simd or None
 
 
 def load_variant(flags: Sequence[str]) -> tuple[dict, str]:
     """Build the kernel with other compiler flags (e.g. ``["-O3", "-march=native",
-    "-mno-avx512f"]`` for the AVX2 path), load it and register its handlers under their own
-    target names; returns ({"float": target, "q": target}, isa). For tests and benchmarks:
-    pass the targets to `matmul` (``targets=``). Cached on disk like the default build.
-    Raises RuntimeError when it cannot be built."""
-    flags = tuple(flags)
-    if flags in _variants:
-        return _variants[flags]
-    import jaxlib
-
-    cxx = kernels._compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
-    src = os.path.join(os.path.dirname(kernels.__file__), SOURCE)
-    with open(src, "rb") as f:
-        text = f.read()
-    full = [*flags, "-std=c++17", "-shared", "-fPIC", "-w"]
-    key = hashlib.sha256(b"\0".join([text, " ".join(full).encode(), cxx.encode(), jaxlib.__version__.encode(),
-                                     kernels._cpu_signature().encode()])).hexdigest()[:16]
-    out_dir = kernels.cache_dir()
-    out = os.path.join(out_dir, f"matmul_cpu-variant-{key}.so")
-    if not os.path.exists(out):
-        os.makedirs(out_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            proc = subprocess.run([cxx, *full, f"-I{jax.ffi.include_dir()}", src, "-o", tmp], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed to build {SOURCE} with {' '.join(flags)}:\n{proc.stderr[-2000:]}")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(out)
-    targets = {"float": f"{TARGET_FLOAT}_{key}", "q": f"{TARGET_Q}_{key}"}
-    jax.ffi.register_ffi_target(targets["float"], jax.ffi.pycapsule(lib.JaxinferMatmulFloat), platform="cpu")
-    jax.ffi.register_ffi_target(targets["q"], jax.ffi.pycapsule(lib.JaxinferMatmulQ), platform="cpu")
-    _variants[flags] = (targets, _isa_of(lib))
-    _libs.append(lib)
-    return _variants[flags]
-
-
-_libs: list = []  # variant libraries stay loaded (their handlers are registered)
+    "-mno-avx512f"]`` for the AVX2 path) through `kernels.load_variant`, load it and register its
+    handlers under their own target names; returns ({"float": target, "q": target}, isa). For
+    tests and benchmarks: pass the targets to `matmul` (``targets=``). Cached on disk like the
+    default build. Raises RuntimeError when it cannot be built."""
+    lib, names = kernels.load_variant(SOURCE, flags)
+    return {"float": names[TARGET_FLOAT], "q": names[TARGET_Q]}, kernels.matmul_isa(lib)
 
 
 # ---------------------------------------------------------------------------
@@ -192,15 +126,14 @@ def _weight_ok(w: Any, w_contract: int) -> bool:
             and jnp.dtype(dtype) in [jnp.dtype(d) for d in FLOAT_DTYPES] and w_contract in (0, 1))
 
 
-def fits(rows: int, w: Any, w_contract: int = 0) -> bool:
-    """Whether to stage the kernel for ``rows`` rows of x times ``w``: a CPU default backend,
-    the kernel already loaded (this never builds: safe in a trace), at least one row (any
+def fits(rows: int, w: Any, w_contract: int = 0, choice: Optional[KernelChoice] = None) -> bool:
+    """Whether to stage the kernel for ``rows`` rows of x times ``w``: a choice with the CPU matmul
+    (``choice``, default `jaxinfer.ops.backend.current`: the step's), at least one row (any
     number: decode's few and prefill's many take the same kernel, in the same reduction
     order), a weight it takes, and no multi-device mesh being traced under."""
+    choice = choice if choice is not None else backend.current()
     return (
-        jax.default_backend() == "cpu"
-        and kernels.enabled()
-        and kernels.ready(SOURCE)
+        choice.cpu_matmul
         and rows >= 1
         and _weight_ok(w, w_contract)
         and mesh.tp_size() == 1

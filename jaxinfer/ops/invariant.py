@@ -38,12 +38,13 @@ The engine's answer has two parts:
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
-ENV = "JAXINFER_BATCH_INVARIANT"
+from jaxinfer import env
+from jaxinfer.ops import cpu_matmul
+
+ENV = env.BATCH_INVARIANT
 TILE_ROWS = 16  # rows of one product tile in batch-invariant mode (pure-JAX path)
 
 _forced = False
@@ -51,7 +52,7 @@ _forced = False
 
 def requested() -> bool:
     """Whether the environment asks for batch-invariant mode (``JAXINFER_BATCH_INVARIANT=1``)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return env.is_set(ENV)
 
 
 def set_mode(on: bool) -> None:
@@ -72,9 +73,7 @@ def active() -> bool:
 
 def _kernel_sum(x2: jax.Array):
     """``x2 [R, K]`` float32 summed over K by the native matmul kernel (a product with a row of
-    ones), or None where the kernel does not take it."""
-    from jaxinfer.ops import cpu_matmul
-
+    ones), or None where the kernel does not take it (or the step's kernel choice has none)."""
     r, k = x2.shape
     ones = jnp.ones((1, k), jnp.float32)
     if r == 0 or k == 0 or not cpu_matmul.fits(r, ones, 1):

@@ -8,7 +8,13 @@ and registered with JAX as a custom-call target for the ``cpu`` platform.
 Nothing depends on them: with no compiler, a failed build, or
 ``JAXINFER_CPU_KERNELS=0``, `load` returns None (after one warning for a
 failed build) and callers take their pure-JAX path, which gives the same
-results.
+results. Whether a program uses them is decided once, after they load, by
+`jaxinfer.ops.backend.prepare` (a `KernelChoice`): device code never reads
+this module's registry while it is traced.
+
+Every build, the default one and the variants tests and benchmarks build with
+other SIMD flags (`load_variant`), goes through `build`, with warnings on
+(`WARNING_FLAGS`).
 """
 
 from __future__ import annotations
@@ -16,39 +22,57 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 import threading
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
-from jaxinfer.env import cache_root, is_on
+from jaxinfer import progress
+from jaxinfer.env import cache_root, cpu_flags, is_on
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+# The sources in this package, and what each registers: {FFI target name: exported symbol}.
+MATMUL = "matmul_cpu.cc"  # `jaxinfer.ops.cpu_matmul`
+PAGED_ATTENTION = "paged_attention_cpu.cc"  # `jaxinfer.ops.attention`
+TARGETS = {
+    MATMUL: {"jaxinfer_matmul_float": "JaxinferMatmulFloat", "jaxinfer_matmul_q": "JaxinferMatmulQ"},
+    PAGED_ATTENTION: {"jaxinfer_paged_attention": "JaxinferPagedAttention"},
+}
+_TITLES = {MATMUL: "matmul", PAGED_ATTENTION: "attention"}
+
+# How the default build is optimised: for this CPU. `build` takes other machine flags for variants
+# (e.g. ``-mno-avx512f`` for the AVX2 path); the rest is always added.
+MACHINE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+# Warnings on (the sources build clean with GCC). JAX's FFI headers are included as system headers,
+# so their own warnings (unused parameters, sign comparisons) are not reported as ours.
+# -Wno-psabi: GCC notes that a function returning a 64-byte vector would pass it differently with
+# AVX-512; the kernels' vector helpers are inline in one translation unit, so no ABI boundary is crossed.
+WARNING_FLAGS = ("-Wall", "-Wextra", "-Wno-psabi")
+_FIXED_FLAGS = ("-std=c++17", "-shared", "-fPIC", *WARNING_FLAGS)
 _lock = threading.Lock()
 _loaded: dict = {}  # source name -> ctypes library, or None when unavailable
 _building: dict = {}  # source name -> the thread building it in the background
+_variants: dict = {}  # (source, machine flags) -> (library, {target name: this build's target name})
 
 
 def enabled() -> bool:
     return is_on("JAXINFER_CPU_KERNELS")
 
 
-def _compiler() -> Optional[str]:
+def compiler() -> Optional[str]:
+    """The C++ compiler a build uses (``$CXX``, else g++, c++ or clang++ on the PATH), or None."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What -march=native depends on: the CPU's architecture and feature flags."""
-    import platform
-
-    from jaxinfer.config import cpu_flags
-
     return " ".join([platform.machine(), platform.processor(), *sorted(cpu_flags())])
 
 
@@ -56,20 +80,29 @@ def cache_dir() -> str:
     return os.path.join(cache_root(), "kernels")
 
 
-def _output_path(source: str) -> tuple[str, str, str]:
-    """(compiler, source path, the cached library's path) for ``source``."""
-    import jaxlib
+def compile_command(source: str, out: str, flags: Optional[Sequence[str]] = None) -> list:
+    """The compiler's arguments that build ``source`` (a file in this package) into ``out``, with
+    ``flags`` in place of `MACHINE_FLAGS`. Raises RuntimeError when there is no compiler."""
+    import jax
 
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
-    src_path = os.path.join(_HERE, source)
-    with open(src_path, "rb") as f:
+    machine = MACHINE_FLAGS if flags is None else tuple(flags)
+    return [cxx, *machine, *_FIXED_FLAGS, "-isystem", jax.ffi.include_dir(), os.path.join(_HERE, source),
+            "-o", out]
+
+
+def _output_path(source: str, flags: Optional[Sequence[str]] = None) -> tuple[list, str, str]:
+    """(the compile command less its output, the build's key, the cached library's path)."""
+    import jaxlib
+
+    cmd = compile_command(source, "", flags)[:-2]
+    with open(cmd[-1], "rb") as f:
         text = f.read()
-    key = hashlib.sha256(
-        b"\0".join([text, " ".join(_FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(), _cpu_signature().encode()])
-    ).hexdigest()[:16]
-    return cxx, src_path, os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}-{key}.so")
+    key = hashlib.sha256(b"\0".join([text, " ".join(cmd[:-1]).encode(), jaxlib.__version__.encode(),
+                                     cpu_signature().encode()])).hexdigest()[:16]
+    return cmd, key, os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}-{key}.so")
 
 
 def is_built(source: str) -> bool:
@@ -81,7 +114,7 @@ def is_built(source: str) -> bool:
 
 
 def ready(source: str) -> bool:
-    """Whether ``source`` is loaded and registered (never builds: safe inside a trace)."""
+    """Whether ``source`` is loaded and registered (never builds)."""
     return _loaded.get(source) is not None
 
 
@@ -90,15 +123,26 @@ def tried(source: str) -> bool:
     return source in _loaded
 
 
-def build(source: str) -> str:
-    """Compile ``source`` (a file in this package) to a shared library; returns its path.
+def library(source: str) -> Optional[ctypes.CDLL]:
+    """The loaded library of ``source`` (its default build), or None when it is not loaded."""
+    return _loaded.get(source)
 
-    Raises RuntimeError with the compiler's message when it cannot be built.
+
+def matmul_isa(lib: ctypes.CDLL) -> str:
+    """The SIMD path a build of `MATMUL` was compiled for: "avx512", "avx2" or "scalar"."""
+    fn = lib.JaxinferMatmulIsa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def build(source: str, flags: Optional[Sequence[str]] = None) -> str:
+    """Compile ``source`` (a file in this package) to a shared library, once per machine; returns its path.
+
+    ``flags``: compiler flags in place of `MACHINE_FLAGS` (another SIMD path, for tests and
+    benchmarks); each set of flags is a cached library of its own. Raises RuntimeError with the
+    compiler's message when it cannot be built.
     """
-    import jax
-
-    cxx, src_path, out = _output_path(source)
-    include = jax.ffi.include_dir()
+    cmd, _, out = _output_path(source, flags)
     out_dir = os.path.dirname(out)
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(out):
@@ -106,9 +150,10 @@ def build(source: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", src_path, "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed to build {source}:\n{proc.stderr.strip()[-2000:]}")
+            what = source if flags is None else f"{source} with {' '.join(flags)}"
+            raise RuntimeError(f"{cmd[0]} failed to build {what}:\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent builders each land a complete file
     finally:
         if os.path.exists(tmp):
@@ -135,8 +180,16 @@ def build_in_background(source: str) -> None:
         t.start()
 
 
-def load(source: str, targets: dict) -> Optional[ctypes.CDLL]:
-    """Build (once) and load ``source``, registering ``targets`` ({ffi target name: symbol}).
+def _register(lib: ctypes.CDLL, targets: dict) -> None:
+    import jax
+
+    for name, symbol in targets.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+
+def load(source: str, targets: Optional[dict] = None) -> Optional[ctypes.CDLL]:
+    """Build (once) and load ``source``, registering ``targets`` ({FFI target name: symbol}; by
+    default the source's `TARGETS`).
 
     Returns the library, or None when native kernels are disabled or cannot be built.
     """
@@ -149,13 +202,42 @@ def load(source: str, targets: dict) -> Optional[ctypes.CDLL]:
         lib = None
         if enabled():
             try:
-                import jax
-
                 lib = ctypes.CDLL(build(source))
-                for name, symbol in targets.items():
-                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _register(lib, TARGETS[source] if targets is None else targets)
             except (OSError, RuntimeError, AttributeError) as e:
                 warnings.warn(f"jaxinfer: native CPU kernel {source} unavailable, using the pure-JAX path: {e}")
                 lib = None
         _loaded[source] = lib
         return lib
+
+
+def prepare(source: str) -> bool:
+    """`load` ``source`` with a progress line ("building the CPU matmul kernel (once per machine)", or
+    "loading ..." when it is built), at most once per process; never inside a trace. Returns whether
+    it is loaded."""
+    if not enabled():
+        return False
+    if not tried(source):
+        what = _TITLES.get(source, source)
+        title = f"loading the CPU {what} kernel" if is_built(source) else (
+            f"building the CPU {what} kernel (once per machine)")
+        with progress.stage(title):
+            load(source)
+    return ready(source)
+
+
+def load_variant(source: str, flags: Sequence[str]) -> tuple[ctypes.CDLL, dict]:
+    """Build ``source`` with ``flags`` in place of `MACHINE_FLAGS` (e.g. ``-mno-avx512f`` for the
+    AVX2 path), load it and register its handlers under target names of their own; returns (the
+    library, {target name in `TARGETS`: this build's target name}). For tests and benchmarks; cached
+    on disk like the default build. Raises RuntimeError when it cannot be built."""
+    flags = tuple(flags)
+    with _lock:
+        got = _variants.get((source, flags))
+        if got is None:
+            key = _output_path(source, flags)[1]
+            lib = ctypes.CDLL(build(source, flags))
+            renamed = {name: f"{name}_{key}" for name in TARGETS[source]}
+            _register(lib, {renamed[name]: symbol for name, symbol in TARGETS[source].items()})
+            got = _variants[(source, flags)] = (lib, renamed)
+        return got

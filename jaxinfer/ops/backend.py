@@ -1,0 +1,227 @@
+"""Which kernels a step uses, decided once: the `KernelChoice`.
+
+Device code does not look at the process (which kernels happen to be loaded, which backend is
+the default) while it is traced. The choice is made once, after the native kernels load
+(`prepare`), as a frozen, hashable `KernelChoice`; the step programs take it as a static
+argument (`jaxinfer.engine.step`), so the same shapes and the same choice always trace the
+same program, and the program cache key hashes this one value (`jaxinfer.engine.programs`).
+While a step is traced the choice is the one `current` returns (`using` sets it); the
+attention (`jaxinfer.ops.attention`) and the products (`jaxinfer.models.decoder.matmul`,
+`jaxinfer.ops.cpu_matmul.fits`) read only that.
+
+A choice can be built for a platform other than the host's (`KernelChoice.for_platform`):
+lowering a step for ``tpu`` or ``cuda`` on a CPU machine takes that platform's kernels.
+
+The platform's dtype for ``dtype="auto"`` (`dtype_choice`) is decided here too: it follows
+whether the native CPU matmul kernel can run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.env import cpu_flags
+from jaxinfer.ops import kernels
+from jaxinfer.ops.attention_pallas import tpu_kernel_fits
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+SIMD_LEVELS = ("", "avx512", "avx2", "scalar")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The kernels programs traced with this value use. Frozen and hashable: a jit static argument.
+
+    platform:      the platform the programs are for, as lowering names it ("cpu", "cuda", "rocm", "tpu").
+    cpu_matmul:    products go to the native CPU kernel (`jaxinfer.ops.cpu_matmul`) where it takes the weight.
+    cpu_attention: attention goes to the native CPU paged-attention kernel where it takes the shapes.
+    tpu_attention: attention goes to Pallas ``ragged_paged_attention`` where it takes the shapes.
+    simd:          the SIMD path of the CPU matmul kernel ("avx512", "avx2", "scalar"; "" when unknown or
+                   not used): a different build of the same source, so programs compiled with one are not
+                   programs of the other.
+    """
+
+    platform: str = "cpu"
+    cpu_matmul: bool = False
+    cpu_attention: bool = False
+    tpu_attention: bool = False
+    simd: str = ""
+
+    def __post_init__(self):
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, got {self.platform!r}")
+        if (self.cpu_matmul or self.cpu_attention) and self.platform != "cpu":
+            raise ValueError(f"the native CPU kernels run on the cpu platform only, not {self.platform!r}")
+        if self.tpu_attention and self.platform != "tpu":
+            raise ValueError(f"the Pallas TPU attention runs on the tpu platform only, not {self.platform!r}")
+        if self.simd not in SIMD_LEVELS:
+            raise ValueError(f"simd must be one of {', '.join(repr(s) for s in SIMD_LEVELS)}, got {self.simd!r}")
+
+    @classmethod
+    def for_platform(cls, platform: str, native_cpu_kernels: bool = True, simd: str = "") -> "KernelChoice":
+        """The kernels of ``platform`` ("cpu", "cuda" or "gpu", "rocm", "tpu"), whatever this host is:
+        on cpu the native kernels unless ``native_cpu_kernels`` is False, on tpu the Pallas attention,
+        on GPUs the pure-JAX path. Nothing is built or loaded: a program traced with it calls the CPU
+        kernels by name, so run it where they are loaded (`prepare`)."""
+        platform = {"gpu": "cuda"}.get(platform, platform)
+        cpu = platform == "cpu" and native_cpu_kernels
+        return cls(platform, cpu_matmul=cpu, cpu_attention=cpu, tpu_attention=platform == "tpu",
+                   simd=simd if cpu else "")
+
+    @classmethod
+    def pure_jax(cls, platform: str = "cpu") -> "KernelChoice":
+        """No kernel at all: XLA's products and the pure-JAX gather attention (any platform)."""
+        return cls({"gpu": "cuda"}.get(platform, platform))
+
+    @classmethod
+    def loaded(cls, platform: Optional[str] = None) -> "KernelChoice":
+        """The host's choice now: ``platform`` (default: JAX's default backend) and, on cpu, the native
+        kernels that are loaded in this process (never builds; `prepare` loads them first)."""
+        platform = platform or host_platform()
+        if platform != "cpu":
+            return cls.for_platform(platform)
+        on = kernels.enabled()
+        matmul = on and kernels.ready(kernels.MATMUL)
+        return cls("cpu", cpu_matmul=matmul, cpu_attention=on and kernels.ready(kernels.PAGED_ATTENTION),
+                   simd=_matmul_isa() if matmul else "")
+
+    # -- what it means for a layer's shapes ----------------------------------------------
+
+    def attention_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                         cache_dtype) -> Optional[str]:
+        """The attention kernel for these shapes (one device's heads): "cpu", "tpu", or None for the
+        pure-JAX gather path."""
+        if self.cpu_attention and cpu_attention_fits(num_heads, num_kv_heads, head_dim, cache_dtype):
+            return "cpu"
+        if self.tpu_attention and tpu_kernel_fits(num_heads, num_kv_heads, head_dim, page_size, cache_dtype):
+            return "tpu"
+        return None
+
+    def reads_row_lengths(self, num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype,
+                          page_size: int) -> bool:
+        """Whether attention stops at each row's length (a kernel), so the page table can go at full
+        width: one program for every context length instead of page buckets."""
+        return self.attention_kernel(num_heads, num_kv_heads, head_dim, page_size, cache_dtype) is not None
+
+    def __str__(self) -> str:
+        used = [n for n, on in (("cpu matmul", self.cpu_matmul), ("cpu attention", self.cpu_attention),
+                                ("tpu attention", self.tpu_attention)) if on]
+        simd = f" ({self.simd})" if self.simd else ""
+        return f"{self.platform}: {', '.join(used) or 'pure JAX'}{simd}"
+
+
+def cpu_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype) -> bool:
+    """The shapes and dtypes the native CPU attention kernel takes."""
+    return (head_dim in (16, 32, 64, 128, 256) and num_heads // num_kv_heads <= 64
+            and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16))
+
+
+def host_platform() -> str:
+    """JAX's default backend as lowering names it ("cpu", "cuda", "rocm", "tpu")."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return backend
+
+
+def _matmul_isa() -> str:
+    lib = kernels.library(kernels.MATMUL)
+    return "" if lib is None else kernels.matmul_isa(lib)
+
+
+# ---------------------------------------------------------------------------
+# deciding once, and reading it while tracing
+
+
+def start_build(platform: Optional[str] = None) -> None:
+    """Begin building the native CPU kernels in the background (a model load calls this first, so the
+    once-per-machine compile overlaps reading the weights); `prepare` waits for them."""
+    if (platform or host_platform()) == "cpu":
+        kernels.build_in_background(kernels.PAGED_ATTENTION)
+        kernels.build_in_background(kernels.MATMUL)
+
+
+def prepare(platform: Optional[str] = None) -> KernelChoice:
+    """Load the platform's native kernels (building them once per machine, with a progress line each)
+    and decide: the `KernelChoice` the engine's programs are traced with. Call it before tracing, never
+    inside a trace. Idempotent; a failed build warns once and its kernel is not chosen."""
+    platform = platform or host_platform()
+    if platform == "cpu":
+        kernels.prepare(kernels.PAGED_ATTENTION)
+        kernels.prepare(kernels.MATMUL)
+    return KernelChoice.loaded(platform)
+
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("jaxinfer_kernel_choice", default=None)
+
+
+@contextlib.contextmanager
+def using(choice: KernelChoice) -> Iterator[KernelChoice]:
+    """Trace with ``choice``: what `current` returns inside (the steps wrap their body in it)."""
+    if not isinstance(choice, KernelChoice):
+        raise TypeError(f"kernels must be a KernelChoice, got {type(choice).__name__}")
+    token = _CURRENT.set(choice)
+    try:
+        yield choice
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> KernelChoice:
+    """The choice device code follows: inside a step, the step's static one (`using`); elsewhere (research
+    code tracing a model's forward itself) the host's choice at that moment (`KernelChoice.loaded`)."""
+    choice = _CURRENT.get()
+    return choice if choice is not None else KernelChoice.loaded()
+
+
+# ---------------------------------------------------------------------------
+# the weights' dtype for dtype="auto"
+
+
+def dtype_choice(backend: Optional[str] = None) -> tuple[str, str]:
+    """What "auto" means here, and why: (dtype, reason).
+
+    GPUs and TPUs: bfloat16, which they multiply natively. CPUs: bfloat16 where the native matmul
+    kernel runs (`jaxinfer.ops.cpu_matmul`: x86 with AVX2 or AVX-512 and a C++ compiler, kernels not
+    turned off): it reads each bfloat16 weight once, widens it in registers and multiplies it by
+    float32 activations with float32 sums, so a decode step moves half of float32's bytes, and the
+    products stay batch-invariant. Without the kernel, bfloat16 goes to XLA's own product, which is
+    fast only with bfloat16 dot instructions (AVX512-BF16, AMX-BF16, Arm BF16) and not
+    batch-invariant: float32 then.
+    """
+    backend = backend or host_platform()
+    if backend != "cpu":
+        return "bfloat16", f"{backend} multiplies bfloat16 natively"
+    flags = cpu_flags()
+    simd = {"avx2", "fma", "f16c"} <= flags or "avx512f" in flags
+    if kernels.enabled() and kernels.compiler() is not None and simd:
+        return "bfloat16", ("the native CPU kernel reads bfloat16 weights (half of float32's bytes) "
+                            "against float32 activations")
+    if not kernels.enabled():
+        return "float32", ("native CPU kernels are off (JAXINFER_CPU_KERNELS=0), and XLA's bfloat16 product "
+                           "is not batch-invariant")
+    if not simd:
+        return "float32", ("the native CPU kernel has no SIMD path here (AVX2 or AVX-512), and XLA's bfloat16 "
+                           "product is not batch-invariant")
+    return "float32", "no C++ compiler for the native CPU kernel, and XLA's bfloat16 product is not batch-invariant"
+
+
+def resolve_dtype(dtype: str, backend: Optional[str] = None) -> str:
+    """The weights' dtype for "auto" (`dtype_choice`); any other value is returned as given."""
+    return dtype if dtype != "auto" else dtype_choice(backend)[0]
+
+
+def resolve_engine_config(engine: EngineConfig, backend: Optional[str] = None) -> EngineConfig:
+    """``engine`` with dtype "auto" replaced by this platform's choice (`dtype_choice`) and batch_invariant
+    None by ``$JAXINFER_BATCH_INVARIANT`` (`EngineConfig.resolved`)."""
+    if engine.dtype == "auto":
+        return engine.resolved(auto_dtype=resolve_dtype("auto", backend))
+    return engine.resolved()
