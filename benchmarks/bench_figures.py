@@ -22,54 +22,58 @@ What it does, all on loopback:
    ``--rounds`` rounds (the order flips each round); the medians of output
    tokens/s (`jaxinfer.stats.median`) and their ratio (server / library).
 
-The load average is printed before and after each part: on a shared machine
-the figures move with it.
+The machine line (CPU flags, jax) and the load average are printed before and
+after each part: on a shared machine the figures move with the load.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import re
 import subprocess
 import sys
 import time
 
-
-def load_line() -> str:
-    """The load average, with the CPU count: every figure on a shared machine is printed beside it."""
-    try:
-        a, b, c = os.getloadavg()
-        return f"load average {a:.2f} {b:.2f} {c:.2f} on {os.cpu_count()} CPUs"
-    except OSError:
-        return "load average unknown"
+from jaxinfer.tools.harness import load_line, machine_line
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def start_server(model: str, engine_config: str, timeout: float = 1200.0, warmup: bool = True):
-    """``jaxinfer serve`` on 127.0.0.1, a free port; returns (process, "127.0.0.1:PORT") once it is ready.
+def start_server(model: str, engine_config: str, timeout: float = 1200.0, warmup: bool = True, http: bool = False,
+                 extra=()):
+    """``jaxinfer serve`` on 127.0.0.1, free ports; (process, "127.0.0.1:PORT", HTTP base URL or None) once ready.
 
     With ``warmup`` the server compiles (or loads from the program cache) every program
     before it is ready: requests that trickle in over gRPC reach prefill batch sizes that
     depend on timing, and a compile inside a measured round would be counted as server cost.
+    With ``http`` it serves the OpenAI-compatible API too.
     """
     cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, "--engine-config", engine_config,
-           "--port", "0", "--log-stats-interval", "0", "--warmup" if warmup else "--no-warmup"]
+           "--port", "0", "--log-stats-interval", "0", "--warmup" if warmup else "--no-warmup", *extra]
+    if http:
+        cmd += ["--http-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     deadline = time.time() + timeout
     for line in proc.stdout:
-        m = re.search(r"on (\S+:\d+) .*- ready", line)
-        if m:
-            return proc, m.group(1)
-        if time.time() > deadline:
+        m = re.search(r" on (\S+:\d+) .*- ready", line)
+        h = re.search(r"OpenAI-compatible API at (\S+?)/v1\b", line)
+        if m and (h or not http):
+            return proc, m.group(1), h.group(1) if h else None
+        if m or time.time() > deadline:
             break
     proc.kill()
-    raise RuntimeError(f"the server did not start: exit code {proc.poll()}")
+    raise RuntimeError(f"the server did not start{' with both protocols' if http else ''}: exit code {proc.poll()}")
+
+
+def stop_server(proc, timeout: float = 30.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _rate_text(rate: float) -> str:
@@ -81,6 +85,7 @@ def main(argv=None) -> int:
         BenchConfig, GrpcBackend, LibraryBackend, run_benchmark, summarize, synthetic_workload,
     )
     from jaxinfer.stats import median
+    from jaxinfer.tools.harness import alternate, write_json
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_figures", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -106,8 +111,8 @@ def main(argv=None) -> int:
 
     enable_compilation_cache()
     t_start = time.time()
-    _say(f"# {load_line()}")
-    proc, address = start_server(args.model, args.engine_config, warmup=not args.no_server_warmup)
+    _say(f"# {machine_line()}")
+    proc, address, _ = start_server(args.model, args.engine_config, warmup=not args.no_server_warmup)
     _say(f"# server {address} ready after {time.time() - t_start:.0f} s")
     llm = LLM(args.model, engine_config=EngineConfig.preset(args.engine_config))
     vocab = llm.model_config.vocab_size
@@ -146,16 +151,17 @@ def main(argv=None) -> int:
         if not args.skip_overhead:
             _say(f"\n## overhead: {args.streams} streams at once, {args.input_len} + {args.output_len} tokens, "
                  f"{args.rounds} alternating rounds  ({load_line()})")
-            tps: dict = {"library": [], "server": []}
-            for r in range(args.rounds):
-                order = (("library", lib), ("server", srv)) if r % 2 == 0 else (("server", srv), ("library", lib))
-                for name, backend in order:
-                    work = synthetic_workload(args.streams, io, oo, vocab, seed=1000 + 10 * r + len(tps[name]))
+            def measure(name, backend):
+                def one(r):
+                    work = synthetic_workload(args.streams, io, oo, vocab, seed=1000 + 11 * r)
                     s = summarize(run_benchmark(backend, work, BenchConfig(progress=False)))
-                    tps[name].append(s["output_throughput"])
                     _say(f"round {r + 1} {name:<7}: {s['output_throughput']:7.1f} output tok/s, "
                          f"{s['completed']}/{args.streams} done in {s['duration_s']:.1f} s, "
                          f"ITL p50 {s['itl_ms']['median']:.0f} ms  ({load_line()})")
+                    return s["output_throughput"]
+                return one
+
+            tps = alternate({"library": measure("library", lib), "server": measure("server", srv)}, args.rounds)
             med = {k: median(v) for k, v in tps.items()}
             ratio = med["server"] / med["library"]
             per_round = [s / l for s, l in zip(tps["server"], tps["library"])]
@@ -165,15 +171,10 @@ def main(argv=None) -> int:
             report["overhead"] = {"output_tok_s": tps, "median": med, "ratio": ratio, "per_round": per_round}
     finally:
         llm.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     _say(f"# total {time.time() - t_start:.0f} s; {load_line()}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0
 
 

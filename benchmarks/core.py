@@ -29,13 +29,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import platform
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -50,6 +45,7 @@ from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.loading.weights import resolve_model
+from jaxinfer.tools.harness import Clock, Worker, alternate, finish, load_average, machine, machine_line, medians
 
 HF_PEER = Path(__file__).with_name("hf_peer.py")
 TEXT = (
@@ -311,54 +307,6 @@ def find_hf_python(flag: Optional[str]) -> tuple:
     )
 
 
-class Worker:
-    """A peer's worker process, driven in JSON lines: a setup line, then one line per command
-    (hf_peer.py here; llamacpp_worker.py for `benchmarks.llamacpp_peer`). An ``{"error": ...}``
-    reply, or the process exiting, raises RuntimeError with the worker's stderr tail."""
-
-    def __init__(self, python: str, script, setup: dict, threads: int, name: str = "worker",
-                 env: Optional[dict] = None):
-        self.name = name
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}_", suffix=".log",
-                                               delete=False)
-        self.proc = subprocess.Popen(
-            [python, str(script)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})),
-        )
-        self.info = self.send(json.dumps(setup))
-
-    def send(self, line: str) -> dict:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        if not reply:
-            self.log.flush()
-            self.log.seek(0)
-            tail = self.log.read()[-3000:]
-            raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()}):\n{tail}")
-        out = json.loads(reply)
-        if "error" in out:
-            raise RuntimeError(f"{self.name}: {out['error']}")
-        return out
-
-    def round(self) -> dict:
-        return self.send("round")
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=30)
-        except Exception:
-            self.proc.kill()
-        self.log.close()
-        os.unlink(self.log.name)
-
-
 class HFPeer(Worker):
     """The transformers worker process (hf_peer.py), driven one JSON line per round."""
 
@@ -389,19 +337,16 @@ def common_prefix(a, b) -> int:
     return k
 
 
-def summarize(rounds: list, keys) -> dict:
-    return {k: median([r[k] for r in rounds]) for k in keys}
-
-
 def report(res: dict) -> str:
     L = []
     bw, fl, j, h = res["bandwidth"], res["floor"], res["jaxinfer"], res.get("transformers")
     sysinfo = res["system"]
     L.append(
-        f"jaxinfer core benchmark — {res['model']} ({res.get('dtype', 'float32')} weights), {sysinfo['cpus']} CPUs, jax {sysinfo['jax']} "
-        f"on {sysinfo['backend']}; medians of {res['repeats']} alternating rounds"
+        f"jaxinfer core benchmark — {res['model']} ({res.get('dtype', 'float32')} weights); "
+        f"medians of {res['repeats']} alternating rounds"
     )
-    L.append(f"load average at start {sysinfo['loadavg_start']}, at end {sysinfo.get('loadavg_end')}")
+    L.append(machine_line(sysinfo))
+    L.append(f"load average at start {sysinfo['loadavg']}, at end {sysinfo.get('loadavg_end')}")
     L.append("")
     L.append(
         f"memory bandwidth (512 MiB float32): jitted sum {bw['jax_sum_gbs']:.1f} GB/s, jitted matvec "
@@ -561,22 +506,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    t_start = time.perf_counter()
+    log = Clock()
     res: dict = {
         "model": a.model,
         "repeats": a.repeats,
         "batch": a.batch,
         "prompt_len": a.prompt_len,
         "decode_tokens": a.decode_tokens,
-        "system": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        },
+        "system": machine(),
     }
-    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     log("measuring memory bandwidth")
     res["bandwidth"] = bw = measure_bandwidth()
@@ -609,34 +547,30 @@ def main(argv=None) -> int:
     else:
         log(f"transformers peer {why}")
 
-    jrounds, hrounds = [], []
+    def peer_failed(name, i, e):  # report, go on without the peer
+        if name != "transformers":
+            raise e
+        log(f"transformers peer failed: {e}")
+        res["transformers_python"] = f"failed: {e}"
+
+    systems = {"jaxinfer": lambda i: jax_round(llm, prompt, batch_prompts, a.decode_tokens)}
+    if peer is not None:
+        systems["transformers"] = lambda i: peer.round()
     c0 = step_mod.compiled_count()
-    for i in range(a.repeats):
-        log(f"round {i + 1}/{a.repeats}: jaxinfer")
-        jrounds.append(jax_round(llm, prompt, batch_prompts, a.decode_tokens))
-        if peer is not None:
-            log(f"round {i + 1}/{a.repeats}: transformers")
-            try:
-                hrounds.append(peer.round())
-            except Exception as e:  # report, go on without the peer
-                log(f"transformers peer failed: {e}")
-                res["transformers_python"] = f"failed: {e}"
-                peer.close()
-                peer = None
-    if peer is not None and not hrounds:
-        peer.close()
-        peer = None
+    by_system = alternate(systems, a.repeats, log=log, on_error=peer_failed)
+    jrounds, hrounds = by_system["jaxinfer"], by_system.get("transformers", [])
     jres["recompiles_during_rounds"] = step_mod.compiled_count() - c0
     if peer is not None:
         peer.close()
+        peer = peer if len(hrounds) == a.repeats else None
 
     keys = ["ttft_s", "ttft_wall_s", "tpot_s", "tpot_wall_s", "batch_decode_tok_s", "batch_e2e_tok_s", "batch_all_first_tokens_s"]
-    jres.update(summarize(jrounds, keys))
+    jres.update(medians(jrounds, keys))
     jres["rounds"] = jrounds
     res["jaxinfer"] = jres
     if peer is not None:
         hkeys = [k for k in hrounds[0] if not k.startswith(("tokens", "batch_tokens"))]
-        s = summarize(hrounds, hkeys)
+        s = medians(hrounds, hkeys)
         res["transformers"] = {"info": peer.info, "summary": s, "rounds": hrounds}
         res["transformers_summary"] = {
             "ttft_s": min(s["ttft_manual_s"], s["ttft_generate_s"]),
@@ -657,15 +591,8 @@ def main(argv=None) -> int:
     res["floor_over_tpot"] = floor_s / jres["tpot_s"]
     res["host_share"] = max(0.0, 1 - c["engine"]["step_s"] / jres["tpot_s"])
     res["targets"] = targets(res)
-    res["system"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["wall_s"] = time.perf_counter() - t_start
-
-    print(report(res))
-    print(f"\n(total {res['wall_s']:.0f} s)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2, default=str))
-        print(f"figures written to {a.json}")
-    return 0
+    res["system"]["loadavg_end"] = load_average()
+    return finish(report(res), res, a.json, log)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,9 @@ never helps a figure by accident. Figures are medians over rounds (`jaxinfer.sta
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -51,15 +47,13 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.loading.weights import resolve_model
 
-from benchmarks.core import HF_PEER, StepBench, Worker, common_prefix, find_hf_python, timed
+from jaxinfer.tools.harness import Clock, Worker, alternate, finish, load_average, machine, machine_line, medians
+
+from benchmarks.core import HF_PEER, StepBench, common_prefix, find_hf_python, timed
 
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def loadavg() -> list:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 class Ids:
@@ -181,25 +175,25 @@ def bench_throughput(llm, a, ids: Ids, log) -> dict:
                 log(f"transformers peer failed: {e}")
                 why, peer = f"failed: {e}", None
 
-    jr, hr = [], []
+    failed: list = []
+
+    def peer_failed(name, i, e):  # report, go on without the peer
+        if name != "transformers":
+            raise e
+        log(f"transformers peer failed: {e}")
+        failed.append(f"failed: {e}")
+
+    # round 1 uses transformers' prompts (for the token check); later rounds fresh ids, so no prefix hits
+    systems = {"jaxinfer": lambda i: engine_batch_round(llm, hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)], n)}
+    if peer is not None:
+        systems["transformers"] = lambda i: peer.round()
     c1 = step_mod.compiled_count()
-    for i in range(a.rounds):
-        # round 1 uses transformers' prompts (for the token check); later rounds fresh ids, so no prefix hits
-        prompts = hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)]
-        order = ["jax", "hf"] if i % 2 == 0 else ["hf", "jax"]
-        for who in order:
-            if who == "jax":
-                log(f"[1] round {i + 1}/{a.rounds}: jaxinfer")
-                jr.append(engine_batch_round(llm, prompts, n))
-            elif peer is not None:
-                log(f"[1] round {i + 1}/{a.rounds}: transformers")
-                try:
-                    hr.append(peer.round())
-                except Exception as e:
-                    log(f"transformers peer failed: {e}")
-                    why = f"failed: {e}"
-                    peer.close()
-                    peer = None
+    rounds = alternate(systems, a.rounds, log=lambda m: log(f"[1] {m}"), on_error=peer_failed)
+    jr, hr = rounds["jaxinfer"], rounds.get("transformers", [])
+    if failed:
+        why = failed[0]
+        peer.close()
+        peer = None
     res = {
         "jaxinfer": {
             **warm,
@@ -285,16 +279,11 @@ def bench_prefix(llm, a, ids: Ids, log) -> dict:
             _ttft(eng, other + ids(a.suffix_len))
         _ttft(llm, other + ids(a.suffix_len))  # the cached shape
         t_fill, _ = _ttft(llm, system + ids(a.suffix_len))  # fills the cache with `system`
-        cached, uncached, hits = [], [], []
-        for i in range(a.prefix_requests):
-            log(f"[3] request {i + 1}/{a.prefix_requests}: with and without the prefix cache")
-            for eng in ((llm, plain) if i % 2 == 0 else (plain, llm)):
-                t, hit = _ttft(eng, system + ids(a.suffix_len))
-                if eng is llm:
-                    cached.append(t)
-                    hits.append(hit)
-                else:
-                    uncached.append(t)
+        ttfts = alternate({"cached": lambda i: _ttft(llm, system + ids(a.suffix_len)),
+                           "uncached": lambda i: _ttft(plain, system + ids(a.suffix_len))},
+                          a.prefix_requests, log=lambda m: log(f"[3] {m.replace('round', 'request')}"))
+        cached, hits = [t for t, _ in ttfts["cached"]], [h for _, h in ttfts["cached"]]
+        uncached = [t for t, _ in ttfts["uncached"]]
     finally:
         plain.close()
     res = {
@@ -432,27 +421,21 @@ def bench_host(llm, a, ids: Ids, log) -> dict:
     for b in a.host_batches:  # warm-up: the decode shapes at these batch sizes and contexts
         log(f"[4] warm-up at batch {b}")
         steady_window(llm, b, a.prompt_len, ids, 2, 8)
-    for i in range(a.rounds):
-        for b in (a.host_batches if i % 2 == 0 else a.host_batches[::-1]):
-            log(f"[4] round {i + 1}/{a.rounds}: steady decode at batch {b}")
-            res["engine"].setdefault(str(b), []).append(steady_window(llm, b, a.prompt_len, ids, 8, a.host_window))
-    summary = {}
-    for b, rs in res["engine"].items():
-        summary[b] = {k: median(r[k] for r in rs) for k in rs[0] if k != "batch"}
-    res["summary"] = summary
+    windows = alternate({str(b): lambda i, b=b: steady_window(llm, b, a.prompt_len, ids, 8, a.host_window)
+                         for b in a.host_batches}, a.rounds, log=lambda m: log(f"[4] {m.replace(': ', ': steady decode at batch ')}"))
+    res["engine"] = windows
+    res["summary"] = {b: medians(rs, [k for k in rs[0] if k != "batch"]) for b, rs in windows.items()}
     # the jitted step alone (inputs on device) and through ModelRunner.decode, same context
     context = a.prompt_len + a.output_len
     log(f"[4] the jitted decode step alone at batch {', '.join(map(str, a.step_batches))}, context {context}")
     prompt = ids(a.prompt_len)
     benches = {b: StepBench(llm, prompt, context, b) for b in a.step_batches}
-    direct = {b: [] for b in benches}
-    runner = {b: [] for b in benches}
-    for i in range(a.rounds + 1):
-        for b in (list(benches) if i % 2 == 0 else list(benches)[::-1]):
-            direct[b] += benches[b].direct(8)
-            runner[b] += benches[b].through_runner(4)
+    steps = alternate({b: lambda i, bench=bench: (bench.direct(8), bench.through_runner(4)) for b, bench in benches.items()},
+                      a.rounds + 1)
     for b, bench in benches.items():
-        res["step_alone_ms"][str(b)] = {"direct": 1e3 * median(direct[b]), "runner": 1e3 * median(runner[b])}
+        direct = [t for d, _ in steps[b] for t in d]
+        runner = [t for _, r in steps[b] for t in r]
+        res["step_alone_ms"][str(b)] = {"direct": 1e3 * median(direct), "runner": 1e3 * median(runner)}
         bench.close()
     log("[4] the model's matmuls at each batch size")
     res["matmuls"] = matmul_times(llm.model_config, a.step_batches, dtype=llm.engine_config.dtype,
@@ -536,10 +519,10 @@ def report(res: dict) -> str:
     s = res["system"]
     L.append(
         f"jaxinfer engine benchmark — {res['model']} ({res.get('quantization') or res['dtype']} weights, {res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} "
-        f"(max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}); "
-        f"{s['cpus']} CPUs, jax {s['jax']} on {s['backend']}"
+        f"(max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']})"
     )
-    L.append(f"load average at start {s['loadavg_start']}, at end {s.get('loadavg_end')}; medians of {res['rounds']} rounds")
+    L.append(machine_line(s))
+    L.append(f"load average at start {s['loadavg']}, at end {s.get('loadavg_end')}; medians of {res['rounds']} rounds")
 
     t, c = res.get("throughput"), res.get("ceiling")
     if t:
@@ -740,8 +723,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    log = Clock()
     sections = a.only or SECTIONS
     llm = jaxinfer.LLM(a.model, engine_config=a.engine_config, dtype=a.dtype, quantization=a.quantization)
     e = llm.engine_config
@@ -762,15 +744,9 @@ def main(argv=None) -> int:
         "system_len": a.system_len,
         "long_len": a.long_len,
         "stall_streams": a.stall_streams,
-        "system": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "loadavg_start": loadavg(),
-        },
+        "system": machine(),
     }
-    log(f"loaded {llm.model_name} in {llm.load_time_s:.1f} s; load average {loadavg()}")
+    log(f"loaded {llm.model_name} in {llm.load_time_s:.1f} s; load average {load_average()}")
     ids = Ids(llm.model_config.vocab_size, a.seed)
     try:
         log(f"compute ceiling: jitted {e.dtype} [4096,576]x[576,1536] matmul")
@@ -784,18 +760,12 @@ def main(argv=None) -> int:
         ):
             if name in sections:
                 res[name] = fn(llm, a, ids, log)
-                res["system"][f"loadavg_after_{name}"] = loadavg()
-                log(f"{name} done; load average {loadavg()}")
+                res["system"][f"loadavg_after_{name}"] = load_average()
+                log(f"{name} done; load average {load_average()}")
     finally:
         llm.close()
-    res["system"]["loadavg_end"] = loadavg()
-    res["wall_s"] = time.perf_counter() - t_start
-    print(report(res))
-    print(f"\n(total {res['wall_s']:.0f} s)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2, default=str))
-        print(f"figures written to {a.json}")
-    return 0
+    res["system"]["loadavg_end"] = load_average()
+    return finish(report(res), res, a.json, log)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ and for ``decode_tokens`` tokens (min_new_tokens = max_new_tokens, greedy);
 ``"prompt"`` may then be omitted. The default ``"full"`` mode also times the
 batch-1 paths (`benchmarks.core`).
 
-Only this file imports torch and transformers, and it imports nothing from
-jaxinfer (whose package imports jax) nor from the rest of ``benchmarks/``: it is
-run by path (``python benchmarks/hf_peer.py``), in an interpreter that may have
-neither jax nor jaxinfer. It keeps no statistics of its own; the driver takes
+Only this file imports torch and transformers. It is run by path (``python
+benchmarks/hf_peer.py``), in an interpreter that may have neither jax nor
+jaxinfer installed: from the checkout it imports only `jaxinfer.tools.harness`
+(the JSON-lines protocol; the standard library alone). It keeps no statistics of its own; the driver takes
 the medians of its rounds.
 A GGUF file is loaded dequantized to float32 (or the ``dtype`` the setup line names),
 the same weights jaxinfer uses.
@@ -28,15 +28,12 @@ the same weights jaxinfer uses.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import sys
 import time
 
-
-def _emit(obj) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's jaxinfer
+from jaxinfer.tools.harness import answer, emit, read_setup  # noqa: E402
 
 
 def load(model_path: str, threads: int, attn: str, dtype: str = "float32"):
@@ -153,13 +150,13 @@ class Peer:
 
 
 def main() -> int:
-    setup = json.loads(sys.stdin.readline())
+    setup = read_setup()
     t0 = time.perf_counter()
     model = load(setup["model"], int(setup.get("threads", 2)), setup.get("attn", "sdpa"), setup.get("dtype", "float32"))
     load_s = time.perf_counter() - t0
     mode = setup.get("mode", "full")
     if mode not in ("full", "batch"):
-        _emit({"error": f"unknown mode {mode!r}; use 'full' or 'batch'"})
+        emit({"error": f"unknown mode {mode!r}; use 'full' or 'batch'"})
         return 2
     peer = Peer(model, setup.get("prompt"), setup["batch_prompts"], int(setup["decode_tokens"]))
     run_round = peer.round if mode == "full" else peer.batch_round
@@ -171,7 +168,7 @@ def main() -> int:
     import torch
     import transformers
 
-    _emit(
+    emit(
         {
             "ready": True,
             "mode": mode,
@@ -184,15 +181,7 @@ def main() -> int:
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
     )
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "round":
-            _emit(run_round())
-        elif cmd == "quit" or not cmd:
-            break
-        else:
-            _emit({"error": f"unknown command {cmd!r}"})
-    return 0
+    return answer({"round": run_round})
 
 
 if __name__ == "__main__":

@@ -33,33 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
 
-from benchmarks.bench_figures import load_line
+from jaxinfer.tools.harness import alternate, load_line, machine_line, medians, write_json
 
-
-def _say(text: str) -> None:
-    print(text, flush=True)
-
-
-def start_server(model: str, engine_config: str, timeout: float = 1200.0, extra=()):
-    """One ``jaxinfer serve`` with both protocols on free ports; (process, gRPC address, HTTP base URL)."""
-    cmd = [sys.executable, "-m", "jaxinfer", "serve", "--model", model, "--engine-config", engine_config,
-           "--port", "0", "--http-port", "0", "--log-stats-interval", "0", "--warmup", "--no-prefix-caching", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.time() + timeout
-    for line in proc.stdout:
-        m = re.search(r" on (\S+:\d+) \(.*- ready", line)
-        h = re.search(r"OpenAI-compatible API at (\S+?)/v1\b", line)
-        if m and h:
-            return proc, m.group(1), h.group(1)
-        if m or time.time() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError(f"the server did not start with both protocols: exit code {proc.poll()}")
+from benchmarks.bench_figures import _say, start_server, stop_server
 
 
 def bench(target: list, args, seed: int, num_prompts: int, output_range: str, concurrency: int) -> dict:
@@ -94,19 +74,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     args = p.parse_args(argv)
 
-    from benchmarks.llamacpp_peer import CPU_FLAGS_SHOWN, cpu_model
-    from jaxinfer.config import cpu_flags
-    from jaxinfer.stats import median
-
-    flags = cpu_flags()
-    cpu = f"{cpu_model()}; flags: {' '.join(f for f in CPU_FLAGS_SHOWN if f in flags) or '(unknown)'}"
+    cpu = machine_line()
     t_start = time.time()
-    _say(f"# CPU: {cpu}")
+    _say(f"# {cpu}")
     _say(f"# {load_line()}")
-    proc, address, url = start_server(args.model, args.engine_config, extra=args.serve_arg)
+    proc, address, url = start_server(args.model, args.engine_config, http=True,
+                                      extra=["--no-prefix-caching", *args.serve_arg])
     _say(f"# server ready after {time.time() - t_start:.0f} s: gRPC {address}, HTTP {url}")
     targets = {"http": ["--base-url", url], "grpc": ["--server", address]}
-    figures: dict = {"http": [], "grpc": []}
     try:
         for name, target in targets.items():  # unmeasured: connections, the first prefills
             t0 = time.time()
@@ -114,9 +89,9 @@ def main(argv=None) -> int:
             _say(f"# warm-up through {name}: {time.time() - t0:.0f} s")
         _say(f"\n## {args.streams} concurrent streams, {args.input_len} prompt tokens, "
              f"{args.output_len_range.replace(':', '-')} output tokens, {args.rounds} alternating rounds")
-        for r in range(args.rounds):
-            order = ("http", "grpc") if r % 2 == 0 else ("grpc", "http")
-            for name in order:
+
+        def measure(name):
+            def one(r):
                 s = bench(targets[name], args, r, args.streams, args.output_len_range, args.streams)
                 f = {"output_tok_s": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["median"],
                      "itl_p50_ms": s["itl_ms"]["median"], "duration_s": s["duration_s"],
@@ -126,10 +101,13 @@ def main(argv=None) -> int:
                     s1 = bench(targets[name], args, 100 + r, args.single_requests, "4:4", 1)
                     f["ttft_p50_single_ms"] = s1["ttft_ms"]["median"]
                     one = f", one at a time: TTFT p50 {f['ttft_p50_single_ms']:6.1f} ms"
-                figures[name].append(f)
                 _say(f"round {r + 1} {name:<4}: {f['output_tok_s']:7.1f} output tok/s, TTFT p50 "
                      f"{f['ttft_p50_ms']:7.1f} ms, ITL p50 {f['itl_p50_ms']:6.1f} ms, {f['output_tokens']} tokens in "
                      f"{f['duration_s']:.1f} s{one}  ({load_line()})")
+                return f
+            return one
+
+        figures = alternate({name: measure(name) for name in targets}, args.rounds)
         # NOTE: llama-cpp-python's own OpenAI server (`pip install 'llama-cpp-python[server]'`, built from
         # source, never in CI; `python -m llama_cpp.server --model FILE.gguf --port P`) would add a third
         # row here on the same GGUF: `bench(["--base-url", f"http://127.0.0.1:{P}", "--tokenizer", args.model],
@@ -137,13 +115,9 @@ def main(argv=None) -> int:
         # gives it, and makes the prompts the same token ids; compare its output token counts with ours, since a
         # server that ignores ignore_eos stops early). It is not installed where these figures come from.
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 60)
     keys = ("output_tok_s", "ttft_p50_ms", "itl_p50_ms") + (("ttft_p50_single_ms",) if args.single_requests else ())
-    med = {name: {k: median([f[k] for f in fs]) for k in keys} for name, fs in figures.items()}
+    med = {name: medians(fs, keys) for name, fs in figures.items()}
     ratio = med["http"]["output_tok_s"] / med["grpc"]["output_tok_s"]
     extra_ttft = med["http"]["ttft_p50_ms"] - med["grpc"]["ttft_p50_ms"]
     single_extra = (med["http"]["ttft_p50_single_ms"] - med["grpc"]["ttft_p50_single_ms"]
@@ -162,15 +136,15 @@ def main(argv=None) -> int:
            f"{med['grpc']['ttft_p50_single_ms']:>10.1f} {single_extra:>+11.1f} ms  <= +5 ms   "
            f"{'PASS' if single_extra <= 5.0 else 'FAIL'}"] if args.single_requests else []),
         f"throughput ratio per round: {', '.join(f'{x:.3f}' for x in per_round)}",
-        f"model {args.model}, engine {args.engine_config}; CPU: {cpu}; {load_line()}; total {time.time() - t_start:.0f} s",
+        f"model {args.model}, engine {args.engine_config}; {cpu}; {load_line()}; total {time.time() - t_start:.0f} s",
     ]
     _say("\n".join(rows))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"model": args.model, "engine_config": args.engine_config, "cpu": cpu, "streams": args.streams,
-                       "input_len": args.input_len, "output_len_range": args.output_len_range, "rounds": figures,
-                       "median": med, "throughput_ratio": ratio, "ttft_p50_extra_ms": extra_ttft,
-                       "ttft_p50_single_extra_ms": single_extra}, f, indent=2)
+        write_json(args.json, {"model": args.model, "engine_config": args.engine_config, "cpu": cpu,
+                               "streams": args.streams, "input_len": args.input_len,
+                               "output_len_range": args.output_len_range, "rounds": figures, "median": med,
+                               "throughput_ratio": ratio, "ttft_p50_extra_ms": extra_ttft,
+                               "ttft_p50_single_extra_ms": single_extra})
     return 0
 
 

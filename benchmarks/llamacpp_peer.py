@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -52,10 +50,10 @@ import jax
 
 import jaxinfer
 from jaxinfer.engine import step as step_mod
-from jaxinfer.config import cpu_flags
 from jaxinfer.stats import median
+from jaxinfer.tools.harness import Clock, Worker, alternate, finish, load_average, machine, machine_line
 
-from benchmarks.core import HFPeer, Worker, common_prefix, find_hf_python, greedy, make_prompts, measure_bandwidth
+from benchmarks.core import HFPeer, common_prefix, find_hf_python, greedy, make_prompts, measure_bandwidth
 from benchmarks.engine import engine_batch_round
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
@@ -89,8 +87,6 @@ PRECISION = {
     "jax:int8": "8-bit", "llama:Q8_0": "8-bit",
     "jax:int4": "4-bit", "llama:Q4_1": "4-bit",
 }
-CPU_FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-                   "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm")
 
 
 def has_quantization() -> bool:
@@ -279,13 +275,12 @@ def report(res: dict) -> str:
     L = []
     sysi = res["system"]
     L.append(
-        f"llama.cpp peer benchmark — {res['model']}; {sysi['cpus']} CPUs ({sysi['cpu_model']}), jax {sysi['jax']} on "
-        f"{sysi['backend']}; {res['threads']} threads for llama.cpp and torch; {res['batch']} prompts of "
+        f"llama.cpp peer benchmark — {res['model']}; {res['threads']} threads for llama.cpp and torch; {res['batch']} prompts of "
         f"{res['prompt_len']} tokens, {res['decode_tokens']} new tokens, greedy, EOS ignored; medians of "
         f"{res['repeats']} runs per round ({res['batch_repeats']} of the concurrent batch), {res['rounds']} alternating rounds"
     )
-    L.append(f"load average at start {sysi['loadavg_start']}, at end {sysi.get('loadavg_end')}")
-    L.append(f"CPU flags: {' '.join(sysi['cpu_flags']) or '(unknown)'}")
+    L.append(machine_line(sysi))
+    L.append(f"load average at start {sysi['loadavg']}, at end {sysi.get('loadavg_end')}")
     if res.get("llama_system_info"):
         L.append(f"llama.cpp {res.get('llama_version')}: {res['llama_system_info']}")
     bw = res["bandwidth"]
@@ -407,33 +402,15 @@ def parse_args(argv=None):
     return a
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
-    flags = cpu_flags()
+    log = Clock()
     res: dict = {
         "model": a.model, "batch": a.batch, "prompt_len": a.prompt_len, "decode_tokens": a.decode_tokens,
         "repeats": a.repeats, "batch_repeats": a.batch_repeats, "rounds": a.rounds, "threads": a.threads, "systems": a.systems,
         "llama_batch_mode": "sequential" if a.llama_sequential else "parallel",
         "skipped": {}, "notes": [], "infos": {},
-        "system": {
-            "cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-            "jax": jax.__version__, "backend": jax.default_backend(),
-            "cpu_flags": [f for f in CPU_FLAGS_SHOWN if f in flags],
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        },
+        "system": machine(),
     }
     log("measuring memory bandwidth")
     res["bandwidth"] = bw = measure_bandwidth()
@@ -515,21 +492,14 @@ def main(argv=None) -> int:
                 log(f"warm-up {name}: one run of each figure (compiles its shapes)")
                 sysm.warm()
 
-        rounds.update({n: [] for n in systems})
-        order = list(systems)
-        for i in range(a.rounds):
-            k = i % len(order) if order else 0
-            for name in order[k:] + order[:k]:  # rotate, so no system always goes first
-                if name not in systems:
-                    continue
-                log(f"round {i + 1}/{a.rounds}: {name}")
-                try:
-                    rounds[name].append(systems[name].round())
-                except Exception as e:
-                    res["skipped"][name] = f"failed in round {i + 1}: {e}"
-                    log(f"{name} {res['skipped'][name]}")
-                    systems.pop(name).close()
-        res["system"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        def dropped(name, i, e):  # report, go on without it
+            res["skipped"][name] = f"failed in round {i + 1}: {e}"
+            log(f"{name} {res['skipped'][name]}")
+            systems.pop(name).close()
+
+        rounds.update(alternate({n: (lambda i, s=s: s.round()) for n, s in systems.items()}, a.rounds, log=log,
+                                on_error=dropped))
+        res["system"]["loadavg_end"] = load_average()
         for name, info in res["infos"].items():
             if name.startswith("llama:") and "llama_system_info" not in res:
                 res["llama_system_info"] = info.get("system_info")
@@ -569,20 +539,14 @@ def main(argv=None) -> int:
     cached = {n: sum(r.get("cached_tokens", 0) for r in rs) for n, rs in res["rounds_by_system"].items() if n in JAX_SYSTEMS}
     if any(cached.values()):
         res["notes"].append(f"prefix-cache hits during the rounds (should be none): {cached}")
-    busy = max(res["system"]["loadavg_start"][0], res["system"]["loadavg_end"][0] if res["system"].get("loadavg_end") else 0)
+    busy = max((res["system"].get(k) or [0])[0] for k in ("loadavg", "loadavg_end"))
     if busy > 0.5 * (os.cpu_count() or 1):
         res["notes"].append(
             f"the machine was busy (1-minute load average up to {busy:.1f} on {os.cpu_count()} CPUs): every figure is "
             "unreliable, llama.cpp's most (its OpenMP threads spin-wait for each other)"
         )
     res["targets"] = targets(res)
-    res["wall_s"] = time.perf_counter() - t_start
-    print(report(res))
-    print(f"\n(total {res['wall_s']:.0f} s)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2, default=str))
-        print(f"figures written to {a.json}")
-    return 0
+    return finish(report(res), res, a.json, log)
 
 
 if __name__ == "__main__":

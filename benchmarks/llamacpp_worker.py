@@ -28,27 +28,21 @@ the model with llama-cpp-python's high-level `Llama` (``logits_all=True``), eval
 each window from an empty cache and returns, for every position from ``score_from``
 to the window's second-to-last, the log-probability of the next token and the argmax.
 
-Only this file imports llama_cpp; it imports nothing from jaxinfer nor from the rest
-of ``benchmarks/`` (it is run by path, in an interpreter that may have neither).
+Only this file imports llama_cpp. It is run by path, in an interpreter that may have
+neither jax nor jaxinfer installed: from the checkout it imports only
+`jaxinfer.tools.harness` (the JSON-lines protocol) and `jaxinfer.stats` (numpy).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 
-def _emit(obj) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def _median(xs):
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's jaxinfer
+from jaxinfer.stats import median  # noqa: E402
+from jaxinfer.tools.harness import answer, emit, read_setup  # noqa: E402
 
 
 class Context:
@@ -247,15 +241,15 @@ class Bench:
         run = self.batch_parallel if self.parallel else self.batch_sequential
         bat = [run() for _ in range(self.batch_repeats)]
         out = {
-            "ttft_s": _median([t for t, _ in ttft]),
-            "tpot_s": _median([t for t, _ in dec]),
+            "ttft_s": median([t for t, _ in ttft]),
+            "tpot_s": median([t for t, _ in dec]),
             "ttft_samples_s": [t for t, _ in ttft],
             "tpot_samples_s": [t for t, _ in dec],
             "tokens": dec[-1][1],
         }
         for key in ("batch_wall_s", "batch_e2e_tok_s", "batch_decode_tok_s", "batch_all_first_s"):
             vals = [b[key] for b in bat if b[key] is not None]
-            out[key] = _median(vals) if vals else None
+            out[key] = median(vals) if vals else None
         out["batch_e2e_samples"] = [b["batch_e2e_tok_s"] for b in bat]
         out["batch_tokens_first"] = bat[-1]["batch_tokens_first"]
         return out
@@ -303,17 +297,17 @@ def perplexity(setup: dict) -> dict:
 
 
 def main() -> int:
-    setup = json.loads(sys.stdin.readline())
+    setup = read_setup()
     mode = setup.get("mode", "bench")
     if mode == "perplexity":
         try:
-            _emit(perplexity(setup))
+            emit(perplexity(setup))
         except Exception as e:  # report it to the driver
-            _emit({"error": f"{type(e).__name__}: {e}"})
+            emit({"error": f"{type(e).__name__}: {e}"})
             return 1
         return 0
     if mode != "bench":
-        _emit({"error": f"unknown mode {mode!r}; use 'bench' or 'perplexity'"})
+        emit({"error": f"unknown mode {mode!r}; use 'bench' or 'perplexity'"})
         return 2
     try:
         bench = Bench(setup)
@@ -322,21 +316,10 @@ def main() -> int:
         info = bench.info()
         info["warmup_s"] = time.perf_counter() - t0
     except Exception as e:
-        _emit({"error": f"{type(e).__name__}: {e}"})
+        emit({"error": f"{type(e).__name__}: {e}"})
         return 1
-    _emit(info)
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "round":
-            try:
-                _emit(bench.round())
-            except Exception as e:
-                _emit({"error": f"{type(e).__name__}: {e}"})
-        elif cmd == "quit" or not cmd:
-            break
-        else:
-            _emit({"error": f"unknown command {cmd!r}"})
-    return 0
+    emit(info)
+    return answer({"round": bench.round})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Prints:
 * the CPU's SIMD flags, the kernel's SIMD path, and the memory bandwidth over 512 MiB: a
   jitted float32 sum and a jitted matrix-vector product (bytes read; the floor below uses
   the better of the two, as `benchmarks.core` does), a numpy copy (bytes read + written);
-* M = 1, one product at a time (one jitted call each, so a call's dispatch, ~10-20 us, is
+* M = 1, one product at a time (one jitted call each, so a call's dispatch is
   in both columns; small weights stay in cache between calls): time, GB/s of weight bytes,
   and the fraction of the bandwidth floor (weight bytes / bandwidth) reached;
 * the int8 LM head, cold (a round over distinct copies larger than the last-level cache),
@@ -28,7 +28,7 @@ takes x rounded to bfloat16 (one row padded to two, as the decoder does); float3
 plain dot. The kernel keeps x in float32 for every form. Weights are random (quantized
 leaves are random integers and scales: the kernel's speed does not depend on the values).
 
-    python -m benchmarks.matmul_kernel                  # everything (~2-4 minutes on 2 cores)
+    python -m benchmarks.matmul_kernel                  # everything (a few minutes)
     python -m benchmarks.matmul_kernel --quick          # fewer repeats, fewer row counts
     python -m benchmarks.matmul_kernel --no-single --head-rows --rows 1 128   # the chained model only
 """
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.ops import cpu_matmul
-from jaxinfer.config import cpu_flags
+from jaxinfer.tools.harness import machine_line
 from jaxinfer.ops.quant import QuantizedWeight
 from jaxinfer.stats import median
 
@@ -174,7 +174,7 @@ def head_layouts(rng, bw: float, repeats: int, rows: list, cache_mb: int = 300) 
     b = nbytes(nk0)
     floor = b / bw / 1e9
     # XLA's time is its dequantized float32 copy (4x the bytes, written then read), cold or not:
-    # two copies, one round (its rounds are ~30x the kernel's)
+    # two copies, one round (its rounds take many times the kernel's)
     paths = {"kn": (jax.jit(product("kernel", 0)), kn), "nk": (jax.jit(product("kernel", 1)), nk),
              "xla": (jax.jit(product("xla", 1)), nk[:2])}
     for m in rows:
@@ -256,9 +256,8 @@ def main() -> None:
     rows = a.rows or ([1, 4, 16, 64, 128] if a.quick else [1, 2, 4, 8, 16, 32, 48, 64, 128, 256])
     if not cpu_matmul.prepare():
         raise SystemExit("the native matmul kernel is unavailable (JAXINFER_CPU_KERNELS=0, or no compiler)")
-    simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx")))
-    print(f"CPU: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; SIMD flags: {' '.join(simd)}")
-    print(f"kernel SIMD path: {cpu_matmul.isa()}; jax {jax.__version__}; XLA threads: the intra-op pool "
+    print(machine_line())
+    print(f"kernel SIMD path: {cpu_matmul.isa()}; XLA threads: the intra-op pool "
           f"({os.cpu_count()} cores)")
     bws = bandwidth(repeats=max(3, repeats))
     bw = max(bws["jax_sum"], bws["jax_matvec"])

@@ -7,8 +7,8 @@ a Qwen3-MoE config with ``--experts`` experts of ``--expert-size`` and top ``--t
 routing, and a Qwen3 config whose dense MLP is ``top_k * expert_size`` wide, so both run
 the same active parameters per token. For each batch size the engine decodes that many
 requests and the steady decode step time is read from the engine's counters
-(`benchmarks.engine.steady_window`), alternating the two models over ``--rounds`` rounds;
-medians are printed with the CPU flags. The MoE step reads only its tokens' experts
+(`benchmarks.engine.steady_window`), alternating the two models over ``--rounds`` rounds
+(`jaxinfer.tools.harness.alternate`); medians are printed with the machine line (CPU flags, load). The MoE step reads only its tokens' experts
 (`jaxinfer.models.moe`), so at batch 1 it should cost about what the dense step costs,
 and at larger batches what the union of the chosen experts costs.
 """
@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 
 import jaxinfer
-from jaxinfer.config import EngineConfig, ModelConfig, cpu_flags
-from jaxinfer.models import get_family
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.models import describe, get_family
 from jaxinfer.ops.spec import init_random
 from jaxinfer.stats import median
+from jaxinfer.tools.harness import alternate, machine_line
 
 from benchmarks.engine import steady_window
 
@@ -69,15 +70,13 @@ def main(argv=None) -> int:
     def ids(n: int) -> list[int]:
         return [rng.randrange(10, a.vocab) for _ in range(n)]
 
-    print(f"cpu flags: {' '.join(sorted(f for f in cpu_flags() if f.startswith(('avx', 'fma', 'amx'))))}")
-    print(f"moe:   {moe.describe()}\ndense: {dense.describe()}")
+    print(machine_line())
+    print(f"moe:   {describe(moe)}\ndense: {describe(dense)}")
     for b in a.batches:
         for llm in llms.values():  # compile and settle this batch size once
             steady_window(llm, b, 16, ids, skip=2, window=4)
-        times = {k: [] for k in llms}
-        for _ in range(a.rounds):
-            for k, llm in llms.items():
-                times[k].append(steady_window(llm, b, 16, ids, skip=4, window=16)["step_ms"])
+        times = alternate({k: lambda i, llm=llm: steady_window(llm, b, 16, ids, skip=4, window=16)["step_ms"]
+                           for k, llm in llms.items()}, a.rounds)
         m, d = median(times["moe"]), median(times["dense"])
         print(f"batch {b:3d}: decode step moe {m:7.2f} ms, dense {d:7.2f} ms, moe/dense {m / d:.2f}"
               f"  (rounds: moe {['%.2f' % t for t in times['moe']]}, dense {['%.2f' % t for t in times['dense']]})")

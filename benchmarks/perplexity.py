@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
 import sys
@@ -51,7 +50,9 @@ from jaxinfer.ops import kv_cache
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.models import get_family
 
-from benchmarks.llamacpp_peer import WORKER, Worker, find_llama_python
+from jaxinfer.tools.harness import Clock, Worker, finish, load_average, machine, machine_line
+
+from benchmarks.llamacpp_peer import WORKER, find_llama_python
 
 TEXT = Path(__file__).with_name("texts") / "python_reference_execmodel_import.txt"
 
@@ -230,6 +231,8 @@ def report(res: dict) -> str:
         f"{res['windows']} non-overlapping windows of {res['ctx']} tokens, each from an empty cache; scored: positions "
         f"{res['score_from']}..{res['ctx'] - 2} of each (the next token's log-probability), {res['scored']} tokens in all"
     )
+    L.append(machine_line(res["system"]))
+    L.append(f"load average at start {res['system']['loadavg']}, at end {res['system'].get('loadavg_end')}")
     for n in res.get("notes", []):
         L.append(f"note: {n}")
     L.append("")
@@ -314,11 +317,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    log = Clock()
     quant_ok = "quantization" in inspect.signature(jaxinfer.LLM).parameters
     res: dict = {"model": a.model, "ctx": a.ctx, "order": a.systems, "rows": {}, "skipped": {}, "notes": [],
-                 "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+                 "system": machine()}
     text_path = Path(a.text)
     res["text"] = text_path.name
 
@@ -386,15 +388,9 @@ def main(argv=None) -> int:
     if not quant_ok and any(JAX_ROWS[s][1] for s in a.systems if s in JAX_ROWS):
         res["notes"].append("jaxinfer int8 / int4 rows skipped: jaxinfer.LLM has no quantization= argument in this checkout")
     summarize(res)
-    res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    res["wall_s"] = time.perf_counter() - t_start
-    print(report(res))
-    print(f"\n(total {res['wall_s']:.0f} s)")
-    if a.json:
-        out = dict(res, rows={n: {k: v for k, v in r.items() if k not in ("logp", "top1")} for n, r in res["rows"].items()})
-        Path(a.json).write_text(json.dumps(out, indent=2, default=str))
-        print(f"figures written to {a.json}")
-    return 0
+    res["system"]["loadavg_end"] = load_average()
+    slim = {n: {k: v for k, v in r.items() if k not in ("logp", "top1")} for n, r in res["rows"].items()}
+    return finish(report(res), res, a.json, log, json_figures=dict(res, rows=slim))
 
 
 if __name__ == "__main__":

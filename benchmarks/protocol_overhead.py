@@ -6,7 +6,7 @@
 (from the repository root). One in-process server (`ServerThread`) serves both protocols over the tiny
 random-weight test model (tests/openai_models.py), so a request's time is mostly the path it takes:
 parsing, building the request, the engine's queue, the first step, the stream back. Single requests,
-alternating HTTP (a streamed ``/v1/completions`` read with httpx) and gRPC (``Generate`` with the
+alternating (the order flipping each pair) HTTP (a streamed ``/v1/completions`` read with httpx) and gRPC (``Generate`` with the
 jaxinfer client), each timed at the client from sending to the first streamed token; the first
 ``--skip`` pairs are warm-up. Prints the medians, their difference and the CPU flags. Not a test.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -32,34 +31,33 @@ def main(argv=None) -> int:
 
     from jaxinfer.server import ServerConfig, ServerThread
     from jaxinfer.server.client import Client
+    from jaxinfer.tools.harness import alternate, machine_line, spread
     from openai_models import sp_llm
 
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    shown = sorted(x for x in flags if x.startswith(("avx", "amx", "fma", "f16c")))
     llm = sp_llm(pathlib.Path(tempfile.mkdtemp()))
     ids = list(range(5, 37))
-    grpc_s, http_s = [], []
     body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
     with ServerThread(llm, ServerConfig(port=0, http_port=0)) as srv, Client(srv.address, timeout=60) as c, \
             httpx.Client(base_url=srv.http_url, timeout=60) as h:
-        for i in range(args.requests + args.skip):
+        def grpc_first(i):
             t0 = time.perf_counter()
             for piece in c.generate(ids, max_tokens=4, temperature=0, ignore_eos=True):
                 if piece.token_ids:
                     break
-            t1 = time.perf_counter()
+            return time.perf_counter() - t0
+
+        def http_first(i):
+            t0 = time.perf_counter()
             with h.stream("POST", "/v1/completions", json=body) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: {"))
-            t2 = time.perf_counter()
-            if i >= args.skip:
-                grpc_s.append(t1 - t0)
-                http_s.append(t2 - t1)
+            return time.perf_counter() - t0
+
+        times = alternate({"grpc": grpc_first, "http": http_first}, args.requests + args.skip)
     llm.close()
-    g, hh = statistics.median(grpc_s) * 1e3, statistics.median(http_s) * 1e3
-    print(f"time to the first streamed token, median of {len(grpc_s)} alternating single requests (tiny model):")
+    g, hh = (spread(times[k][args.skip:])["median"] * 1e3 for k in ("grpc", "http"))
+    print(f"time to the first streamed token, median of {args.requests} alternating single requests (tiny model):")
     print(f"  gRPC {g:.2f} ms   HTTP {hh:.2f} ms   HTTP - gRPC {hh - g:+.2f} ms   (target: <= +5 ms)")
-    print(f"  CPU flags: {' '.join(shown)}; {os.cpu_count()} CPUs")
+    print(f"  {machine_line()}")
     return 0
 
 

@@ -58,13 +58,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_figures import load_line
 import jaxinfer
 from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer.ops import sampler
 from jaxinfer.engine import structured
 from jaxinfer.stats import median
 from jaxinfer.engine.step import compiled_count
+from jaxinfer.tools.harness import Clock, alternate, finish, load_line, machine_line
 
 SCHEMA = {
     "type": "object",
@@ -80,14 +80,6 @@ SUBJECTS = ("a cat", "a pilot", "a chef", "a robot", "a gardener", "a dragon", "
 RUNS = ("mixed", "plain", "plain+sync", "all", "plain-all")
 BASELINE = {"mixed": "plain", "all": "plain-all", "plain+sync": "plain"}
 GOAL = 0.8
-
-
-def cpu_line() -> str:
-    from benchmarks.llamacpp_peer import CPU_FLAGS_SHOWN, cpu_model
-    from jaxinfer.config import cpu_flags
-
-    flags = cpu_flags()
-    return f"{cpu_model()}; flags: {' '.join(f for f in CPU_FLAGS_SHOWN if f in flags) or '(unknown)'}"
 
 
 # --------------------------------------------------------------------------- #
@@ -387,7 +379,7 @@ def report(res: dict) -> str:
     L = [
         f"structured output — {res['model']} ({res['dtype']}), batch {res['batch']}, max_tokens {res['max_tokens']}, "
         f"temperature 1.0; medians of {res['rounds']} rounds, runs alternating",
-        f"CPU: {res['cpu']}",
+        res["cpu"],
         f"{res['load_start']} at start, {res['load_end']} at end; total {res['total_s']:.0f} s "
         f"(warm-up and compiles {res['warmup_s']:.0f} s)",
         "",
@@ -480,10 +472,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    cpu, load_start = cpu_line(), load_line()
-    log(f"CPU: {cpu}; {load_start}")
+    log = Clock()
+    cpu, load_start = machine_line(), load_line()
+    log(f"{cpu}; {load_start}")
     if a.tiny:
         log(f"building a tiny random model with {a.model}'s tokenizer")
         llm = tiny_llm(a.model)
@@ -507,17 +498,19 @@ def main(argv=None) -> int:
                 run_once(llm, run, prompts, a, src, probe)
         if "plain+sync" in runs and "plain" not in runs:
             run_once(llm, "plain", prompts, a, counts["mixed"], probe)
-        warmup_s = time.perf_counter() - t_start
-        data: dict = {r: [] for r in runs}
-        for i in range(a.rounds):
-            order = runs[i % len(runs):] + runs[:i % len(runs)]
-            for run in order:
+        warmup_s = log.elapsed()
+
+        def measure(run):
+            def one(i):
                 src = counts.get("all" if run == "plain-all" else "mixed")
                 r = run_once(llm, run, prompts, a, src, probe)
                 r["load"] = load_line()
-                data[run].append(r)
                 log(f"round {i + 1}/{a.rounds} {run:<10}: {r['tok_s']:7.1f} tok/s, {r['output_tokens']} tokens in "
                     f"{r['wall_s']:.2f} s, {r['steps']} steps, {r['grammar_syncs']} grammar syncs  ({r['load']})")
+                return r
+            return one
+
+        data = alternate({run: measure(run) for run in runs}, a.rounds)
     log("the bitmask stage alone")
     ds = device_stage(a.batch, llm.model_config.vocab_size, 50)
     matched = all(r["counts"] == counts["mixed" if run in ("mixed", "plain", "plain+sync") else "all"]
@@ -544,14 +537,9 @@ def main(argv=None) -> int:
         "warmup_s": warmup_s,
     }
     res["summary"] = summarize(data)
-    res["total_s"] = time.perf_counter() - t_start
-    print(report(res), flush=True)
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2, default=str)
-        print(f"figures written to {a.json}")
+    res["total_s"] = log.elapsed()
     llm.close()
-    return 0
+    return finish(report(res), res, a.json)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ cores, so a larger TP cannot be faster: the figures show what the mesh costs
 (collectives, per-shard dispatch), not a speed-up. The engines of every TP size
 are kept loaded and measured in alternating rounds (the steady decode step from
 the engine's counters, `benchmarks.engine.steady_window`); medians are printed
-with the CPU flags. Peak host memory while loading is measured for each size in
+with the machine line (CPU flags, load). Peak host memory while loading is measured for each size in
 a fresh process (the high-water mark of its resident memory, which includes the
 JAX runtime and, on CPU, the devices' own arrays: the parameters and the KV cache,
 which grows with TP when KV heads are replicated), loading from the model cache into
@@ -61,15 +61,16 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
 
     import jaxinfer
-    from jaxinfer.config import DEFAULT_MODEL, EngineConfig, cpu_flags
+    from jaxinfer.config import DEFAULT_MODEL, EngineConfig
     from jaxinfer.stats import median
+    from jaxinfer.tools.harness import alternate, machine, machine_line, write_json
 
     from benchmarks.engine import steady_window
 
     model = a.model or DEFAULT_MODEL
     jaxinfer.LLM(model, dtype=a.dtype).close()  # fill the model cache before the probes
-    flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "amx"))))
-    print(f"cpu flags: {flags}\ncores: {os.cpu_count()}, devices: {a.devices} (fake CPU devices share the cores)")
+    m = machine()
+    print(f"{machine_line(m)}\ndevices: {a.devices} (fake CPU devices share the cores)")
     loads = {tp: load_probe(model, a.dtype, tp, a.devices) for tp in a.sizes}
     for tp, r in loads.items():
         print(f"TP {tp}: load {r['load_s']:.1f} s, peak host memory {r['peak_mb']:.0f} MB, of which the "
@@ -84,14 +85,12 @@ def main(argv=None) -> int:
     def ids(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
 
-    results: dict = {"cpu_flags": flags, "loads": loads, "steps": {}}
+    results: dict = {"cpu_flags": " ".join(m["cpu_flags"]), "machine": m, "loads": loads, "steps": {}}
     for b in a.batches:
         for llm in llms.values():  # compile and settle this batch size once
             steady_window(llm, b, 32, ids, skip=2, window=4)
-        times: dict = {tp: [] for tp in llms}
-        for _ in range(a.rounds):
-            for tp, llm in llms.items():
-                times[tp].append(steady_window(llm, b, 32, ids, skip=4, window=16)["step_ms"])
+        times = alternate({tp: lambda i, llm=llm: steady_window(llm, b, 32, ids, skip=4, window=16)["step_ms"]
+                           for tp, llm in llms.items()}, a.rounds)
         base = median(times[a.sizes[0]])
         cells = ", ".join(f"TP {tp} {median(t):.1f} ms ({median(t) / base:.2f}x)" for tp, t in times.items())
         print(f"batch {b:2d} decode step: {cells}")
@@ -99,8 +98,7 @@ def main(argv=None) -> int:
     for llm in llms.values():
         llm.close()
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(a.json, results)
     return 0
 
 

@@ -67,6 +67,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from jaxinfer.stats import median
+from jaxinfer.tools.harness import write_json
+
 # --------------------------------------------------------------------------- #
 # What runs
 # --------------------------------------------------------------------------- #
@@ -190,12 +193,6 @@ def log(msg: str) -> None:
 def repo_root() -> Path:
     """The checkout this package runs from (an editable install): where tests/ lives."""
     return Path(__file__).resolve().parent.parent
-
-
-def median(xs: list) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 # --------------------------------------------------------------------------- #
@@ -524,8 +521,10 @@ def measure_throughput(llm, n: int, prompt_len: int, new_tokens: int, rounds: in
 
 
 def measure_model(llm, sizes: Sizes, bandwidth_gb_s: Optional[float], devices: int, rng: random.Random) -> dict:
+    from jaxinfer import models
+
     cfg, e = llm.model_config, llm.engine_config
-    out: dict = {"model": llm.model_name, "description": cfg.describe(), "params": cfg.num_params(),
+    out: dict = {"model": llm.model_name, "description": models.describe(cfg), "params": models.num_params(cfg),
                  "dtype": e.dtype, "kv_cache_dtype": e.cache_dtype, "max_model_len": llm.max_model_len}
     context = sizes.prompt_len + sizes.new_tokens
     log(f"{llm.model_name}: batch-1 decode step at context {context}")
@@ -829,7 +828,6 @@ def format_table(r: dict) -> str:
 # --------------------------------------------------------------------------- #
 
 MODELS = ("smollm2", "llama-1b", "tiny")
-SHOWN_CPU_FLAGS = ("avx", "amx", "fma", "f16c", "bf16", "sve", "asimd", "neon", "sse4", "vnni")
 
 
 def parse_args(argv: Optional[list]) -> argparse.Namespace:
@@ -886,6 +884,7 @@ def _platform_guess() -> str:
 
 def _engine(args, backend: str, quick: bool):
     from jaxinfer.config import EngineConfig
+    from jaxinfer.ops.backend import resolve_engine_config
 
     name = args.engine_config or {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend)
     e = EngineConfig.preset(name)
@@ -898,7 +897,7 @@ def _engine(args, backend: str, quick: bool):
         elif args.tensor_parallel_size != 1:
             raise SystemExit("device_check: this jaxinfer's EngineConfig has no tensor_parallel_size field; "
                              "--tensor-parallel-size must be 1")
-    return e.resolved(backend)
+    return resolve_engine_config(e, backend)
 
 
 def _env(engine, backend: str) -> dict:
@@ -907,6 +906,7 @@ def _env(engine, backend: str) -> dict:
 
     import jaxinfer
     from jaxinfer.config import cpu_flags
+    from jaxinfer.tools.harness import cpu_model, load_average, shown_cpu_flags
 
     devs = jax.devices()
     env = {
@@ -923,13 +923,10 @@ def _env(engine, backend: str) -> dict:
     if backend == "cpu":
         flags = sorted(cpu_flags())
         env["cpu_flags"] = flags
-        env["cpu_flags_shown"] = [f for f in flags if f.startswith(SHOWN_CPU_FLAGS) or f in ("bf16", "i8mm")]
+        env["cpu_flags_shown"] = shown_cpu_flags(flags)
         env["cpu_count"] = os.cpu_count()
-        try:
-            with open("/proc/cpuinfo") as f:
-                env["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-        except OSError:
-            env["cpu_model"] = None
+        env["cpu_model"] = cpu_model()
+    env["loadavg"] = load_average()
     return env
 
 
@@ -1037,8 +1034,10 @@ def main(argv: Optional[list] = None) -> int:
                 llm = jaxinfer.LLM("smollm2-135m-instruct", engine_config=engine)
                 m["model"] = "SmolLM2-135M"
             else:
+                from jaxinfer.models import describe
+
                 cfg = llama_1b_config() if name == "llama-1b" else tiny_config()
-                log(f"random weights for {cfg.name} ({cfg.describe()})")
+                log(f"random weights for {cfg.name} ({describe(cfg)})")
                 llm = random_llm(cfg, engine)
                 m["model"] = "Llama-1B (random)" if name == "llama-1b" else "tiny Llama (random)"
             llm.engine.autostart = False  # driven on this thread: the same steps every round
@@ -1089,7 +1088,7 @@ def main(argv: Optional[list] = None) -> int:
     table = format_table(results) + "\n" + format_quantized(results.get("quantized", []))
     results["table"] = table
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        write_json(args.json, results, indent=1)
     print(table, flush=True)
     return 0 if results["ok"] else 1
 

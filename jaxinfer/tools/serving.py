@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import describe
+from jaxinfer.tools.harness import write_json
 
 # Random prompt ids stay this far from both ends of the vocabulary: special and
 # control tokens live there in most tokenizers.
@@ -1184,9 +1185,7 @@ def _write_summary(summary: dict, args, out) -> int:
     else:
         out.write(format_table(summary) + "\n")
         if args.json is not None:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(summary, f, indent=2)
-                f.write("\n")
+            write_json(args.json, summary)
     out.flush()
     return 0 if summary["completed"] else 1
 

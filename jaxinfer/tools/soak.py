@@ -90,6 +90,7 @@ import grpc
 from jaxinfer.server import jaxinfer_pb2 as pb
 from jaxinfer.server.client import AsyncClient, ServerError, generate_request
 from jaxinfer.stats import percentile
+from jaxinfer.tools.harness import machine, write_json
 
 GENERATE = "/jaxinfer.v1.Generation/Generate"
 WEIGHTS = {"stream": 50, "cancel": 10, "deadline": 6, "invalid": 12, "malformed": 3, "garbage": 2, "kill": 0.4,
@@ -1421,8 +1422,7 @@ async def run(args) -> int:
             print("first unexpected outcomes:\n  " + "\n  ".join(soak.notes[:20]), file=sys.stderr)
         passed = all(ok for _, ok, _ in checks)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"address": address, "seed": args.seed, "items": len(plan), "passed": passed, "wall_s": wall,
+            write_json(args.json, {"address": address, "seed": args.seed, "items": len(plan), "passed": passed, "wall_s": wall,
                            "load_s": load_s, "counts": {k: dict(c) for k, c in soak.counts.items()},
                            "ttft_s": {"p50": percentile(soak.ttft, 50), "p99": percentile(soak.ttft, 99)},
                            "itl_s": {"p50": percentile(soak.gaps, 50), "p99": percentile(soak.gaps, 99)},
@@ -1433,7 +1433,8 @@ async def run(args) -> int:
                                           "p99": percentile(soak.http_gaps, 99)},
                            "rss_mib": soak.rss, "engine": soak.stats, "notes": soak.notes,
                            "constrained_outcomes": dict(soak.constrained_outcomes),
-                           "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in checks]}, f, indent=1)
+                           "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in checks],
+                           "machine": machine()}, indent=1)
         if log is not None and passed:
             os.unlink(log.name)  # kept when a check failed
         return 0 if passed else 1

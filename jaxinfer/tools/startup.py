@@ -24,7 +24,6 @@ The CPU's flags and the versions are printed with the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -35,7 +34,7 @@ import tempfile
 import time
 from typing import Optional
 
-from jaxinfer.stats import median
+from jaxinfer.tools.harness import alternate, machine, machine_line, medians, write_json
 
 PROMPT = "Why is the sky blue?"
 
@@ -104,13 +103,6 @@ def measure(python: str, home: str, what: str, model: str, timeout: float, serve
     raise ValueError(what)
 
 
-def cpu_line() -> str:
-    from jaxinfer.config import cpu_flags
-
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "sse4", "bf16")))
-    return f"{platform.machine()} {os.cpu_count()} cores, flags: {' '.join(flags) or 'unknown'}"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -128,7 +120,7 @@ def main(argv=None) -> int:
     systems = {"jaxinfer": (args.python, [])}
     if args.baseline_python:
         systems["baseline"] = (args.baseline_python, args.baseline_serve_args.split())
-    print(f"# {cpu_line()}; python {platform.python_version()}", flush=True)
+    print(f"# {machine_line()}; python {platform.python_version()}", flush=True)
     results: dict = {name: {} for name in systems}
     homes = {name: tempfile.mkdtemp(prefix=f"jaxinfer-startup-{name}-") for name in systems}
     try:
@@ -145,13 +137,11 @@ def main(argv=None) -> int:
                     shutil.rmtree(home, ignore_errors=True)
         # warm: alternate the systems, round by round, in the HOME their cold run filled
         for what in args.only:
-            runs: dict = {name: [] for name in systems}
-            for _ in range(args.rounds):
-                for name, (py, serve_args) in systems.items():
-                    runs[name].append(measure(py, homes[name], what, args.model, args.timeout, serve_args))
+            runs = alternate({name: lambda i, name=name, py=py, serve_args=serve_args:
+                              measure(py, homes[name], what, args.model, args.timeout, serve_args)
+                              for name, (py, serve_args) in systems.items()}, args.rounds)
             for name in systems:
-                keys = runs[name][0].keys()
-                med = {k: median(r[k] for r in runs[name]) for k in keys}
+                med = medians(runs[name], runs[name][0].keys())
                 results[name][f"warm {what}"] = {"median": med, "runs": runs[name]}
                 print(f"{name:9s} warm {what:9s} " + "  ".join(f"{k} {v:.2f}" for k, v in med.items())
                       + f"  (median of {args.rounds})", flush=True)
@@ -159,8 +149,7 @@ def main(argv=None) -> int:
         for h in homes.values():
             shutil.rmtree(h, ignore_errors=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_line(), "results": results}, f, indent=2)
+        write_json(args.json, {"cpu": machine_line(), "machine": machine(), "results": results})
     return 0
 
 

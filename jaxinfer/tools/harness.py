@@ -1,0 +1,320 @@
+"""One measurement harness: the pieces every benchmark, `jaxinfer bench`, the device check and the soak share.
+
+A benchmark says what it measures (its systems, its workload, its figures); this module does the rest:
+
+* **the machine**: `machine()` (CPU model and count, the CPU flags that matter to the kernels, load
+  average, jax's version) and `machine_line()`, printed beside every figure, since on a shared
+  machine the figures move with the load;
+* **rounds**: `alternate()` measures paired systems in rounds, the order rotating each round so no
+  system always goes first (two systems: the order flips); `spread()` and `medians()` summarize them
+  (medians come from `jaxinfer.stats`, as everywhere);
+* **output**: `Clock` (progress lines on stderr with the time since the start), `table()`,
+  `write_json()` and `finish()` (the report, the total time, the ``--json`` file);
+* **workers**: `Worker` drives a system that lives in another interpreter (the transformers and
+  llama.cpp peers) in JSON lines: a setup line, then one command a line, one JSON reply each;
+  `read_setup()`, `emit()` and `answer()` are that protocol's other side, in the worker.
+
+It imports only the standard library at module level (numpy with the statistics, on first use), so a
+worker in an interpreter without jaxinfer's dependencies can load it from the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+# Flag-name prefixes shown with every figure: the SIMD and matrix extensions the kernels can use.
+SHOWN_CPU_FLAGS = ("avx", "amx", "fma", "f16c", "bf16", "i8mm", "sve", "asimd", "neon", "sse4", "vnni")
+
+
+# --------------------------------------------------------------------------- #
+# The machine
+# --------------------------------------------------------------------------- #
+
+
+def shown_cpu_flags(flags: Optional[Iterable[str]] = None) -> list:
+    """The CPU flags worth printing beside a figure (`SHOWN_CPU_FLAGS`), sorted; this host's by default."""
+    if flags is None:
+        from jaxinfer.config import cpu_flags
+
+        flags = cpu_flags()
+    return sorted(f for f in flags if f.startswith(SHOWN_CPU_FLAGS))
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` knows, else "?")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "?"
+
+
+def load_average() -> Optional[list]:
+    """The 1, 5 and 15 minute load averages, rounded to 0.01; None where the OS has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def load_line() -> str:
+    """The load average with the CPU count: every figure on a shared machine is printed beside it."""
+    la = load_average()
+    if la is None:
+        return "load average unknown"
+    return f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {os.cpu_count()} CPUs"
+
+
+def jax_version() -> str:
+    """The installed jax's version, read without importing jax."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        return jax.__version__
+    try:
+        return metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def machine() -> dict:
+    """What a figure was measured on: CPU model and count, shown flags, platform, python, jax, load average.
+
+    The JAX backend is named only where this process has imported jax (asking would start it).
+    """
+    m = {
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "cpu_flags": shown_cpu_flags(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax_version(),
+        "loadavg": load_average(),
+    }
+    if "jax" in sys.modules:
+        m["backend"] = sys.modules["jax"].default_backend()
+    return m
+
+
+def machine_line(m: Optional[dict] = None) -> str:
+    """One line: CPU model, count and flags, jax (and backend), load average."""
+    m = m or machine()
+    jax = f"jax {m['jax']}" + (f" on {m['backend']}" if m.get("backend") else "")
+    la = m.get("loadavg")
+    load = "load average unknown" if la is None else f"load average {' '.join(f'{x:.2f}' for x in la)}"
+    return (f"CPU: {m['cpu_model']}, {m['cpus']} CPUs; flags: {' '.join(m['cpu_flags']) or '(unknown)'}; "
+            f"{jax}; {load}")
+
+
+# --------------------------------------------------------------------------- #
+# Rounds
+# --------------------------------------------------------------------------- #
+
+
+def rotation(names: Sequence, i: int) -> list:
+    """Round `i`'s order of `names`: rotated by `i`, so each goes first as often as the others."""
+    names = list(names)
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def alternate(
+    systems: Mapping[Any, Callable[[int], Any]],
+    rounds: int,
+    log: Optional[Callable[[str], None]] = None,
+    on_error: Optional[Callable[[Any, int, Exception], None]] = None,
+) -> dict:
+    """Measure every system once a round for `rounds` rounds, in `rotation`; {name: [result per round]}.
+
+    `systems` maps a name to ``measure(round_index) -> result``. With `on_error`, a system whose
+    measure raises is told to it (name, round index, exception) and left out of later rounds;
+    without it the exception propagates.
+    """
+    live = dict(systems)
+    out: dict = {name: [] for name in systems}
+    for i in range(rounds):
+        for name in rotation(systems, i):
+            if name not in live:
+                continue
+            if log is not None:
+                log(f"round {i + 1}/{rounds}: {name}")
+            try:
+                out[name].append(live[name](i))
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(name, i, e)
+                del live[name]
+    return out
+
+
+def spread(values: Iterable[Optional[float]]) -> dict:
+    """median, min, max and count of the values that are not None (all None when there are none)."""
+    from jaxinfer.stats import median
+
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def medians(rounds: Sequence[Mapping], keys: Optional[Iterable] = None) -> dict:
+    """{key: median over the rounds} for `keys` (default: the first round's keys with numeric values)."""
+    from jaxinfer.stats import median
+
+    if keys is None:
+        first = rounds[0] if rounds else {}
+        keys = [k for k, v in first.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {k: median([r[k] for r in rounds]) for k in keys}
+
+
+# --------------------------------------------------------------------------- #
+# Output
+# --------------------------------------------------------------------------- #
+
+
+class Clock:
+    """Seconds since the start, and progress lines on stderr stamped with them: ``[  12.3s] loading``."""
+
+    def __init__(self, stream=None):
+        self.t0 = time.perf_counter()
+        self.stream = stream
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", file=self.stream or sys.stderr, flush=True)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence], first_width: Optional[int] = None) -> str:
+    """Columns of text: the first left-aligned, the rest right-aligned, each as wide as its widest cell."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[j]) for r in cells if j < len(r)) for j in range(len(header))]
+    if first_width:
+        widths[0] = max(widths[0], first_width)
+    return "\n".join(
+        " ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r)).rstrip() for r in cells)
+
+
+def write_json(path, figures: Any, indent: int = 2) -> None:
+    """Write the figures as JSON (what JSON cannot hold, as text)."""
+    Path(path).write_text(json.dumps(figures, indent=indent, default=str) + "\n", encoding="utf-8")
+
+
+def finish(report: str, figures: dict, json_path: Optional[str], clock: Optional[Clock] = None,
+           json_figures: Optional[dict] = None) -> int:
+    """Print the report (and the total time, with a `clock`), write `--json`'s file; 0, for `main` to return.
+
+    `json_figures`, when given, is what the file holds instead of `figures` (a benchmark that keeps
+    bulky per-token values out of it).
+    """
+    out = figures if json_figures is None else json_figures
+    if clock is not None:
+        figures["wall_s"] = out["wall_s"] = clock.elapsed()
+    print(report, flush=True)
+    if clock is not None:
+        print(f"\n(total {figures['wall_s']:.0f} s)")
+    if json_path:
+        write_json(json_path, out)
+        print(f"figures written to {json_path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- #
+# Workers: a system in another interpreter, in JSON lines
+# --------------------------------------------------------------------------- #
+
+
+class Worker:
+    """A worker process driven in JSON lines: a setup line (its reply is `info`), then one command a line.
+
+    An ``{"error": ...}`` reply, or the process exiting, raises RuntimeError with the tail of the
+    worker's stderr (kept in a temporary file while it runs).
+    """
+
+    def __init__(self, python: str, script, setup: dict, threads: Optional[int] = None, name: str = "worker",
+                 env: Optional[dict] = None):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}_",
+                                               suffix=".log", delete=False)
+        extra = dict(env or {})
+        if threads is not None:
+            extra.setdefault("OMP_NUM_THREADS", str(threads))
+        self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=dict(os.environ, **extra))
+        self.info = self.send(json.dumps(setup))
+
+    def send(self, line: str) -> dict:
+        """One command line; its JSON reply."""
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        except BrokenPipeError:
+            reply = ""
+        if not reply:
+            self.log.flush()
+            self.log.seek(0)
+            raise RuntimeError(f"{self.name} exited (rc={self.proc.wait(10)}):\n{self.log.read()[-3000:]}")
+        out = json.loads(reply)
+        if "error" in out:
+            raise RuntimeError(f"{self.name}: {out['error']}")
+        return out
+
+    def round(self) -> dict:
+        return self.send("round")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def emit(obj: Any) -> None:
+    """The worker's side: one JSON reply line on stdout."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def read_setup(stream=None) -> dict:
+    """The worker's side: the setup line."""
+    return json.loads((stream or sys.stdin).readline())
+
+
+def answer(commands: Mapping[str, Callable[[], Any]], stream=None) -> int:
+    """The worker's side: answer each command line with its function's result until "quit" or end of input.
+
+    A failing command, or one not in `commands`, is answered ``{"error": ...}`` and the loop goes on.
+    """
+    for line in stream or sys.stdin:
+        cmd = line.strip()
+        if cmd == "quit" or not cmd:
+            break
+        if cmd not in commands:
+            emit({"error": f"unknown command {cmd!r}; known: {', '.join(sorted(commands))}"})
+            continue
+        try:
+            emit(commands[cmd]())
+        except Exception as e:  # reported to the driver, which decides
+            emit({"error": f"{type(e).__name__}: {e}"})
+    return 0
+

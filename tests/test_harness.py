@@ -1,0 +1,179 @@
+"""The measurement harness (`jaxinfer.tools.harness`): rounds, statistics, output, the machine line, workers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxinfer.tools import harness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------- #
+# Rounds
+# --------------------------------------------------------------------------- #
+
+
+def test_alternate_rotates_the_order_so_each_system_leads_equally_often():
+    calls = []
+    names = ["a", "b", "c"]
+    out = harness.alternate({n: (lambda i, n=n: calls.append((i, n)) or f"{n}{i}") for n in names}, 6)
+    firsts = [calls[3 * i][1] for i in range(6)]
+    assert {n: firsts.count(n) for n in names} == {"a": 2, "b": 2, "c": 2}
+    for i in range(6):  # every round measures each system once, with its own round index
+        assert sorted(n for j, n in calls if j == i) == names
+        assert [j for j, _ in calls[3 * i:3 * i + 3]] == [i, i, i]
+    assert out == {n: [f"{n}{i}" for i in range(6)] for n in names}  # results by system, in round order
+
+
+def test_two_systems_flip_each_round():
+    order = []
+    harness.alternate({"x": lambda i: order.append("x"), "y": lambda i: order.append("y")}, 4)
+    assert order == ["x", "y", "y", "x", "x", "y", "y", "x"]
+
+
+def test_a_failing_system_is_dropped_and_the_others_go_on():
+    told = []
+
+    def bad(i):
+        if i == 1:
+            raise ValueError("worker gone")
+        return i
+
+    out = harness.alternate({"ok": lambda i: i, "bad": bad}, 4, on_error=lambda n, i, e: told.append((n, i, str(e))))
+    assert out == {"ok": [0, 1, 2, 3], "bad": [0]}
+    assert told == [("bad", 1, "worker gone")]
+    with pytest.raises(ValueError):
+        harness.alternate({"bad": bad}, 3)
+
+
+def test_spread_and_medians_agree_with_the_standard_library():
+    rng = random.Random(5)
+    for n in (1, 2, 7, 10):
+        xs = [rng.uniform(0, 100) for _ in range(n)]
+        s = harness.spread(xs + [None])
+        assert s["median"] == pytest.approx(statistics.median(xs))
+        assert (s["min"], s["max"], s["n"]) == (min(xs), max(xs), n)
+    assert harness.spread([None]) == {"median": None, "min": None, "max": None, "n": 0}
+    rounds = [{"tok_s": rng.uniform(1, 9), "ms": rng.uniform(1, 9), "name": "r", "ok": True} for _ in range(5)]
+    m = harness.medians(rounds)
+    assert set(m) == {"tok_s", "ms"}  # numbers only, by default
+    assert m["tok_s"] == pytest.approx(statistics.median(r["tok_s"] for r in rounds))
+
+
+# --------------------------------------------------------------------------- #
+# Output and the machine
+# --------------------------------------------------------------------------- #
+
+
+def test_finish_prints_the_report_and_the_json_file_round_trips(tmp_path, capsys):
+    path = tmp_path / "figures.json"
+    figures = {"model": "m", "rounds": {"a": [1.5, 2.5]}, "machine": harness.machine(), "path": tmp_path}
+    clock = harness.Clock()
+    assert harness.finish("REPORT", figures, str(path), clock) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("REPORT\n") and "(total " in out and f"figures written to {path}" in out
+    back = json.loads(path.read_text())
+    assert back == json.loads(json.dumps(figures, default=str))
+    assert back["path"] == str(tmp_path) and back["wall_s"] >= 0  # what JSON cannot hold, as text
+
+
+def test_table_aligns_columns():
+    text = harness.table(["name", "tok/s"], [["jaxinfer", "12.5"], ["x", "3"]])
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1  # right-aligned numbers end in one column
+    assert lines[1].startswith("jaxinfer") and lines[2].endswith("   3")
+
+
+def test_the_machine_line_names_the_cpu_flags_and_the_load():
+    assert harness.shown_cpu_flags({"avx2", "fma", "sse2", "avx512f", "lm", "asimd"}) == [
+        "asimd", "avx2", "avx512f", "fma"]
+    m = harness.machine()
+    line = harness.machine_line(m)
+    assert m["cpus"] == os.cpu_count() and m["jax"] in line
+    for flag in m["cpu_flags"]:
+        assert flag in line
+    from jaxinfer.config import cpu_flags
+
+    if "avx2" in cpu_flags():
+        assert "avx2" in line.split("flags: ", 1)[1]
+    if m["loadavg"] is not None:
+        assert f"load average {m['loadavg'][0]:.2f}" in line
+
+
+def test_the_harness_imports_with_the_standard_library_alone():
+    # a worker runs it in an interpreter that may lack jaxinfer's dependencies
+    code = textwrap.dedent(f"""
+        import sys
+        for m in ("numpy", "jax", "grpc"):
+            sys.modules[m] = None
+        sys.path.insert(0, {ROOT!r})
+        from jaxinfer.tools import harness
+        harness.emit({{"line": harness.load_line()}})
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["line"].startswith("load average")
+
+
+# --------------------------------------------------------------------------- #
+# Workers
+# --------------------------------------------------------------------------- #
+
+WORKER = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from jaxinfer.tools.harness import answer, emit, read_setup
+
+setup = read_setup()
+if setup.get("crash"):
+    print("setup refused", file=sys.stderr)
+    sys.exit(3)
+count = [0]
+
+def round_():
+    count[0] += 1
+    return {{"round": count[0], "scale": setup["scale"] * count[0]}}
+
+def fail():
+    raise RuntimeError("no such figure")
+
+emit({{"ready": True, "scale": setup["scale"]}})
+sys.exit(answer({{"round": round_, "fail": fail}}))
+"""
+
+
+def test_a_worker_answers_in_json_lines_and_its_errors_reach_the_driver(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    w = harness.Worker(sys.executable, script, {"scale": 3}, threads=1, name="toy worker")
+    try:
+        assert w.info == {"ready": True, "scale": 3}
+        assert [w.round() for _ in range(3)] == [{"round": k, "scale": 3 * k} for k in (1, 2, 3)]
+        with pytest.raises(RuntimeError, match="toy worker: RuntimeError: no such figure"):
+            w.send("fail")
+        with pytest.raises(RuntimeError, match="unknown command 'nope'"):
+            w.send("nope")
+        assert w.round()["round"] == 4  # still answering after errors
+    finally:
+        w.close()
+    assert w.proc.returncode == 0 and not os.path.exists(w.log.name)
+    with pytest.raises(RuntimeError, match=r"exited \(rc=3\):\nsetup refused"):
+        harness.Worker(sys.executable, script, {"crash": True, "scale": 1}, name="toy worker")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed here")
+def test_the_llamacpp_worker_runs_by_path_and_reports_its_missing_library():
+    from benchmarks.llamacpp_peer import WORKER as LLAMA_WORKER
+
+    with pytest.raises(RuntimeError, match="llama_cpp"):
+        harness.Worker(sys.executable, LLAMA_WORKER, {"mode": "bench", "model": "/nonexistent.gguf"}, name="llama")
