@@ -102,7 +102,7 @@ def test_the_machine_line_names_the_cpu_flags_and_the_load():
     assert m["cpus"] == os.cpu_count() and m["jax"] in line
     for flag in m["cpu_flags"]:
         assert flag in line
-    from jaxinfer.config import cpu_flags
+    from jaxinfer.env import cpu_flags
 
     if "avx2" in cpu_flags():
         assert "avx2" in line.split("flags: ", 1)[1]

@@ -905,7 +905,7 @@ def _env(engine, backend: str) -> dict:
     import jaxlib
 
     import jaxinfer
-    from jaxinfer.config import cpu_flags
+    from jaxinfer.env import cpu_flags
     from jaxinfer.tools.harness import cpu_model, load_average, shown_cpu_flags
 
     devs = jax.devices()

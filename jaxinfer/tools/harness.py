@@ -44,7 +44,7 @@ SHOWN_CPU_FLAGS = ("avx", "amx", "fma", "f16c", "bf16", "i8mm", "sve", "asimd", 
 def shown_cpu_flags(flags: Optional[Iterable[str]] = None) -> list:
     """The CPU flags worth printing beside a figure (`SHOWN_CPU_FLAGS`), sorted; this host's by default."""
     if flags is None:
-        from jaxinfer.config import cpu_flags
+        from jaxinfer.env import cpu_flags
 
         flags = cpu_flags()
     return sorted(f for f in flags if f.startswith(SHOWN_CPU_FLAGS))
