@@ -16,6 +16,8 @@ Importing this package does not import grpc; its modules do.
 Regenerate the API code with ``python -m jaxinfer.server.codegen``.
 """
 
+import importlib
+
 _LAZY = {
     "Client": "jaxinfer.server.client",
     "AsyncClient": "jaxinfer.server.client",
@@ -32,7 +34,5 @@ __all__ = list(_LAZY)
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jaxinfer.server' has no attribute {name!r}")

@@ -31,6 +31,7 @@ the server's message); `InvalidArgument` is also a ValueError and
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
@@ -38,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer.outputs import Logprob
+from jaxinfer.sampling_params import StructuredOutputsParams
 from jaxinfer.server import jaxinfer_pb2 as pb
 from jaxinfer.server import jaxinfer_pb2_grpc as pb_grpc
 
@@ -227,10 +229,6 @@ def sampling_options(sampling_params=None, **kwargs) -> pb.SamplingOptions:
 def structured_outputs_to_proto(structured, opts: pb.SamplingOptions) -> pb.SamplingOptions:
     """Set ``opts``' structured_output from a `StructuredOutputsParams` or a dict of its fields (checked
     here, ValueError naming the field, as the library checks it); returns ``opts``."""
-    import json
-
-    from jaxinfer.sampling_params import StructuredOutputsParams
-
     sop = StructuredOutputsParams.from_dict(structured)
     kind = sop.kind
     if kind == "json":

@@ -30,7 +30,7 @@ _VERSION_LINES = re.compile(
 
 def generate(out_dir: str, proto_dir: str = HERE) -> list:
     """Run protoc on ``proto_dir/jaxinfer.proto``; write the fixed-up files into ``out_dir``."""
-    import grpc_tools
+    import grpc_tools  # lazy: grpcio-tools is optional (the test extra); only regenerating needs it
     from grpc_tools import protoc
 
     os.makedirs(out_dir, exist_ok=True)

@@ -34,7 +34,7 @@ import threading
 from collections import deque
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "jaxinfer:"
@@ -209,8 +209,6 @@ class ServerMetrics:
 
     def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve the text exposition at ``http://host:port/metrics`` from a daemon thread; returns the port."""
-        from prometheus_client import start_http_server
-
         host = host.strip("[]")
         self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
         return self._http.server_port
@@ -227,6 +225,4 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         """The current text exposition (what a scrape returns)."""
-        from prometheus_client import generate_latest
-
         return generate_latest(self.registry)

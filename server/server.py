@@ -35,6 +35,8 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.server.auth import BearerTokenInterceptor
 from jaxinfer.server.config import SERVICE_NAME, ServerConfig
+from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.openai_api.app import HttpServer, bind_socket, create_app
 from jaxinfer.server.servicer import GenerationServicer
 
 log = logging.getLogger("jaxinfer.server")
@@ -69,8 +71,6 @@ class JaxinferServer:
 
     async def _start(self, cfg: ServerConfig) -> int:
         if cfg.metrics_port is not None or cfg.http_port is not None:  # HTTP serves /metrics on its own port too
-            from jaxinfer.server.metrics import ServerMetrics
-
             servicer = self.servicer
             self.metrics = ServerMetrics(self.llm.engine, self.llm.model_name, active_calls=lambda: len(servicer.active))
             servicer.metrics = self.metrics
@@ -126,8 +126,6 @@ class JaxinferServer:
         return port
 
     async def _start_http(self, cfg: ServerConfig) -> None:
-        from jaxinfer.server.openai_api.app import HttpServer, bind_socket, create_app
-
         sock, self._http_socket = self._http_socket, None
         if sock is None:
             try:

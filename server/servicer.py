@@ -67,6 +67,7 @@ from typing import Callable, Optional
 import grpc
 from google.protobuf.message import DecodeError
 
+from jaxinfer._version import __version__
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import StructuredOutputsParams
 from jaxinfer.server import jaxinfer_pb2 as pb
@@ -442,8 +443,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # -- GetModelInfo ---------------------------------------------------------------
 
     def model_info(self) -> pb.ModelInfo:
-        from jaxinfer._version import __version__
-
         llm, e = self.llm, self.llm.engine_config
         info = llm.info()
         snap = self.engine.stats.snapshot()

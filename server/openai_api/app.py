@@ -25,11 +25,15 @@ import logging
 import socket
 from typing import Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxinfer._version import __version__
 from jaxinfer.server.auth import bearer_token
 from jaxinfer.server.openai_api.errors import APIError, error_body
 from jaxinfer.server.openai_api.protocol import (
@@ -86,8 +90,6 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
     app.add_middleware(_Guard, token=token, limit=config.max_message_bytes,
                        on_deny=lambda: servicer._rejected("unauthenticated"))
     if config.allowed_origins:  # added last, so outermost: refusals carry the CORS headers too
-        from fastapi.middleware.cors import CORSMiddleware
-
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
 
@@ -196,16 +198,12 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         if metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
-        from jaxinfer._version import __version__
-
         return {"version": __version__}
 
     return app
@@ -298,8 +296,6 @@ class HttpServer:
     """uvicorn serving the app on the running event loop; signals stay with the caller (`jaxinfer.server.serve`)."""
 
     def __init__(self, app: FastAPI, sock: socket.socket, *, verbose: bool = False):
-        import uvicorn
-
         class _Server(uvicorn.Server):
             @contextlib.contextmanager
             def capture_signals(self):  # the gRPC server's serve() owns SIGTERM/SIGINT and drains both

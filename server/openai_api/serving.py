@@ -55,6 +55,16 @@ from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.server.openai_api.errors import APIError, bad_request, unsupported
 from jaxinfer.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from jaxinfer.server.openai_api.reasoning import get_reasoning_parser
+from jaxinfer.server.openai_api.tool_parsers import (
+    ToolCall,
+    chain,
+    get_tool_parser,
+    make_tool_call_id,
+    parse_whole,
+    tool_parser_for,
+)
+from jaxinfer.text.tokenizer import _bytes_to_unicode
 
 log = logging.getLogger("jaxinfer.server.http")
 
@@ -124,16 +134,10 @@ class OpenAIServing:
         self._token_bytes: dict = {}
         tok = llm.tokenizer
         if tool_call_parser is None and tok is not None:  # the family's own format, read from its template
-            from jaxinfer.server.openai_api.tool_parsers import tool_parser_for
-
             self.tool_parser_name = tool_parser_for(llm.model_config.architecture or "", tok.chat_template)
         if self.tool_parser_name:
-            from jaxinfer.server.openai_api.tool_parsers import get_tool_parser
-
             self._tool_parser = get_tool_parser(self.tool_parser_name, tok)
         if reasoning_parser:
-            from jaxinfer.server.openai_api.reasoning import get_reasoning_parser
-
             self._reasoning_parser = get_reasoning_parser(reasoning_parser, tok)
 
     # -- checks shared by every endpoint ------------------------------------------------
@@ -345,8 +349,6 @@ class OpenAIServing:
 
     def _parse_whole(self, text: str, parse_tools: bool, prompt_text: Optional[str]):
         """(reasoning, content, tool calls) of a whole output; content None when the output is only calls."""
-        from jaxinfer.server.openai_api.tool_parsers import parse_whole
-
         reasoning, content, calls = parse_whole(text, self._reasoning_parser,
                                                 self._tool_parser if parse_tools else None, prompt_text=prompt_text)
         return reasoning, (content or None) if calls else (content or ""), calls
@@ -453,8 +455,6 @@ class OpenAIServing:
 
     def _chat_streamer(self, parse_tools: bool, prompt_text: Optional[str]):
         """What turns one choice's text deltas into content / reasoning / tool-call deltas (None: text is content)."""
-        from jaxinfer.server.openai_api.tool_parsers import chain
-
         r = self._reasoning_parser.streamer(prompt_text) if self._reasoning_parser is not None else None
         t = self._tool_parser.streamer() if (parse_tools and self._tool_parser is not None) else None
         return None if r is None and t is None else chain(r, t)
@@ -797,8 +797,6 @@ class ForcedToolCalls:
 
     def parse(self, text: str) -> tuple:
         """(tool calls, content) of a whole output: content is None when there are calls, else the text."""
-        from jaxinfer.server.openai_api.tool_parsers import ToolCall, make_tool_call_id
-
         if self.name is not None:
             return [ToolCall(make_tool_call_id(), self.name, text)], None
         reader = _CallsReader()
@@ -822,8 +820,6 @@ class _ForcedStream:
         self.taken: list = []  # per call sent: how many of its argument pieces went out
 
     def _delta(self, final: bool) -> dict:
-        from jaxinfer.server.openai_api.tool_parsers import make_tool_call_id
-
         out = []
         calls = [(self.name, self.args)] if self.reader is None else self.reader.calls
         for index, (name, args) in enumerate(calls):
@@ -1006,8 +1002,6 @@ def _piece_bytes(piece: str) -> Optional[bytes]:
     m = _BYTE_PIECE.fullmatch(piece)
     if m:
         return bytes([int(m.group(1), 16)])
-    from jaxinfer.text.tokenizer import _bytes_to_unicode
-
     decoder = _BYTE_DECODER or _BYTE_DECODER.update({c: b for b, c in _bytes_to_unicode().items()}) or _BYTE_DECODER
     try:
         return bytes(decoder[c] for c in piece)
