@@ -107,7 +107,7 @@ def kernel_path(d, window, share=True):
 
 
 def gather_path(d, window):
-    return jax.jit(functools.partial(attention._gather_attention, scale=d**-0.5, window=window))
+    return jax.jit(functools.partial(attention.gather_attention, scale=d**-0.5, window=window))
 
 
 def alone(seq, chunk):

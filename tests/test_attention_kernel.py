@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops import attention, kernels
+from jaxinfer.ops import attention, backend, kernels
 from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.kv_cache import slots_for
 
 pytestmark = pytest.mark.skipif(
@@ -78,7 +79,7 @@ def check_kernel_against_gather(b, t, h, kvh, d, page_size, cache_dtype, window)
     q, k, v, cache, meta, positions = make_case(rng, b, t, h, kvh, d, page_size, jnp.dtype(cache_dtype))
     scale = d**-0.5
     out_k, cache_k = jax.jit(lambda *a: attention._cpu_attention(*a, scale, window))(q, k, v, cache, meta)
-    out_r, cache_r = jax.jit(lambda *a: attention._gather_attention(*a, scale=scale, window=window))(
+    out_r, cache_r = jax.jit(lambda *a: attention.gather_attention(*a, scale=scale, window=window))(
         q, k, v, cache, meta)
     # page 0 is the dummy page the pure-JAX path sends padding tokens to; the kernel skips them
     assert np.array_equal(np.asarray(cache_k)[1:], np.asarray(cache_r)[1:]), "the caches differ after the write"
@@ -87,11 +88,24 @@ def check_kernel_against_gather(b, t, h, kvh, d, page_size, cache_dtype, window)
     assert not np.any(np.asarray(out_k)[~real]), "padding tokens must come out as zeros"
 
 
-def test_paged_attention_uses_the_kernel_on_cpu():
+def test_paged_attention_uses_the_kernel_the_choice_names():
+    """The host's choice (the kernel is loaded) takes it; an explicit choice without it, on the same host
+    with the kernel loaded, does not: the trace follows the choice, not the process."""
     rng = np.random.default_rng(0)
     q, k, v, cache, meta, _ = make_case(rng, 2, 1, 4, 2, 64, 16, jnp.float32)
-    hlo = jax.jit(lambda *a: attention.paged_attention(*a, scale=0.125)).lower(q, k, v, cache, meta).as_text()
-    assert attention.CPU_TARGET in hlo
+
+    def hlo(choice=None):
+        def fn(*a):
+            if choice is None:
+                return attention.paged_attention(*a, scale=0.125)
+            with backend.using(choice):
+                return attention.paged_attention(*a, scale=0.125)
+        return jax.jit(fn).lower(q, k, v, cache, meta).as_text()
+
+    assert attention.CPU_TARGET in hlo()
+    assert attention.CPU_TARGET in hlo(KernelChoice.for_platform("cpu"))
+    assert attention.CPU_TARGET not in hlo(KernelChoice.for_platform("cpu", native_cpu_kernels=False))
+    assert attention.CPU_TARGET not in hlo(KernelChoice.pure_jax("cpu"))
 
 
 def test_position_past_the_page_table_is_an_error():
@@ -131,3 +145,35 @@ def test_kernel_build_is_cached_per_source_and_machine():
     path = kernels.build("paged_attention_cpu.cc")
     assert path.startswith(kernels.cache_dir()) and path.endswith(".so")
     assert kernels.build("paged_attention_cpu.cc") == path  # the second call finds the built library
+    scalar = kernels.build("paged_attention_cpu.cc", ["-O2", "-march=native", "-mno-avx512f", "-mno-avx2"])
+    assert scalar != path and kernels.build("paged_attention_cpu.cc", ["-O2", "-march=native", "-mno-avx512f",
+                                                                          "-mno-avx2"]) == scalar
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("scalar", ["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma"]),
+    ("avx2", ["-O3", "-march=native", "-mno-avx512f", "-fopenmp-simd"]),
+])
+def test_other_builds_match_the_gather_path(name, flags):
+    """The same source built for another SIMD level (through `kernels.load_variant`) computes the same."""
+    from jaxinfer.env import cpu_flags
+
+    if name == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    _, names = kernels.load_variant(kernels.PAGED_ATTENTION, flags)
+    rng = np.random.default_rng(5)
+    q, k, v, cache, meta, positions = make_case(rng, 3, 8, 8, 2, 64, 16, jnp.float32)
+
+    def call(*a):
+        out, c = jax.ffi.ffi_call(
+            names[attention.CPU_TARGET],
+            (jax.ShapeDtypeStruct(a[0].shape, jnp.float32), jax.ShapeDtypeStruct(a[3].shape, a[3].dtype)),
+            input_output_aliases={3: 1},
+        )(*a[:4], a[4].page_table, a[4].positions, scale=np.float32(0.125), window=np.int64(0), share=True)
+        return out, c
+
+    out_k, cache_k = jax.jit(call)(q, k, v, cache, meta)
+    out_r, cache_r = jax.jit(lambda *a: attention.gather_attention(*a, scale=0.125))(q, k, v, cache, meta)
+    assert np.array_equal(np.asarray(cache_k)[1:], np.asarray(cache_r)[1:])
+    real = positions >= 0
+    np.testing.assert_allclose(np.asarray(out_k)[real], np.asarray(out_r)[real], rtol=2e-5, atol=2e-5)

@@ -153,7 +153,8 @@ def test_row_reductions_give_a_row_the_same_bits_whatever_the_rows(monkeypatch, 
 
 
 def test_mode_and_dtype_auto_follow_the_environment(monkeypatch):
-    from jaxinfer.config import EngineConfig, dtype_choice
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.ops.backend import dtype_choice, resolve_engine_config
 
     monkeypatch.delenv(invariant.ENV, raising=False)
     assert EngineConfig().resolved().batch_invariant is False
@@ -165,5 +166,5 @@ def test_mode_and_dtype_auto_follow_the_environment(monkeypatch):
     dtype, why = dtype_choice("cpu")
     assert dtype == "float32" and "JAXINFER_CPU_KERNELS=0" in why
     assert dtype_choice("gpu")[0] == "bfloat16"
-    e = EngineConfig(dtype="auto").resolved("cpu")
-    assert e.dtype == "float32" and e.dtype_auto and e == EngineConfig(dtype="float32").resolved("cpu")
+    e = resolve_engine_config(EngineConfig(dtype="auto"), "cpu")
+    assert e.dtype == "float32" and e.dtype_auto and e == EngineConfig(dtype="float32").resolved()

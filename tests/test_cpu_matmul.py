@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops import cpu_matmul, kernels, quant
-from jaxinfer.config import cpu_flags
+from jaxinfer.ops import cpu_matmul, quant
+from jaxinfer.env import cpu_flags
+from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.quant import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.prepare(), reason="native CPU matmul kernel unavailable")
@@ -365,10 +366,15 @@ def test_fits(monkeypatch):
     assert not cpu_matmul.fits(1, axis1_weight(jnp.ones((100, 32), jnp.uint8), wt.scale, None, 4, 32), 1)  # int4
     assert not cpu_matmul.fits(1, axis1_weight(wt.q, wt.scale, None, 8, 48), 1)  # 48 does not divide 64
     monkeypatch.setenv("JAXINFER_CPU_KERNELS", "0")
-    assert not cpu_matmul.fits(1, qw) and not cpu_matmul.prepare()
+    assert not cpu_matmul.fits(1, qw) and not cpu_matmul.prepare()  # the host's choice has no kernel now
 
 
-def test_fits_false_without_the_kernel(monkeypatch):
-    """A failed build (or a kernel never loaded) leaves `fits` False: callers take XLA's path."""
-    monkeypatch.setitem(kernels._loaded, cpu_matmul.SOURCE, None)
-    assert not cpu_matmul.fits(1, jnp.ones((64, 100), jnp.float32))
+def test_fits_follows_the_kernel_choice():
+    """`fits` reads the choice it is given (in a step: the step's), not which kernels are loaded: with the
+    kernel loaded, a choice without it says no, and a choice for another platform says no."""
+    f = jnp.ones((64, 100), jnp.float32)
+    assert cpu_matmul.fits(1, f, 0, KernelChoice.for_platform("cpu"))
+    assert not cpu_matmul.fits(1, f, 0, KernelChoice.for_platform("cpu", native_cpu_kernels=False))
+    for platform in ("tpu", "cuda"):
+        assert not cpu_matmul.fits(1, f, 0, KernelChoice.for_platform(platform))
+    assert KernelChoice.loaded().cpu_matmul and KernelChoice.loaded().simd == cpu_matmul.isa()

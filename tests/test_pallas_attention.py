@@ -2,7 +2,7 @@
 
 Every check builds a padded batch (decode rows, prefill chunks from position 0, chunks that
 continue a cached context, rows that end exactly at and one past a page boundary, padding
-rows, an all-padding batch), runs `tpu_ragged_attention` and `_gather_attention` on the
+rows, an all-padding batch), runs `tpu_ragged_attention` and `gather_attention` on the
 same inputs, and compares the real tokens' outputs and the returned caches.
 
 This JAX cannot interpret the Pallas kernel on CPU (see `interpreter_failure`), so:
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops.attention import AttentionMetadata, _gather_attention
+from jaxinfer.ops.gather_attention import AttentionMetadata, gather_attention as _gather_attention
 from jaxinfer.ops.attention_pallas import (
     from_ragged,
     pallas_tpu_kernel,
@@ -309,6 +309,25 @@ def test_real_kernel_lowers_to_a_tpu_program(b, t, h, kvh, dtype, window):
     with abstract_tpu():
         text = f.trace(*abstract_args(b, t, h, kvh, D, jnp.dtype(dtype))).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_paged_attention_lowers_for_tpu_on_a_cpu_host_with_the_tpu_choice(dtype):
+    """A `KernelChoice` for tpu, built on this CPU host, makes `paged_attention` stage the Pallas kernel
+    (a Mosaic tpu_custom_call) where the shapes fit; the cuda choice stages the gather path."""
+    from jaxinfer.ops import attention, backend
+    from jaxinfer.ops.backend import KernelChoice
+
+    def lowered(choice):
+        def fn(q, k, v, cache, meta):
+            with backend.using(choice):
+                return attention.paged_attention(q, k, v, cache, meta, scale=D**-0.5)
+        with abstract_tpu():
+            return jax.jit(fn).trace(*abstract_args(4, 1, 4, 2, D, jnp.dtype(dtype))).lower(
+                lowering_platforms=(choice.platform,)).as_text()
+
+    assert "tpu_custom_call" in lowered(KernelChoice.for_platform("tpu"))
+    assert "tpu_custom_call" not in lowered(KernelChoice.for_platform("cuda"))
 
 
 def test_tpu_branch_traces_on_a_cpu_host_under_platform_dependent():

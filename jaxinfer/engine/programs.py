@@ -99,12 +99,13 @@ def return_freed_memory() -> None:
 class ProgramTable:
     """The compiled step programs of one runner, by `ProgramKey`."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, kernels: Optional[backend.KernelChoice] = None):
         self.runner = runner
         self.ecfg = runner.ecfg
-        # Which kernels the programs call, decided once here (after the runner loaded them), or the
-        # runner's own decision: a static argument of every program, and part of the cache key.
-        self.kernels: backend.KernelChoice = getattr(runner, "kernels", None) or backend.prepare()
+        # Which kernels the programs call: ``kernels``, else the runner's decision, else decided once here
+        # (`backend.prepare`: loads the host's kernels first). A static argument of every program, and
+        # part of the cache key.
+        self.kernels: backend.KernelChoice = kernels or getattr(runner, "kernels", None) or backend.prepare()
         self._compiled: dict[ProgramKey, Any] = {}
         self.warmed_up = False
         self.compiled_late: list[ProgramKey] = []  # keys first reached after warm-up

@@ -1,0 +1,141 @@
+"""Kernels chosen once (`jaxinfer.ops.backend.KernelChoice`): a frozen value the step programs take as a static
+argument, that device code reads instead of the process's kernel registry; the program cache key hashes it,
+and hashes only device sources."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY, TINY_ENGINE, tiny_params
+from jaxinfer.engine import programs, step
+from jaxinfer.engine.programs import ProgramTable
+from jaxinfer.engine.sampling import RowSampling, build_metadata
+from jaxinfer.ops import attention, backend, cpu_matmul, kernels, kv_cache
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.backend import KernelChoice
+from jaxinfer.ops.sampler import init_sampler_state
+from jaxinfer.sampling_params import SamplingParams
+
+HOST = backend.prepare()  # the host's choice, after loading its kernels (as the engine decides it)
+needs_kernels = pytest.mark.skipif(not (HOST.cpu_matmul and HOST.cpu_attention), reason="native CPU kernels unavailable")
+
+
+def test_a_choice_is_a_frozen_hashable_value():
+    a, b = KernelChoice.for_platform("cpu"), KernelChoice.for_platform("cpu")
+    assert a == b and hash(a) == hash(b) and len({a, b, KernelChoice.pure_jax("cpu")}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.cpu_matmul = False
+    with pytest.raises(ValueError, match="platform"):
+        KernelChoice("metal")
+    with pytest.raises(ValueError, match="cpu platform only"):
+        KernelChoice("tpu", cpu_matmul=True)
+    with pytest.raises(ValueError, match="simd"):
+        KernelChoice("cpu", simd="sse9")
+
+
+def test_a_choice_for_another_platform_is_built_on_this_host():
+    tpu = KernelChoice.for_platform("tpu")
+    assert (tpu.platform, tpu.tpu_attention, tpu.cpu_matmul, tpu.cpu_attention) == ("tpu", True, False, False)
+    assert KernelChoice.for_platform("gpu") == KernelChoice.for_platform("cuda") == KernelChoice("cuda")
+    # what it means for shapes: Llama 3's heads take the Pallas kernel (full-width page table), SmolLM2's do not
+    assert tpu.attention_kernel(32, 8, 128, 32, jnp.bfloat16) == "tpu" and tpu.reads_row_lengths(32, 8, 128,
+                                                                                                   jnp.bfloat16, 32)
+    assert tpu.attention_kernel(9, 3, 64, 32, jnp.bfloat16) is None
+    assert KernelChoice("cuda").attention_kernel(32, 8, 128, 32, jnp.bfloat16) is None
+
+
+def _prefill_hlo(choice):
+    cfg, params = TINY, tiny_params()
+    cache = kv_cache.init_cache(cfg, TINY_ENGINE)
+    pos = np.arange(4, dtype=np.int32)[None]
+    table = np.array([[1, 2]], np.int32)
+    attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, TINY_ENGINE.page_size), table,
+                             np.array([4], np.int32))
+    md = build_metadata([RowSampling(SamplingParams(temperature=0), 0, 4, 0)], 1, num_slots=4, max_logprobs=2)
+    state = init_sampler_state(4, cfg.vocab_size)
+    kw = {} if choice is None else {"kernels": choice}
+    return step.prefill.lower(params, cache, state, jnp.zeros((1, 4), jnp.int32), attn, np.array([3], np.int32),
+                              md, cfg=cfg, **kw).as_text()
+
+
+@needs_kernels
+def test_the_step_traces_what_the_choice_says_not_what_is_loaded():
+    """On this host both kernels are loaded; a choice that turns them off still traces XLA's path."""
+    on = _prefill_hlo(KernelChoice.for_platform("cpu"))
+    off = _prefill_hlo(KernelChoice.for_platform("cpu", native_cpu_kernels=False))
+    for target in (cpu_matmul.TARGET_FLOAT, attention.CPU_TARGET):
+        assert target in on and target not in off, target
+    assert _prefill_hlo(None) == on  # research code without a choice gets the host's (decided before the trace)
+
+
+@needs_kernels
+def test_the_choice_does_not_leak_out_of_the_trace():
+    with backend.using(KernelChoice.pure_jax("cpu")):
+        assert backend.current() == KernelChoice.pure_jax("cpu")
+    assert backend.current() == HOST
+
+
+def test_the_engine_decides_once_and_the_program_key_follows_the_choice(tiny_llm):
+    runner = tiny_llm.engine.runner
+    table = runner.programs
+    assert table.kernels == KernelChoice.loaded()  # decided when the table was made, after the kernels loaded
+    other = ProgramTable(runner, kernels=KernelChoice.pure_jax("cpu"))
+    same = ProgramTable(runner, kernels=table.kernels)
+    assert other.fingerprint != table.fingerprint and same.fingerprint == table.fingerprint
+    assert not other.full_width  # the pure-JAX attention gathers every page: page buckets
+    assert table.full_width == table.kernels.cpu_attention
+
+
+def test_the_key_hashes_device_sources_only(tmp_path):
+    """config.py, programs.py, the runner: not device code (their values reach the key as data); ops/ with its
+    C++ kernels, models/ and the step are, and a change in any of them changes the digest."""
+    names = [n for n, _ in programs.device_sources()]
+    for host_file in ("jaxinfer/config.py", "jaxinfer/engine/programs.py", "jaxinfer/engine/runner.py",
+                      "jaxinfer/env.py"):
+        assert host_file not in names
+    for device_file in ("jaxinfer/engine/step.py", "jaxinfer/ops/attention.py", "jaxinfer/ops/backend.py",
+                        "jaxinfer/ops/kernels/matmul_cpu.cc", "jaxinfer/models/decoder.py"):
+        assert device_file in names
+    # the digest is of these files alone: copies give the same one, an edited copy another
+    copies = []
+    for name, path in programs.device_sources():
+        dst = tmp_path / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dst)
+        copies.append((name, str(dst)))
+    assert programs.source_digest(copies) == programs._device_code_digest()
+    edited = tmp_path / "jaxinfer/ops/kernels/matmul_cpu.cc"
+    edited.write_text(edited.read_text() + "\n// an edit\n")
+    assert programs.source_digest(copies) != programs._device_code_digest()
+
+
+def test_the_traced_config_values_reach_the_key_as_data():
+    """A config property read while tracing (attn_scale, the layer windows) is in the key by value."""
+    base = programs.traced_config_values(TINY)
+    assert programs.traced_config_values(dataclasses.replace(TINY, query_pre_attn_scalar=7.0)) != base
+    assert programs.traced_config_values(dataclasses.replace(TINY, sliding_window=8)) != base
+    assert programs.traced_config_values(dataclasses.replace(TINY)) == base
+
+
+@pytest.mark.parametrize("source", [kernels.MATMUL, kernels.PAGED_ATTENTION])
+@pytest.mark.parametrize("flags", [
+    None,  # the default build (this CPU)
+    ["-O3", "-march=native", "-mno-avx512f", "-fopenmp-simd"],  # the AVX2 path
+    ["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma"],  # the scalar path
+    ["-O3", "-march=skylake-avx512", "-fopenmp-simd"],  # the AVX-512 path (checked, not run: -fsyntax-only)
+])
+def test_the_kernels_compile_without_warnings(source, flags):
+    if kernels.compiler() is None:
+        pytest.skip("no C++ compiler")
+    cmd = kernels.compile_command(source, os.devnull, flags)
+    assert not {"-w"} & set(cmd) and {"-Wall", "-Wextra"} <= set(cmd)
+    out = subprocess.run([*cmd[:-2], "-fsyntax-only"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr[-3000:]
