@@ -259,13 +259,11 @@ def cache_capacity_steps(llm, prompt, context: int, tokens_1x: int, repeats: int
     benches = {k: StepBench(v, prompt, context) for k, v in llms.items()}
     benches[f"engine_b{batch}"] = StepBench(llm, prompt, context, batch)
     llms[f"engine_b{batch}"] = llm
-    direct = {k: [] for k in benches}
-    runner = {k: [] for k in benches}
-    order = list(benches)
-    for i in range(repeats):
-        for k in order[i % len(order) :] + order[: i % len(order)]:  # rotate, so no cache always goes first
-            direct[k] += benches[k].direct(steps)
-            runner[k] += benches[k].through_runner(max(2, steps // 4))
+    # rotated rounds, so no cache always goes first
+    timed_rounds = alternate({k: lambda i, b=b: (b.direct(steps), b.through_runner(max(2, steps // 4)))
+                              for k, b in benches.items()}, repeats)
+    direct = {k: [t for d, _ in rs for t in d] for k, rs in timed_rounds.items()}
+    runner = {k: [t for _, r in rs for t in r] for k, rs in timed_rounds.items()}
     res = {"context": context, "page_size": ps, "batch": batch}
     for k, b in benches.items():
         e = llms[k].engine_config

@@ -489,12 +489,11 @@ def bench_stall(llm, a, ids: Ids, log) -> dict:
     stall_run(llm, a, ids)
     _ttft(llm, ids(chunk))
     _ttft(llm, ids(a.long_len))
-    lone_chunk, lone_long, runs = [], [], []
-    for i in range(a.rounds):
-        log(f"[5] round {i + 1}/{a.rounds}")
-        lone_chunk.append(_ttft(llm, ids(chunk))[0])
-        lone_long.append(_ttft(llm, ids(a.long_len))[0])
-        runs.append(stall_run(llm, a, ids))
+    rounds = alternate({"lone chunk": lambda i: _ttft(llm, ids(chunk))[0],
+                        "lone long prompt": lambda i: _ttft(llm, ids(a.long_len))[0],
+                        "streams + long prompt": lambda i: stall_run(llm, a, ids)},
+                       a.rounds, log=lambda m: log(f"[5] {m}"))
+    lone_chunk, lone_long, runs = rounds["lone chunk"], rounds["lone long prompt"], rounds["streams + long prompt"]
     res = {k: median(r[k] for r in runs) for k in runs[0]}
     res["max_gap_during_worst_ms"] = max(r["max_gap_during_ms"] for r in runs if r["max_gap_during_ms"] is not None)
     res["lone_chunk_ttft_ms"] = 1e3 * median(lone_chunk)
