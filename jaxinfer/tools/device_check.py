@@ -192,7 +192,7 @@ def log(msg: str) -> None:
 
 def repo_root() -> Path:
     """The checkout this package runs from (an editable install): where tests/ lives."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]  # jaxinfer/tools/device_check.py -> the checkout
 
 
 # --------------------------------------------------------------------------- #
