@@ -41,16 +41,27 @@ server's) and `configure_progress`.
 greedy) and ``--seed`` (default 0, also seeding the prompts, lengths and
 arrivals) mean something else than ``generate``'s, and its ``--json`` takes
 a FILE.
+
+Imports: this module is on the path of ``jaxinfer --help`` and of every usage error, so
+it imports only light modules at the top; the engine (`jaxinfer.llm`, which imports JAX)
+and structured output's grammar checker (`jaxinfer.engine.structured`, llguidance) are
+imported inside the function that needs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import sys
 from typing import Any, Optional
 
+from jaxinfer import progress
 from jaxinfer.cli.argtypes import DTYPE_CHOICES, DTYPE_HELP, int_in, non_negative_number, number, unescape
-from jaxinfer.config import DEFAULT_MODEL
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.engine.compile_cache import enable_compilation_cache
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_MAX_TOKENS = 256  # generate: when --max-tokens is not given (shrunk to what the context has room for)
 CLI_TEMPERATURE, CLI_TOP_P = 0.2, 0.9  # generate: when the model gives no generation defaults
@@ -259,8 +270,6 @@ def add_progress_flags(p: argparse.ArgumentParser) -> None:
 
 def configure_progress(args: argparse.Namespace) -> None:
     """Start-up progress on stderr: on a terminal by default, always with --verbose, never with --quiet."""
-    from jaxinfer import progress
-
     if getattr(args, "quiet", False):
         show = False
     elif getattr(args, "verbose", False):
@@ -285,11 +294,6 @@ def engine_overrides(args: argparse.Namespace) -> dict:
 
 def check_engine_flags(args: argparse.Namespace):
     """The preset with the engine flags over it, checked before any model is loaded; returns the EngineConfig."""
-    import contextlib
-
-    from jaxinfer import progress
-    from jaxinfer.config import EngineConfig
-
     name = getattr(args, "engine_config", None)
     # the backend's preset imports JAX: seconds on a cold start, shown as a stage if it happens here
     with progress.stage("loading JAX") if not name and "jax" not in sys.modules else contextlib.nullcontext():
@@ -342,8 +346,6 @@ def chat_messages(text: str, system: Optional[str] = None) -> list:
 
 def json_object(text: str) -> dict:
     """argparse type: a JSON object (``--chat-template-kwargs``)."""
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -355,9 +357,6 @@ def json_object(text: str) -> dict:
 
 def json_schema_arg(value: str) -> dict:
     """argparse type of --json-schema: the schema's JSON text (it starts with ``{``), else a file holding it."""
-    import json
-    import os
-
     text, where = value, "the text"
     if not value.lstrip().startswith("{"):
         if not os.path.isfile(value):
@@ -396,8 +395,6 @@ def structured_outputs_from_args(args: argparse.Namespace):
     ValueError (the library's message, after the flag that gave it) for a constraint the library
     refuses, and for --any-whitespace without a JSON constraint.
     """
-    from jaxinfer.sampling_params import StructuredOutputsParams
-
     given = {kind: getattr(args, dest, None) for dest, kind in STRUCTURED_FLAGS.items()}
     given = {kind: v for kind, v in given.items() if v not in (None, False)}
     any_ws = bool(getattr(args, "any_whitespace", False))
@@ -425,13 +422,13 @@ def check_structured_outputs(sop) -> None:
     """
     if sop is None:
         return
+    import llguidance  # lazy (start-up, see the module docstring), as is the next
+
     from jaxinfer.engine.structured import GrammarCompiler
 
     flag = STRUCTURED_FLAG_OF[sop.kind]
     try:
         grammar = GrammarCompiler(None, 0).grammar(sop)  # the text llguidance compiles; no tokenizer needed
-        import llguidance
-
         error = llguidance.LLMatcher.validate_grammar(grammar)
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None
@@ -487,8 +484,6 @@ def generate_sampling(overrides: dict, model_temperature: Optional[float]) -> di
 
 def check_generate_args(args: argparse.Namespace) -> tuple:
     """What ``generate`` (local or ``--server``) checks before a model or a server: returns (prompt, overrides)."""
-    from jaxinfer.sampling_params import SamplingParams
-
     prompt = read_prompt(args.prompt)
     overrides = sampling_overrides(args)
     SamplingParams(**overrides)  # raises ValueError with vLLM's wording
@@ -590,12 +585,6 @@ def load_llm(args: argparse.Namespace):
     (``import jaxinfer.cli.main`` alone does not do it unless the package imports it eagerly), it runs
     as a start-up stage of its own, so the terminal shows it instead of sitting silent.
     """
-    import contextlib
-    import sys
-
-    from jaxinfer import progress
-    from jaxinfer.engine.compile_cache import enable_compilation_cache
-
     first = "jaxinfer.llm" not in sys.modules
     with progress.stage("loading the engine") if first else contextlib.nullcontext():
         enable_compilation_cache()

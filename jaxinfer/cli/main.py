@@ -20,6 +20,12 @@ fail at once, and so do a structured-output schema, regex or grammar that does
 not parse. A request that ends with finish_reason "error" (its grammar allowed
 no token) keeps the text it made, and exits with status 1 and the reason on
 stderr. Ctrl-C exits with status 130.
+
+Imports: ``jaxinfer --help``, a usage error and the first progress line come before
+anything slow is imported, so the engine and the loaders (`jaxinfer.llm`,
+`jaxinfer.engine`, `jaxinfer.loading`: JAX) and the tools (`jaxinfer.tools`) are
+imported inside the command that needs them (check: ``python -X importtime -c
+"import jaxinfer.cli.main"`` lists no jax, grpc or numpy).
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
 from jaxinfer import progress
 from jaxinfer._version import __version__
+from jaxinfer.cli import repl
 from jaxinfer.cli.argtypes import DTYPE_CHOICES
 from jaxinfer.cli.flags import (
     CLI_TEMPERATURE,
@@ -64,6 +72,8 @@ from jaxinfer.cli.flags import (
     print_logprobs,
     read_prompt,
 )
+from jaxinfer.cli.serve import add_serve_arguments, generate_via_server, run_serve
+from jaxinfer.config import EngineConfig
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 
 _T_START = time.perf_counter()  # ~ the process start, for the "ready in" line
@@ -179,8 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over gRPC: Generate (streamed), Tokenize, GetModelInfo, health, reflection. "
         "Binds 127.0.0.1 unless --host says otherwise. Model and engine flags are generate's.",
     )
-    from jaxinfer.cli.serve import add_serve_arguments
-
     add_serve_arguments(sv)  # the model and engine groups, and the network's own flags
     add_progress_flags(sv)
     sv.set_defaults(func=cmd_serve)
@@ -317,8 +325,6 @@ class _StopOnInterrupt:
         self.requested = True
 
     def __enter__(self) -> "_StopOnInterrupt":
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
@@ -340,15 +346,13 @@ def _write(stream, text: str) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if getattr(args, "server", None):
-        from jaxinfer.cli.serve import generate_via_server
-
         return generate_via_server(args)
     # Everything that can be checked without the model is checked first.
     prompt, overrides = check_generate_args(args)
     check_engine_flags(args)
 
     llm = load_llm(args)
-    from jaxinfer.engine import distributed
+    from jaxinfer.engine import distributed  # lazy: JAX (see the module docstring)
 
     if distributed.run_as_follower(llm):  # a multi-process run: process 0 generates and prints
         return 0
@@ -424,14 +428,12 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from jaxinfer.cli import repl
-
     return repl.run(args, t_start=_T_START)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
+    from jaxinfer.engine.processor import InputProcessor  # lazy, as the next two: see the module docstring
     from jaxinfer.loading import model_cache
-    from jaxinfer.engine.processor import InputProcessor
     from jaxinfer.loading.weights import resolve_model
 
     text = read_prompt(args.text, "text")
@@ -463,8 +465,6 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxinfer.cli.serve import run_serve
-
     return run_serve(args)
 
 
@@ -491,8 +491,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jaxinfer.loading import model_cache
-    from jaxinfer.config import EngineConfig
+    from jaxinfer.loading import model_cache  # lazy, as the next two: see the module docstring
     from jaxinfer.loading.weights import resolve_model
     from jaxinfer.ops.backend import resolve_dtype
 
@@ -508,7 +507,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     enable_compilation_cache()
-    from jaxinfer.tools.serving import bench_command
+    from jaxinfer.tools.serving import bench_command  # lazy: see the module docstring
 
     return bench_command(args, t_start=_T_START)
 
@@ -552,7 +551,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if hasattr(args, "quiet"):  # the commands with the progress flags
             configure_progress(args)
         if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # one of several processes (jaxinfer.engine.distributed)
-            from jaxinfer.engine import distributed
+            from jaxinfer.engine import distributed  # lazy: JAX (see the module docstring)
 
             distributed.initialize()
         return args.func(args)

@@ -34,6 +34,10 @@ Each answer may use up to ``--max-tokens`` tokens (default 256), fewer when
 the context has less room left. When the conversation no longer fits in the
 context at all, the line is not sent: one line on stderr says so and
 suggests ``/clear``.
+
+Imports: ``jaxinfer chat`` checks its flags and shows its first progress line before
+anything slow is imported, so the engine (`jaxinfer.engine`, `jaxinfer.llm`: JAX) and the
+gRPC client (`jaxinfer.server`: grpc) are imported inside the function that uses them.
 """
 
 from __future__ import annotations
@@ -46,13 +50,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, TextIO
 
+from jaxinfer import progress
 from jaxinfer.cli.flags import (
     UsageError,
+    check_engine_flags,
     generate_sampling,
+    load_llm,
     one_line,
     print_logprobs,
+    refuse_local_flags,
     sampling_overrides,
 )
+from jaxinfer.cli.serve import server_error_message
+from jaxinfer.sampling_params import SamplingParams
 
 PROMPT = ">>> "
 EXIT_SERVER_ERROR = 1
@@ -163,7 +173,7 @@ class ServerBackend:
     """The conversation on a running ``jaxinfer serve`` (gRPC), with the defaults of local chat."""
 
     def __init__(self, args: argparse.Namespace, overrides: dict, token: Optional[str]):
-        from jaxinfer.server.client import Client
+        from jaxinfer.server.client import Client  # lazy: grpc (see the module docstring)
 
         self.address = args.server
         self.timeout = getattr(args, "timeout", None)
@@ -400,8 +410,6 @@ def _server_error_class():
 def _server_failure(address: str, e) -> str:
     """One line for a failed call, worded as ``generate --server`` words it (nothing answered, too slow, or
     what the server answered)."""
-    from jaxinfer.cli.serve import server_error_message
-
     return one_line(server_error_message(address, e))
 
 
@@ -412,8 +420,6 @@ def _server_failure(address: str, e) -> str:
 
 def check_chat_args(args: argparse.Namespace) -> dict:
     """What ``chat`` checks before a model or a server: returns the sampling overrides."""
-    from jaxinfer.sampling_params import SamplingParams
-
     overrides = sampling_overrides(args)
     SamplingParams(**overrides)  # raises ValueError with vLLM's wording
     return overrides
@@ -422,17 +428,14 @@ def check_chat_args(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Optional[TextIO] = None,
         stderr: Optional[TextIO] = None, t_start: Optional[float] = None) -> int:
     """``jaxinfer chat``: load the model (or reach the server), then converse on stdin/stdout."""
-    from jaxinfer import progress
-
     stdin = stdin if stdin is not None else sys.stdin
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
     t_start = time.perf_counter() if t_start is None else t_start
     backend: Any
     if getattr(args, "server", None):
-        from jaxinfer.cli.flags import refuse_local_flags
-        from jaxinfer.server import read_auth_token
-        from jaxinfer.server.client import ServerError
+        from jaxinfer.server.client import ServerError  # lazy: grpc
+        from jaxinfer.server.config import read_auth_token
 
         refuse_local_flags(args)
         overrides = check_chat_args(args)
@@ -444,13 +447,10 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
             stderr.flush()
             return EXIT_SERVER_ERROR
     else:
-        from jaxinfer.cli.flags import load_llm
-        from jaxinfer.cli.flags import check_engine_flags
-
         overrides = check_chat_args(args)
         check_engine_flags(args)
         llm = load_llm(args)
-        from jaxinfer.engine import distributed
+        from jaxinfer.engine import distributed  # lazy: JAX (imported by load_llm's stage)
 
         if distributed.run_as_follower(llm):  # a multi-process run: process 0 holds the conversation
             return 0
@@ -463,7 +463,7 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
     interactive = _isatty(stdin)
     if interactive and stdin is sys.stdin:
         try:
-            import readline  # noqa: F401 - line editing and history for input()
+            import readline  # noqa: F401 - line editing and history for input(); lazy: optional
         except ImportError:  # a Python built without it: plain input()
             pass
     try:

@@ -10,6 +10,11 @@ are the groups of `jaxinfer.cli.flags`, shared with local ``generate``,
 ``warmup`` and ``bench``: the same names, help and defaults everywhere.
 Both functions return an exit status: 0, 1 (the server failed or is
 unreachable) or 2 (bad input, reported as one ``jaxinfer: error: ...`` line).
+
+Imports: `jaxinfer.cli.main` imports this module for ``--help``, so its top imports
+nothing slow; the server (`jaxinfer.server`: protobuf, grpc, fastapi), the engine
+(`jaxinfer.engine.distributed`, `jaxinfer.llm`: JAX) and `jaxinfer.metrics` (numpy)
+are imported inside the function that uses them, after the flags are checked.
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import socket
 import sys
 from typing import Optional
 
+from jaxinfer import progress
 from jaxinfer.cli.argtypes import int_in
 from jaxinfer.cli.flags import (
+    UsageError,
     add_engine_flags,
     add_model_flags,
     chat_messages,
@@ -32,9 +41,11 @@ from jaxinfer.cli.flags import (
     generate_sampling,
     llm_kwargs,
     positive_int,
+    print_logprobs,
     refuse_local_flags,
     seconds,
 )
+from jaxinfer.engine.compile_cache import enable_compilation_cache
 
 _nonnegative_int = int_in(0)
 _port = int_in(0, 65535)
@@ -106,7 +117,7 @@ def _origins(text: str) -> tuple:
 
 
 def server_config_from_args(args: argparse.Namespace):
-    from jaxinfer.server import ServerConfig, read_auth_token
+    from jaxinfer.server.config import ServerConfig, read_auth_token
 
     config = ServerConfig(
         host=args.host, port=args.port, max_waiting=args.max_waiting, grace_period=args.grace_period,
@@ -143,8 +154,6 @@ def bind_ports(config) -> object:
 
     A busy port is an OSError here, in seconds, instead of after loading and compiling.
     """
-    import socket
-
     from jaxinfer.server.openai_api.app import bind_socket
 
     if config.port:
@@ -168,7 +177,7 @@ def _quiet_third_party(verbose: bool) -> None:
     for name in ("absl", "orbax", "uvicorn", "uvicorn.error", "uvicorn.access", "jax", "jaxlib", "jax._src.xla_bridge"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        from absl import logging as absl_logging
+        from absl import logging as absl_logging  # lazy: optional, it comes with JAX and orbax
 
         absl_logging.set_verbosity(absl_logging.WARNING)
     except ImportError:  # pragma: no cover - absl comes with orbax
@@ -191,10 +200,6 @@ def _configure_logging(args: argparse.Namespace) -> None:
     are dropped from the log; otherwise (stderr is a log file) the log lines
     are how they are reported.
     """
-    import os
-
-    from jaxinfer import progress
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not os.environ.get("JAX_LOGGING_LEVEL"):  # JAX's own setting wins when given
         # e.g. "Unable to initialize backend 'tpu'" from jax._src.xla_bridge on a CPU machine
@@ -235,9 +240,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     else "TLS" if not config.tls_cert else "a token")
 
     from jaxinfer.engine import distributed
-    from jaxinfer.engine.compile_cache import enable_compilation_cache
     from jaxinfer.llm import LLM
-    from jaxinfer.server import serve
+    from jaxinfer.server.server import serve
 
     enable_compilation_cache()
     try:
@@ -283,7 +287,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def server_error_message(address: str, e) -> str:
     """What a failed call to the server at `address` means, in one line (UNAVAILABLE: nothing answered there)."""
-    import grpc
+    import grpc  # lazy: see the module docstring
 
     if e.code == grpc.StatusCode.UNAVAILABLE and not _server_said_it(e.details):
         return f"no server answered at {address}: {e.details}"
@@ -310,9 +314,8 @@ def generate_via_server(args: argparse.Namespace) -> int:
     The same checks, sampling defaults, chat decision, max_tokens fitting and
     output as local generate (`jaxinfer.cli.flags`), with the server's model.
     """
-    from jaxinfer.cli.flags import UsageError
     from jaxinfer.metrics import format_trace
-    from jaxinfer.server import read_auth_token
+    from jaxinfer.server.config import read_auth_token
     from jaxinfer.server.client import Client, Completion, InvalidArgument, ServerError
 
     try:
@@ -376,8 +379,6 @@ def generate_via_server(args: argparse.Namespace) -> int:
     else:
         out.write("\n")
         if kw.get("logprobs") is not None and final is not None:  # the same table as local generate's
-            from jaxinfer.cli.flags import print_logprobs
-
             tt = final.token_text
             print_logprobs(lambda i: tt.get(i) or None, final.logprobs or [])
     out.flush()
