@@ -11,6 +11,7 @@ import pytest
 
 import jaxinfer
 from conftest import TINY_ENGINE
+from jaxinfer.cli import bench
 from jaxinfer.tools import serving
 from jaxinfer.tools.serving import (
     CHAT_COMPLETIONS,
@@ -113,7 +114,7 @@ def test_bench_command_with_base_url_finds_the_model_and_the_vocabulary_and_prin
                        "--input-len", "10", "--output-len", "5", "--max-concurrency", "3", "--no-progress",
                        "--json", str(path))
     out = io.StringIO()
-    assert serving.bench_command(args, out) == 0
+    assert bench.bench_command(args, out) == 0
     assert "Serving Benchmark Result" in out.getvalue() and server.http_url in out.getvalue()
     s = json.loads(path.read_text())
     info = s["info"]
@@ -135,7 +136,7 @@ def test_bench_sends_text_where_asked_and_counts_the_server_s_tokens(server, tok
     path = tmp_path / "out.json"
     args = _bench_args("--base-url", server.http_url, "--num-prompts", "4", "--input-len", "12", "--output-len", "6",
                        "--no-progress", "--json", str(path), *extra)
-    assert serving.bench_command(args, io.StringIO()) == 0
+    assert bench.bench_command(args, io.StringIO()) == 0
     s = json.loads(path.read_text())
     assert s["completed"] == 4 and s["total_output_tokens"] == 24, s["errors"]
     assert s["info"]["prompts"].startswith("text")

@@ -10,6 +10,7 @@ import pytest
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
+from jaxinfer.cli import bench
 from jaxinfer.tools import serving
 from jaxinfer.tools.serving import BenchConfig, GrpcBackend, run_benchmark, summarize, synthetic_workload
 from jaxinfer.server import ServerConfig, ServerThread
@@ -81,7 +82,7 @@ def test_bench_command_with_server_fetches_model_info_and_prints_the_table(serve
     args = _bench_args("--server", server.address, "--num-prompts", "6", "--input-len", "10", "--output-len", "5",
                        "--request-rate", "inf", "--max-concurrency", "3", "--no-progress", "--json", str(path))
     out = io.StringIO()
-    assert serving.bench_command(args, out) == 0
+    assert bench.bench_command(args, out) == 0
     assert "Serving Benchmark Result" in out.getvalue()
     s = json.loads(path.read_text())
     assert s["completed"] == 6 and s["info"]["backend"] == "grpc" and s["info"]["model"] == server.llm.model_name
@@ -95,11 +96,11 @@ def test_bench_command_with_server_fetches_model_info_and_prints_the_table(serve
 def test_bench_server_refuses_what_cannot_work(server, argv, needle):
     args = _bench_args("--server", server.address, "--num-prompts", "2", "--no-progress", *argv)
     with pytest.raises(ValueError, match=needle):
-        serving.bench_command(args, io.StringIO())
+        bench.bench_command(args, io.StringIO())
 
 
 def test_bench_server_unreachable_fails_with_status_1(capsys):
     args = _bench_args("--server", "127.0.0.1:1", "--num-prompts", "1", "--no-progress")
-    assert serving.bench_command(args, io.StringIO()) == 1
+    assert bench.bench_command(args, io.StringIO()) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
     assert isinstance(args, argparse.Namespace)
