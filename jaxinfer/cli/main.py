@@ -507,7 +507,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     enable_compilation_cache()
-    from jaxinfer.tools.serving import bench_command  # lazy: see the module docstring
+    from jaxinfer.cli.bench import bench_command  # lazy: see the module docstring
 
     return bench_command(args, t_start=_T_START)
 
