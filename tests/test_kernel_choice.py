@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
