@@ -18,11 +18,17 @@ from types import ModuleType
 from typing import Any
 
 from jaxinfer.models import gemma3, llama, mixtral, qwen
+from jaxinfer.models.weights_table import ALL as WEIGHTS
+from jaxinfer.ops.spec import register_family
 
 _MODULES = (llama, qwen, gemma3, mixtral)
 
 # model_type -> family module; also the architecture names a ModelConfig carries.
 FAMILIES: dict[str, ModuleType] = {t: m for m in _MODULES for t in m.MODEL_TYPES}
+
+# ops reaches a model's spec tree and weights through this registry (it never imports models)
+for _arch, _module in FAMILIES.items():
+    register_family(_arch, _module.param_specs, WEIGHTS)
 
 
 def get_family(architecture: str) -> ModuleType:

@@ -1,13 +1,15 @@
 """The decoder every family runs: a Llama-shaped transformer whose differences are config data.
 
-Pure functions over a parameter pytree:
+Its parts, pure functions of arrays:
 
-- `param_specs(cfg)`: the parameter tree described once (shapes, dtypes, logical axes);
-- `hf_tensor_shapes(cfg)`: the Hugging Face tensors (canonical names) a checkpoint must hold;
-- `params_from_hf(tensors, cfg, dtype)`: those numpy tensors -> parameter tree;
-- `forward(params, cfg, tokens, kv_cache, attn)`: hidden states, updating the paged cache;
-- `logits(params, cfg, hidden)`: the LM head;
-- `matmul(x, w)`: every product with a weight, in the weights' dtype, accumulated in float32.
+- `matmul(x, w)`: every product with a weight, in the weights' dtype, accumulated in float32;
+- `rms_norm`, the rotary embedding (`rope_inv_freq`, `layer_ropes`, `apply_rope`), the MLP's
+  `activation`, and the splits of the fused projections (`split_qkv`, `split_gate_up`).
+
+Built on them: the layer walk (`jaxinfer.models.transformer`: ``forward``, ``logits``) and the
+routed experts (`jaxinfer.models.moe`). The parameter tree, its Hugging Face tensors and the
+converter (``param_specs``, ``hf_tensor_shapes``, ``params_from_hf``, re-exported here) are
+derived from the weights table (`jaxinfer.models.weights_table`).
 
 What a family changes is a field of `ModelConfig`, read by its module in `jaxinfer.models`:
 Q/K/V biases (Qwen2), per-head Q/K norms (Qwen3, Gemma 3), norms that scale by
@@ -42,166 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.ops import cpu_matmul, invariant, quant
-from jaxinfer.ops.attention import AttentionMetadata, paged_attention
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.models import moe
+from jaxinfer.models.weights_table import hf_tensor_shapes, param_specs, params_from_hf  # noqa: F401
+from jaxinfer.ops import cpu_matmul, invariant
 from jaxinfer.ops.quant import is_quantized
-from jaxinfer.ops.spec import ArraySpec
 
 Params = dict[str, Any]
-
-
-# ---------------------------------------------------------------------------
-# parameters
-
-
-def _norm_init(cfg: ModelConfig) -> str:
-    return "zeros" if cfg.norm_weight_offset == 1.0 else "ones"
-
-
-def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
-    d, i = cfg.hidden_size, cfg.intermediate_size
-    qkv = cfg.q_size + 2 * cfg.kv_size
-    ninit = _norm_init(cfg)
-    layers = []
-    for li in range(cfg.num_layers):
-        layer = {
-            "attn_norm": ArraySpec((d,), dtype, ("embed",), init=ninit),
-            "wqkv": ArraySpec((d, qkv), dtype, ("embed", "qkv")),
-            "wo": ArraySpec((cfg.q_size, d), dtype, ("heads", "embed")),
-            "mlp_norm": ArraySpec((d,), dtype, ("embed",), init=ninit),
-        }
-        if cfg.attention_bias:
-            layer["bqkv"] = ArraySpec((qkv,), dtype, ("qkv",), init="zeros")
-        if cfg.qk_norm:
-            layer["q_norm"] = ArraySpec((cfg.head_dim,), dtype, (None,), init=ninit)
-            layer["k_norm"] = ArraySpec((cfg.head_dim,), dtype, (None,), init=ninit)
-        if cfg.sandwich_norms:
-            layer["attn_out_norm"] = ArraySpec((d,), dtype, ("embed",), init=ninit)
-            layer["mlp_out_norm"] = ArraySpec((d,), dtype, ("embed",), init=ninit)
-        if cfg.is_moe_layer(li):
-            layer.update(moe.param_specs(cfg, dtype))
-        else:
-            layer["w_gate_up"] = ArraySpec((d, 2 * i), dtype, ("embed", "mlp"))
-            layer["w_down"] = ArraySpec((i, d), dtype, ("mlp", "embed"))
-        layers.append(layer)
-    specs: Params = {
-        "embed": ArraySpec((cfg.vocab_size, d), dtype, ("vocab", "embed")),
-        "layers": layers,
-        "final_norm": ArraySpec((d,), dtype, ("embed",), init=ninit),
-    }
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ArraySpec((d, cfg.vocab_size), dtype, ("embed", "vocab"))
-    return quant.quantize_specs(specs, cfg.quant) if cfg.quant else specs
-
-
-def _mlp_norm_name(cfg: ModelConfig) -> str:
-    # Llama's "post_attention_layernorm" is the norm before the MLP; Gemma names that one
-    # "pre_feedforward_layernorm" and uses "post_attention_layernorm" on the attention output.
-    return "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
-
-
-def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `cfg` must hold, by canonical HF name, with its numpy shape."""
-    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for li in range(cfg.num_layers):
-        p = f"model.layers.{li}."
-        a = p + "self_attn."
-        shapes[a + "q_proj.weight"] = (cfg.q_size, h)
-        shapes[a + "k_proj.weight"] = (cfg.kv_size, h)
-        shapes[a + "v_proj.weight"] = (cfg.kv_size, h)
-        shapes[a + "o_proj.weight"] = (h, cfg.q_size)
-        if cfg.attention_bias:
-            shapes[a + "q_proj.bias"] = (cfg.q_size,)
-            shapes[a + "k_proj.bias"] = (cfg.kv_size,)
-            shapes[a + "v_proj.bias"] = (cfg.kv_size,)
-        if cfg.qk_norm:
-            shapes[a + "q_norm.weight"] = (hd,)
-            shapes[a + "k_norm.weight"] = (hd,)
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + _mlp_norm_name(cfg) + ".weight"] = (h,)
-        if cfg.sandwich_norms:
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
-        if cfg.is_moe_layer(li):
-            shapes.update(moe.hf_tensor_shapes(cfg, p + "mlp."))
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (f, h)
-            shapes[p + "mlp.up_proj.weight"] = (f, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, f)
-    return shapes
-
-
-def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
-    """Convert canonical Hugging Face tensors (``[out, in]`` weights) to our parameter tree.
-
-    The tree is in host memory (numpy arrays of ``dtype``): `jaxinfer.ops.mesh.place_params` puts it
-    on the devices, each device receiving only its shard.
-    """
-
-    def raw(name: str) -> Any:
-        try:
-            return tensors[name]
-        except KeyError:
-            raise ValueError(f"weights are missing tensor {name!r}") from None
-
-    def get(name: str) -> np.ndarray:  # a float tensor (GGUF blocks kept for quantized weights: dequantized)
-        return quant.as_float(raw(name))
-
-    host_dtype = np.dtype(jnp.dtype(dtype))
-    scheme, head = quant.Scheme.pair(cfg.quant) if cfg.quant else (None, None)
-
-    def put(x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(x).astype(host_dtype, copy=False)
-
-    def weight(*names: str) -> Any:
-        """HF ``[out, in]`` tensors fused along ``out`` -> our ``[in, out]`` leaf (quantized by ``cfg.quant``)."""
-        return quant.weight_from_hf([raw(n) for n in names], scheme, put)
-
-    def head_weight(name: str, float_layout) -> Any:
-        """The embeddings or the LM head: quantized in the HF orientation ``[vocab, hidden]`` (`jaxinfer.ops.quant`),
-        else float in ``float_layout``."""
-        w = raw(name)
-        if head is not None and head.fits(w.shape[1]):
-            return quant.weight_from_hf([w], head, put, axis=1)
-        return put(float_layout(quant.as_float(w)))
-
-    layers = []
-    for li in range(cfg.num_layers):
-        p = f"model.layers.{li}."
-        a = p + "self_attn."
-        layer = {
-            "attn_norm": put(get(p + "input_layernorm.weight")),
-            "wqkv": weight(*[a + f"{x}_proj.weight" for x in "qkv"]),
-            "wo": weight(a + "o_proj.weight"),
-            "mlp_norm": put(get(p + _mlp_norm_name(cfg) + ".weight")),
-        }
-        if cfg.attention_bias:
-            layer["bqkv"] = put(np.concatenate([get(a + f"{x}_proj.bias") for x in "qkv"]))
-        if cfg.qk_norm:
-            layer["q_norm"] = put(get(a + "q_norm.weight"))
-            layer["k_norm"] = put(get(a + "k_norm.weight"))
-        if cfg.sandwich_norms:
-            layer["attn_out_norm"] = put(get(p + "post_attention_layernorm.weight"))
-            layer["mlp_out_norm"] = put(get(p + "post_feedforward_layernorm.weight"))
-        if cfg.is_moe_layer(li):
-            layer.update(moe.params_from_hf(get, put, cfg, p + "mlp."))
-        else:
-            layer["w_gate_up"] = weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            layer["w_down"] = weight(p + "mlp.down_proj.weight")
-        layers.append(layer)
-    params: Params = {
-        "embed": head_weight("model.embed_tokens.weight", lambda w: w),
-        "layers": layers,
-        "final_norm": put(get("model.norm.weight")),
-    }
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = head_weight("lm_head.weight", lambda w: w.T)
-    return params
 
 
 # ---------------------------------------------------------------------------
@@ -362,70 +210,3 @@ def split_qkv(cfg: ModelConfig, qkv: jax.Array) -> tuple[jax.Array, jax.Array, j
     k = x[..., nq * d : (nq + nkv) * d].reshape(b, t, cfg.num_kv_heads, d)
     v = x[..., (nq + nkv) * d :].reshape(b, t, cfg.num_kv_heads, d)
     return q, k, v
-
-
-def dense_mlp(p: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    gate, up = split_gate_up(cfg, matmul(h, p["w_gate_up"]))
-    return matmul(activation(cfg, gate) * up, p["w_down"])
-
-
-def _layer(p: Params, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn: AttentionMetadata, rope):
-    b, t, _ = x.shape
-    eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
-    h = rms_norm(x, p["attn_norm"], eps, off)
-    qkv = matmul(h, p["wqkv"])
-    if cfg.attention_bias:
-        qkv = qkv + p["bqkv"].astype(jnp.float32)
-    q, k, v = split_qkv(cfg, qkv)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], eps, off)
-        k = rms_norm(k, p["k_norm"], eps, off)
-    inv_freq, rope_scale = rope
-    q = apply_rope(q, attn.positions, inv_freq, rope_scale)
-    k = apply_rope(k, attn.positions, inv_freq, rope_scale)
-    o, cache_layer = paged_attention(q, k, v, cache_layer, attn, scale=cfg.attn_scale, window=cfg.layer_window(li))
-    a = matmul(o.reshape(b, t, cfg.q_size), p["wo"])
-    if cfg.sandwich_norms:
-        a = rms_norm(a, p["attn_out_norm"], eps, off)
-    x = x + a
-    h = rms_norm(x, p["mlp_norm"], eps, off)
-    m = moe.routed_mlp(p, cfg, h) if cfg.is_moe_layer(li) else dense_mlp(p, cfg, h)
-    if cfg.sandwich_norms:
-        m = rms_norm(m, p["mlp_out_norm"], eps, off)
-    return x + m, cache_layer
-
-
-def forward(
-    params: Params, cfg: ModelConfig, tokens: jax.Array, kv_cache: list, attn: AttentionMetadata
-) -> tuple[jax.Array, list]:
-    """tokens: [B, T] int32 -> (hidden [B, T, hidden_size] float32, updated kv_cache).
-
-    The residual stream is float32 whatever the weights' dtype.
-    """
-    embed = params["embed"]
-    if is_quantized(embed):
-        x = embed.lookup(tokens, jnp.float32)
-    else:
-        x = embed[tokens].astype(jnp.float32)
-    if cfg.embed_scale != 1.0:  # in the embeddings' dtype, as transformers rounds it (bfloat16: 50.5, not 50.6)
-        scale_dtype = jnp.float32 if is_quantized(embed) else embed.dtype
-        x = x * jnp.asarray(cfg.embed_scale, scale_dtype).astype(jnp.float32)
-    ropes = [(jnp.asarray(f), s) for f, s in layer_ropes(cfg)]
-    new_cache = []
-    for li, (p, cache_layer) in enumerate(zip(params["layers"], kv_cache)):
-        x, cache_layer = _layer(p, cfg, li, x, cache_layer, attn, ropes[li])
-        new_cache.append(cache_layer)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset), new_cache
-
-
-def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """hidden: [..., hidden_size] -> float32 logits [..., vocab]."""
-    if cfg.tie_word_embeddings:
-        out = matmul(hidden, params["embed"], w_contract=1)
-    else:
-        head = params["lm_head"]  # quantized: [vocab, hidden] (jaxinfer.ops.quant)
-        out = matmul(hidden, head, w_contract=1 if is_quantized(head) else 0)
-    out = out.astype(jnp.float32)
-    if cfg.final_logit_softcap:
-        out = jnp.tanh(out / cfg.final_logit_softcap) * cfg.final_logit_softcap
-    return out

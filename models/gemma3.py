@@ -14,7 +14,8 @@ import re
 from typing import Any, Optional
 
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from jaxinfer.models.decoder import forward, hf_tensor_shapes, logits, param_specs, params_from_hf  # noqa: F401
+from jaxinfer.models.transformer import forward, logits  # noqa: F401
+from jaxinfer.models.weights_table import hf_tensor_shapes, param_specs, params_from_hf  # noqa: F401
 from jaxinfer.models.hf_config import common_fields, layer_type_fields, refuse, refuse_set, rope_scaling_from, with_defaults
 
 MODEL_TYPES = ("gemma3_text", "gemma3")

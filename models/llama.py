@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.decoder import forward, hf_tensor_shapes, logits, param_specs, params_from_hf  # noqa: F401
+from jaxinfer.models.transformer import forward, logits  # noqa: F401
+from jaxinfer.models.weights_table import hf_tensor_shapes, param_specs, params_from_hf  # noqa: F401
 from jaxinfer.models.hf_config import (
     common_fields,
     layer_type_fields,

@@ -28,48 +28,23 @@ is k rounds of argmax (k is small): `lax.top_k` is kept out of step programs on 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxinfer.ops import invariant
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.decoder import activation, matmul, split_gate_up
+from jaxinfer.models.weights_table import MOE
+from jaxinfer.ops import invariant
 from jaxinfer.ops.spec import ArraySpec
 
 MAX_BLOCK_ROWS = 64
 
 
 def param_specs(cfg: ModelConfig, dtype: Any) -> dict[str, ArraySpec]:
-    d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    return {
-        "router": ArraySpec((d, e), dtype, ("embed", None)),
-        "w_gate_up": ArraySpec((e, d, 2 * i), dtype, ("expert", "embed", "mlp")),
-        "w_down": ArraySpec((e, i, d), dtype, ("expert", "mlp", "embed")),
-    }
-
-
-def hf_tensor_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """Canonical names: ``mlp.gate.weight`` [E, hidden], ``mlp.experts.E.{gate,up,down}_proj.weight``."""
-    d, i = cfg.hidden_size, cfg.moe_intermediate_size
-    shapes = {prefix + "gate.weight": (cfg.num_experts, d)}
-    for e in range(cfg.num_experts):
-        x = f"{prefix}experts.{e}."
-        shapes[x + "gate_proj.weight"] = (i, d)
-        shapes[x + "up_proj.weight"] = (i, d)
-        shapes[x + "down_proj.weight"] = (d, i)
-    return shapes
-
-
-def params_from_hf(get: Callable[[str], np.ndarray], put: Callable[[np.ndarray], np.ndarray], cfg: ModelConfig,
-                   prefix: str) -> dict[str, np.ndarray]:
-    experts = [f"{prefix}experts.{e}." for e in range(cfg.num_experts)]
-    gate_up = np.stack(
-        [np.concatenate([get(x + "gate_proj.weight"), get(x + "up_proj.weight")], axis=0).T for x in experts]
-    )
-    down = np.stack([get(x + "down_proj.weight").T for x in experts])
-    return {"router": put(get(prefix + "gate.weight").T), "w_gate_up": put(gate_up), "w_down": put(down)}
+    """A routed layer's leaves (the weights table's `jaxinfer.models.weights_table.MOE`)."""
+    return {d.name: d.spec(cfg, dtype) for d in MOE}
 
 
 def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -96,8 +71,6 @@ def block_rows(slots: int, num_experts: int) -> int:
 
 def routed_mlp(p: dict[str, jax.Array], cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """h: [..., hidden] -> the routed experts' output [..., hidden] float32."""
-    from jaxinfer.models.decoder import activation, matmul, split_gate_up
-
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
     n, e, k = x.shape[0], cfg.num_experts, cfg.num_experts_per_tok

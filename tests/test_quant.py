@@ -122,14 +122,15 @@ def test_float_copy_check_sees_a_materialised_weight(monkeypatch):
     """The check device_check runs on GPU/TPU (where the dequantization must fuse into the dot): on
     CPU the native kernel takes decode's few rows and prefill's many without a float copy, and
     XLA's path (the GPU/TPU code, kernels off) does build the float weight, which the check sees."""
+    from jaxinfer.models.decoder import matmul
     from jaxinfer.ops import cpu_matmul
 
     if cpu_matmul.prepare():
         for rows in (1, 64):
-            got = quant.float_copy_check(256, 256, rows, "int4-g32")
+            got = quant.float_copy_check(256, 256, rows, "int4-g32", matmul)
             assert got["custom_call"] and got["fused"], rows
     monkeypatch.setenv("JAXINFER_CPU_KERNELS", "0")
-    many = quant.float_copy_check(256, 256, 80, "int4-g32")  # a row count not traced above
+    many = quant.float_copy_check(256, 256, 80, "int4-g32", matmul)  # a row count not traced above
     assert not many["fused"] and many["temp_bytes"] >= many["float_copy_bytes"] and not many["custom_call"]
 
 

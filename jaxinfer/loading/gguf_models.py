@@ -5,14 +5,14 @@ A GGUF written by llama.cpp's converter (``convert_hf_to_gguf.py``, since split 
 metadata keys, and llama.cpp's loader (``src/llama-model.cpp``, ``src/models/<arch>.cpp``)
 fills in what the file leaves out by rules of its own. This module undoes the one and mirrors
 the other, per ``general.architecture``, so that a GGUF and the safetensors of one model give
-the same `ModelConfig` (``ModelConfig.from_hf_config``) and the same canonical tensors (the
+the same `ModelConfig` (``jaxinfer.models.config_from_hf``) and the same canonical tensors (the
 naming of `jaxinfer.models.decoder`), hence the same logits.
 
 Supported architectures (`ARCHITECTURES`) and what each needs undone or filled in:
 
 - ``llama`` (also the non-llama.cpp name ``mistral``): the converter permutes the rows of the
   Q and K projections (``LlamaModel.permute``: each head's two rotary halves interleaved, for
-  llama.cpp's adjacent-pair RoPE); undone with `jaxinfer.loading.weights.unpermute_rotary`. Llama 3
+  llama.cpp's adjacent-pair RoPE); undone with `jaxinfer.loading.llamacpp.unpermute_rotary`. Llama 3
   RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors (computed from
   the HF config's factor, low/high frequency factors and an original context of 8192), from
   which the parameters are recovered. With ``expert_count`` it is Mixtral: ``ffn_gate_inp``
@@ -65,10 +65,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, GenerationDefaults, ModelConfig, RopeScaling
-from jaxinfer.loading.gguf_file import GGUFFile, GGUFTensorInfo
+from jaxinfer.gguf_file import GGUFFile, GGUFTensorInfo
+from jaxinfer.loading.llamacpp import llama3_rope_divisors, unpermute_rotary
 from jaxinfer.models import get_family
 from jaxinfer.models.hf_config import layer_type_fields
-from jaxinfer.loading.weights import llama3_rope_divisors, unpermute_rotary
+from jaxinfer.models.weights_table import gguf_names
 
 __all__ = [
     "ARCHITECTURES",
@@ -92,30 +93,8 @@ class UnsupportedGGUF(ValueError):
 # Architectures
 # --------------------------------------------------------------------------- #
 
-# llama.cpp's tensor names (gguf-py/gguf/constants.py TENSOR_NAMES) -> canonical names.
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {  # blk.N.<stem>.<weight|bias> -> model.layers.N.<canonical>.<weight|bias>
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_ROUTER = {"ffn_gate_inp": "mlp.gate"}
-_GEMMA_NORMS = {
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# llama.cpp's tensor names (gguf-py/gguf/constants.py TENSOR_NAMES) -> canonical names: the weights
+# table's (`jaxinfer.models.weights_table.gguf_names`); which of them a file may hold is its config's.
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -126,11 +105,16 @@ class Arch:
 
     name: str  # general.architecture
     family: str  # ModelConfig.architecture (dense models; MoE may differ, see _moe_fields)
-    layer_names: dict[str, str]  # GGUF layer tensor stem -> canonical stem
     fields: Callable[["_Header", dict[str, Any]], dict[str, Any]]  # the architecture's own ModelConfig fields
     permuted_qk: bool = False  # the converter permuted Q/K rows (LlamaModel.permute)
     norm_shift: float = 0.0  # the converter added this to every *norm.weight (Gemma: 1)
     default_eps: float = 1e-6
+    sandwich_norms: bool = False  # Gemma's norms: ffn_norm is the pre-feedforward one, two more after
+
+    @property
+    def names(self) -> dict:
+        """llama.cpp tensor names -> `jaxinfer.models.weights_table.GGUFName`, in this architecture's naming."""
+        return gguf_names(self.sandwich_norms)
 
 
 def _llama_fields(h: "_Header", f: dict[str, Any]) -> dict[str, Any]:
@@ -178,24 +162,22 @@ def _gemma3_fields(h: "_Header", f: dict[str, Any]) -> dict[str, Any]:
         qk_norm=True,
         query_pre_attn_scalar=float(scalar),
         norm_weight_offset=1.0,
-        sandwich_norms=True,
+        sandwich_norms=h.spec.sandwich_norms,
         embed_scale=float(f["hidden_size"]) ** 0.5,
         hidden_act="gelu_tanh",
         final_logit_softcap=softcap or None,
     )
 
 
-_LLAMA_NAMES = {**_LAYER, "ffn_norm": "post_attention_layernorm", **_ROUTER}
-_QWEN_NAMES = {**_LAYER, "ffn_norm": "post_attention_layernorm"}
 ARCHITECTURES: dict[str, Arch] = {
     a.name: a
     for a in (
-        Arch("llama", "llama", _LLAMA_NAMES, _llama_fields, permuted_qk=True, default_eps=1e-5),
-        Arch("mistral", "llama", _LLAMA_NAMES, _llama_fields, permuted_qk=True, default_eps=1e-5),
-        Arch("qwen2", "qwen2", _QWEN_NAMES, _qwen2_fields),
-        Arch("qwen3", "qwen3", {**_QWEN_NAMES, **_QK_NORM}, _qwen3_fields),
-        Arch("qwen3moe", "qwen3_moe", {**_QWEN_NAMES, **_QK_NORM, **_ROUTER}, _qwen3moe_fields),
-        Arch("gemma3", "gemma3", {**_LAYER, **_QK_NORM, **_GEMMA_NORMS}, _gemma3_fields, norm_shift=1.0),
+        Arch("llama", "llama", _llama_fields, permuted_qk=True, default_eps=1e-5),
+        Arch("mistral", "llama", _llama_fields, permuted_qk=True, default_eps=1e-5),
+        Arch("qwen2", "qwen2", _qwen2_fields),
+        Arch("qwen3", "qwen3", _qwen3_fields),
+        Arch("qwen3moe", "qwen3_moe", _qwen3moe_fields),
+        Arch("gemma3", "gemma3", _gemma3_fields, norm_shift=1.0, sandwich_norms=True),
     )
 }
 
@@ -211,19 +193,23 @@ def architecture(gf: GGUFFile) -> Arch:
 
 
 def canonical_names(arch: Arch, name: str, num_experts: int = 0) -> Optional[list[str]]:
-    """The canonical names a GGUF tensor holds (several for a stack of experts); None if unknown."""
-    if name in _GLOBAL:
-        return [_GLOBAL[name]]
+    """The canonical names a GGUF tensor holds (several for a stack of experts); None if unknown.
+    Whether the model holds them is its config's (`_plan` checks them against it)."""
+    names = arch.names
+    g = names.get(name)
+    if g is not None and not g.layer:
+        return [f"{g.hf}.{name.rsplit('.', 1)[1]}"]
     m = _LAYER_TENSOR.match(name)
     if not m:
         return None
     layer, stem, kind = m.groups()
+    g = names.get(stem)
+    if g is None or not g.layer or (g.experts and kind != "weight"):
+        return None
     prefix = f"model.layers.{layer}."
-    if stem in _EXPERTS and kind == "weight":
-        return [f"{prefix}mlp.experts.{e}.{_EXPERTS[stem]}.weight" for e in range(num_experts)]
-    if stem in arch.layer_names:
-        return [f"{prefix}{arch.layer_names[stem]}.{kind}"]
-    return None
+    if g.experts:
+        return [f"{prefix}{g.hf.format(e=e)}.weight" for e in range(num_experts)]
+    return [f"{prefix}{g.hf}.{kind}"]
 
 
 # --------------------------------------------------------------------------- #
@@ -531,6 +517,7 @@ def _identity(x: np.ndarray) -> np.ndarray:
 def _plan(h: _Header, cfg: ModelConfig, tensors: list[GGUFTensorInfo]) -> list[TensorRead]:
     arch, path = h.spec, h.gf.path
     want = get_family(cfg.architecture).hf_tensor_shapes(cfg)
+    names_of = arch.names
     reads, unexpected = [], []
     for t in tensors:
         if t.name == _ROPE_FREQS:
@@ -539,18 +526,19 @@ def _plan(h: _Header, cfg: ModelConfig, tensors: list[GGUFTensorInfo]) -> list[T
         if names is None or not all(n in want for n in names):
             unexpected.append(t.name)
             continue
-        stem = t.name.split(".")[-2]
+        m = _LAYER_TENSOR.match(t.name)
+        g = names_of[m.group(2) if m else t.name]
         outputs = []
         for e, hf in enumerate(names):
             fn: Transform = _identity
-            if stem in _EXPERTS:
+            if g.experts:
                 if len(t.shape) != 3 or t.shape[-1] != cfg.num_experts:
                     raise ValueError(f"{path}: {t.name} has ggml shape {list(t.shape)}, "
                                      f"expected {cfg.num_experts} experts last")
                 fn = _expert(e)
-            elif arch.permuted_qk and stem in ("attn_q", "attn_k"):
-                fn = _unpermute(cfg.num_heads if stem == "attn_q" else cfg.num_kv_heads)
-            elif arch.norm_shift and hf.endswith("norm.weight"):
+            elif arch.permuted_qk and g.rope_heads:
+                fn = _unpermute(getattr(cfg, g.rope_heads))
+            elif arch.norm_shift and g.norm:
                 fn = _minus(arch.norm_shift)
             outputs.append((hf, fn))
         reads.append(TensorRead(t, tuple(outputs)))

@@ -14,7 +14,7 @@ spends seconds loading it:
 
 Two backends:
 
-* **GGUF** (llama.cpp): the header is read once by `jaxinfer.loading.gguf_file.GGUFFile`
+* **GGUF** (llama.cpp): the header is read once by `jaxinfer.gguf_file.GGUFFile`
   (`open_gguf`; the tokenizer can share that parse), quantized tensors are
   dequantized with `gguf.quants.dequantize`, and `jaxinfer.loading.gguf_models` undoes,
   per architecture, what llama.cpp's converter did (names, the rotary row
@@ -42,8 +42,13 @@ from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 
-from jaxinfer.config import DEFAULT_MODEL, GenerationDefaults, ModelConfig, RopeScaling
-from jaxinfer.models import get_family
+from jaxinfer.config import DEFAULT_MODEL, GenerationDefaults, ModelConfig
+from jaxinfer.gguf_file import GGUFFile
+from jaxinfer.loading.gguf_models import dequantize, read_model, tensor_count
+from jaxinfer.loading.llamacpp import llama3_rope_divisors, permute_rotary, unpermute_rotary
+from jaxinfer.models import config_from_hf, get_family
+from jaxinfer.ops import quant
+from jaxinfer.ops.spec import is_spec
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -277,28 +282,6 @@ def _check_complete(tensors: dict[str, np.ndarray], config: ModelConfig, where: 
             )
 
 
-def permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Hugging Face → llama.cpp row order of a Q or K projection (``[n_head * head_dim, ...]``).
-
-    HF rotates pairs ``(j, j + head_dim/2)`` within a head ("rotate_half");
-    llama.cpp rotates adjacent pairs ``(2j, 2j + 1)``. Its converter therefore
-    interleaves each head's two halves: new row ``2j + c`` = old row
-    ``c * head_dim/2 + j``. For K, ``n_head`` is the number of KV heads.
-    """
-    rows = w.shape[0]
-    if rows % (2 * n_head):
-        raise ValueError(f"cannot split {rows} rows into {n_head} heads of even size")
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp → Hugging Face row order; the inverse of `permute_rotary`."""
-    rows = w.shape[0]
-    if rows % (2 * n_head):
-        raise ValueError(f"cannot split {rows} rows into {n_head} heads of even size")
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _owned(x: np.ndarray, dtype: Any, backing: Optional[np.ndarray] = None) -> np.ndarray:
     """``x`` as a C-contiguous array of ``dtype`` that does not alias a file mapping."""
     out = np.ascontiguousarray(x.astype(dtype, copy=False))
@@ -313,7 +296,7 @@ def load_model(source: ModelSource, dtype: Any = np.float32, *, gguf_file: Any =
 
     ``dtype``: the numpy dtype of every returned tensor (float32 by default;
     ``ml_dtypes.bfloat16`` or float16 also work). ``gguf_file``: an already
-    parsed `jaxinfer.loading.gguf_file.GGUFFile` of a GGUF source (so the tokenizer
+    parsed `jaxinfer.gguf_file.GGUFFile` of a GGUF source (so the tokenizer
     and the weights share one parse). ``on_tensor(total)`` is called once per
     tensor read, with the number of tensors there are (for a progress bar).
     """
@@ -337,23 +320,8 @@ def load_model(source: ModelSource, dtype: Any = np.float32, *, gguf_file: Any =
 # Per-architecture names, layouts and hyperparameters: `jaxinfer.loading.gguf_models`.
 
 
-def llama3_rope_divisors(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
-    """Per-frequency divisors ``[head_dim/2]`` of Llama-3 rope scaling (llama.cpp's rope_freqs)."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    mid = 1.0 / ((1.0 - smooth) / s.factor + smooth)
-    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, s.factor, mid))
-
-
 def open_gguf(path: Path):
-    """Parse a GGUF file's header once (`jaxinfer.loading.gguf_file.GGUFFile`); ModelNotFoundError if unreadable."""
-    from jaxinfer.loading.gguf_file import GGUFFile
-
+    """Parse a GGUF file's header once (`jaxinfer.gguf_file.GGUFFile`); ModelNotFoundError if unreadable."""
     try:
         return GGUFFile(path)
     except (OSError, ValueError) as e:
@@ -362,8 +330,6 @@ def open_gguf(path: Path):
 
 def gguf_tensor_count(gguf_file) -> int:
     """How many tensors `load_model` reads from a parsed GGUF (for progress totals)."""
-    from jaxinfer.loading.gguf_models import tensor_count
-
     return tensor_count(gguf_file)
 
 
@@ -371,9 +337,6 @@ def _load_gguf(source: ModelSource, dtype: np.dtype, gguf_file=None,
                on_tensor: Optional[Callable[[int], None]] = None, keep_blocks: bool = False) -> LoadedWeights:
     """``keep_blocks``: 2-D Q8_0 / Q4_0 / Q4_1 tensors come as `jaxinfer.ops.quant.Blocks` (the file's
     integers and scales, for a quantized tree), not dequantized."""
-    from jaxinfer.ops import quant
-    from jaxinfer.loading.gguf_models import dequantize, read_model
-
     path = Path(source.path)
     reader = gguf_file if gguf_file is not None else open_gguf(path)
     model = read_model(reader, source.name)  # config, defaults, what to read: refuses what we cannot run
@@ -471,7 +434,7 @@ def _load_hf(source: ModelSource, dtype: np.dtype,
         cfg = json.loads((d / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelNotFoundError(f"cannot read {d / 'config.json'}: {e}") from e
-    config = ModelConfig.from_hf_config(cfg, name=source.name)
+    config = config_from_hf(cfg, name=source.name)
     gen_path = d / "generation_config.json"
     if gen_path.is_file():
         generation = GenerationDefaults.from_dict(json.loads(gen_path.read_text()))
@@ -543,8 +506,6 @@ def check_param_tree(params: Any, specs: Any) -> Any:
 
     import jax
 
-    from jaxinfer.ops.spec import is_spec
-
     want, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     got = jax.tree_util.tree_flatten_with_path(params)[0]
     want_paths = [_path_text(p) for p, _ in want]
@@ -591,8 +552,6 @@ def stored_tree(params: Any, targets: list) -> Any:
     orientation: the LM head ``[hidden, vocab]`` is stored ``[vocab, hidden]``).
     """
     import jax
-
-    from jaxinfer.ops import quant
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     out = []

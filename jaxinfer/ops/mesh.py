@@ -7,7 +7,7 @@ specs' logical axes (`RULES`): attention heads, KV heads, the MLP's intermediate
 axis and the vocabulary are split on ``tp``; norms and the hidden axis are
 replicated. XLA's SPMD partitioner inserts the collectives (an all-reduce after
 ``wo`` and ``w_down``, gathers of the vocabulary-split logits for sampling), so
-the same `jaxinfer.models.decoder.forward` runs at every size. Attention is the
+the same `jaxinfer.models.transformer.forward` runs at every size. Attention is the
 one part XLA cannot partition (a custom call on CPU, Pallas kernels on TPU): it
 runs inside ``jax.shard_map`` over the KV-head axis (`jaxinfer.ops.attention`).
 
@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.ops.quant import QuantizedWeight, is_quantized
-from jaxinfer.ops.spec import ArraySpec, is_spec
+from jaxinfer.ops.spec import ArraySpec, family_descs, is_spec, model_specs
 
 DP_AXIS = "dp"
 TP_AXIS = "tp"
@@ -178,20 +178,32 @@ def _head_cols(head: int, base: int, d: int) -> np.ndarray:
     return np.full(d, -1) if head < 0 else base + head * d + np.arange(d)
 
 
-def _relayouts(cfg: ModelConfig, layout: TPLayout) -> dict:
-    """{(leaf name, rank): (axis, index map)} for the leaves whose layout changes."""
-    maps = {
-        ("wqkv", 2): (1, layout.qkv_columns(cfg)),
-        ("bqkv", 1): (0, layout.qkv_columns(cfg)),
-        ("wo", 2): (0, layout.wo_rows(cfg)),
-        ("w_gate_up", 2): (1, layout.gate_up_columns(cfg.intermediate_size)),
-        ("w_down", 2): (0, layout.down_rows(cfg.intermediate_size)),
-    }
-    if cfg.num_experts:
-        maps[("w_gate_up", 3)] = (2, layout.gate_up_columns(cfg.moe_intermediate_size))
-        maps[("w_down", 3)] = (1, layout.down_rows(cfg.moe_intermediate_size))
+# a spec's relayout kind (`jaxinfer.ops.spec.ArraySpec.relayout`) -> its index map under a layout
+INDEX_MAPS = {
+    "qkv": lambda lay, cfg: lay.qkv_columns(cfg),
+    "wo": lambda lay, cfg: lay.wo_rows(cfg),
+    "gate_up": lambda lay, cfg: lay.gate_up_columns(cfg.intermediate_size),
+    "down": lambda lay, cfg: lay.down_rows(cfg.intermediate_size),
+    "expert_gate_up": lambda lay, cfg: lay.gate_up_columns(cfg.moe_intermediate_size),
+    "expert_down": lambda lay, cfg: lay.down_rows(cfg.moe_intermediate_size),
+}
+
+
+def relayouts(descs, cfg: ModelConfig, layout: TPLayout) -> dict:
+    """{(leaf name, rank): (axis, index map)} for the leaves of ``descs`` (weight descriptions,
+    `jaxinfer.ops.spec.WeightDesc`) whose layout changes under ``layout``."""
+    maps = {}
+    for d in descs:
+        if d.relayout is not None:
+            axis, kind = d.relayout
+            maps[(d.name, len(d.shape(cfg)))] = (axis, INDEX_MAPS[kind](layout, cfg))
     # an index map that is the identity needs no relayout (e.g. wo when heads divide evenly)
     return {k: v for k, v in maps.items() if not np.array_equal(v[1], np.arange(len(v[1])))}
+
+
+def _relayouts(cfg: ModelConfig, layout: TPLayout) -> dict:
+    """`relayouts` of every weight the family of ``cfg`` describes (`jaxinfer.ops.spec.family_descs`)."""
+    return relayouts(family_descs(cfg.architecture), cfg, layout)
 
 
 # ---------------------------------------------------------------------------
@@ -209,9 +221,7 @@ def sharding_for(spec: ArraySpec, mesh: Mesh) -> NamedSharding:
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32) -> Any:
     """Shardings of the laid-out parameter tree of ``cfg`` (already `TPLayout.config`)."""
-    from jaxinfer.models import get_family
-
-    specs = get_family(cfg.architecture).param_specs(cfg, dtype)
+    specs = model_specs(cfg, dtype)
     return jax.tree.map(lambda s: sharding_for(s, mesh), specs, is_leaf=is_spec)
 
 
@@ -238,9 +248,7 @@ def load_shardings(cfg: ModelConfig, layout: TPLayout, mesh: Mesh, dtype: Any = 
     """Where to restore each leaf of the original (not laid-out) tree: its final sharding when
     the layout leaves it as it is, else None: into host memory, for `place_params` to re-lay
     out and place one leaf at a time (so the devices never hold a second copy of those leaves)."""
-    from jaxinfer.models import get_family
-
-    specs = get_family(cfg.architecture).param_specs(cfg, dtype)
+    specs = model_specs(cfg, dtype)
     final = param_shardings(layout.config(cfg), mesh, dtype)
     maps = _relayouts(cfg, layout)
 

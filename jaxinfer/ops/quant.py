@@ -43,18 +43,17 @@ contraction size the group does not divide stays float too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.ops.spec import ArraySpec
+from jaxinfer.ops.spec import ArraySpec, is_spec, model_specs
 
 # what a user asks for -> the scheme of a float source (a GGUF source may pick a blocked one)
 MODES = ("int8", "int4")
 SCHEMES = ("int8", "int8-g32", "int4-g32", "int4-g64")
-QUANTIZED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down", "lm_head", "embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,21 +195,22 @@ def leaf_spec(spec: ArraySpec, scheme: Scheme, axis: int = 0) -> Any:
     )
 
 
-def quantize_specs(specs: dict, name: str) -> dict:
-    """The family's float spec tree with its quantized leaves replaced (``name``: `ModelConfig.quant`)."""
+def quantize_specs(specs: Any, name: str) -> Any:
+    """A float spec tree with its quantized leaves replaced (``name``: `ModelConfig.quant`). Which
+    leaves, and how, is each spec's quantization role (`jaxinfer.ops.spec.ArraySpec.quant`, set by
+    the weights table `jaxinfer.models.weights_table`)."""
     scheme, head = Scheme.pair(name)
 
-    def layer(d: dict) -> dict:
-        return {k: leaf_spec(v, scheme) if k in QUANTIZED_LEAVES and len(v.shape) == 2 else v for k, v in d.items()}
+    def leaf(s: ArraySpec) -> Any:
+        if s.quant == "layer":
+            return leaf_spec(s, scheme)
+        if s.quant == "embed":  # [vocab, hidden]
+            return leaf_spec(s, head, axis=1)
+        if s.quant == "head" and head.fits(s.shape[0]):  # [hidden, vocab] -> [vocab, hidden], when quantized
+            return leaf_spec(ArraySpec(s.shape[::-1], s.dtype, s.axes[::-1]), head, axis=1)
+        return s
 
-    out = {k: v for k, v in specs.items() if k not in ("layers", "embed")}
-    if "lm_head" in out:  # [hidden, vocab] -> [vocab, hidden], when quantized
-        h = out["lm_head"]
-        if head.fits(h.shape[0]):
-            out["lm_head"] = leaf_spec(ArraySpec(h.shape[::-1], h.dtype, h.axes[::-1]), head, axis=1)
-    out["layers"] = [layer(x) for x in specs["layers"]]
-    out["embed"] = leaf_spec(specs["embed"], head, axis=1)  # [vocab, hidden]
-    return out
+    return jax.tree.map(leaf, specs, is_leaf=is_spec)
 
 
 # ---------------------------------------------------------------------------
@@ -420,44 +420,51 @@ def quantize_params(params: Any, cfg: Any, mode: str) -> tuple[Any, Any]:
     """A float parameter tree of ``cfg`` -> (config with `ModelConfig.quant` set, the quantized tree).
 
     The tree's quantized leaves are numpy (host) arrays; the other leaves are left as they are.
+    Which leaves: those whose spec has a quantization role (`jaxinfer.ops.spec.model_specs`).
     Research code and `jaxinfer.LLM.from_params` use this; a model file is quantized while it is
-    converted (`jaxinfer.models.decoder.params_from_hf`), keeping GGUF blocks where it can.
+    converted (`jaxinfer.models.weights_table.params_from_hf`), keeping GGUF blocks where it can.
     """
     if cfg.quant:
         raise ValueError(f"the parameters are already quantized ({cfg.quant})")
     name = default_scheme(check_mode(mode))
     scheme, head = Scheme.pair(name)
+    roles = [s.quant for s in jax.tree.leaves(model_specs(cfg), is_leaf=is_spec)]
+    leaves, treedef = jax.tree.flatten(params)
+    if len(roles) != len(leaves):
+        raise ValueError(f"params: {len(leaves)} leaves, the model's tree has {len(roles)}")
 
-    def weight(x: Any, s: Scheme = scheme) -> Any:
-        return quantize(np.asarray(x, np.float32), s) if s.fits(x.shape[0]) else x
+    def weight(x: Any, role: str) -> Any:
+        if role == "layer" and scheme.fits(x.shape[0]):
+            return quantize(np.asarray(x, np.float32), scheme)
+        if role == "embed" and head.fits(x.shape[1]):  # [vocab, hidden]
+            return quantize(np.asarray(x, np.float32), head, axis=1)
+        if role == "head" and head.fits(x.shape[0]):  # [hidden, vocab] -> [vocab, hidden]
+            return quantize(np.asarray(x, np.float32).T, head, axis=1)
+        return x
 
-    def layer(d: dict) -> dict:
-        return {k: weight(v) if k in QUANTIZED_LEAVES and np.ndim(v) == 2 else v for k, v in d.items()}
-
-    out = {k: v for k, v in params.items() if k not in ("layers", "embed")}
-    if "lm_head" in out and head.fits(out["lm_head"].shape[0]):  # [hidden, vocab] -> [vocab, hidden]
-        out["lm_head"] = quantize(np.asarray(out["lm_head"], np.float32).T, head, axis=1)
-    out["layers"] = [layer(x) for x in params["layers"]]
-    e = params["embed"]
-    out["embed"] = quantize(np.asarray(e, np.float32), head, axis=1) if head.fits(e.shape[1]) else e
-    return dataclasses.replace(cfg, quant=name), out
+    return dataclasses.replace(cfg, quant=name), jax.tree.unflatten(treedef, [weight(x, r) for x, r in zip(leaves, roles)])
 
 
-def float_copy_check(k: int, n: int, rows: int, name: str) -> dict:
+def float_copy_check(k: int, n: int, rows: int, name: str, matmul: Optional[Callable[[Any, Any], Any]] = None) -> dict:
     """Compile one product of ``rows`` float32 rows with a random ``[k, n]`` weight quantized by
-    ``name`` on the default device, the way a step does (`jaxinfer.models.decoder.matmul`), and
+    ``name`` on the default device, the way a step does (``matmul``: pass `jaxinfer.models.decoder.matmul`;
+    by default XLA's product, a dequantization and a float32 dot, which is that matmul's path on GPU
+    and TPU), and
     report the compiled program's temporary memory: a program that materialises a float copy of
     the weight needs at least ``4 k n`` bytes of it (GPU and TPU should fuse the dequantization
     into the product: ``fused``; XLA's CPU backend does not, which is why decode's products there
     go to `jaxinfer.ops.cpu_matmul`)."""
-    from jaxinfer.models.decoder import matmul
-
     w = quantize(np.random.default_rng(0).normal(size=(k, n)).astype(np.float32), Scheme.parse(name))
     w = jax.tree.map(jnp.asarray, w)
     x = jnp.ones((rows, k), jnp.float32)
-    compiled = jax.jit(matmul).lower(x, w).compile()
+    compiled = jax.jit(matmul or _xla_product).lower(x, w).compile()
     mem = compiled.memory_analysis()
     temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else -1
     float_bytes = 4 * k * n
     return {"scheme": name, "k": k, "n": n, "rows": rows, "temp_bytes": temp, "float_copy_bytes": float_bytes,
             "fused": 0 <= temp < float_bytes // 2, "custom_call": "custom_call" in compiled.as_text()}
+
+
+def _xla_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    dims = (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(x, w.dequantize(jnp.float32), dims, preferred_element_type=jnp.float32)

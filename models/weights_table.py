@@ -1,0 +1,266 @@
+"""Every weight of the decoder, described once: one table per layer kind, and the views derived from it.
+
+A `jaxinfer.ops.spec.WeightDesc` says all there is about one parameter leaf: its key in the
+parameter tree, its shape and logical axes, its initialisation, the Hugging Face tensors it
+is made of and how they fuse (q|k|v, gate|up, one per expert), llama.cpp's name for each and
+whether llama.cpp's converter re-ordered its rows, its tensor-parallel relayout, and its
+quantization role. The tables:
+
+- `ATTENTION`: the fused Q/K/V projection, the output projection, Q/K/V biases, per-head Q/K norms;
+- `NORMS`: the norms before attention and the MLP, and Gemma's sandwich norms after them;
+- `DENSE_MLP`: the fused gate/up projection and the down projection;
+- `MOE`: the router and the stacked experts (`jaxinfer.models.moe` runs them);
+- `MODEL`: the embeddings, the final norm and the LM head.
+
+Derived here: the parameter specs (`param_specs`), the Hugging Face tensors a checkpoint holds
+(`hf_tensor_shapes`), the converter from them (`params_from_hf`) and the GGUF name map
+(`gguf_names`). Derived elsewhere from the specs' rules: the tensor-parallel relayouts
+(`jaxinfer.ops.mesh`) and the quantized tree (`jaxinfer.ops.quant.quantize_specs`,
+`quantize_params`). A new weight is one `WeightDesc` in one table (and its use in the forward pass).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.ops import quant
+from jaxinfer.ops.spec import Source, WeightDesc
+
+Params = dict[str, Any]
+
+
+def _q(cfg: ModelConfig) -> int:
+    return cfg.q_size
+
+
+def _kv(cfg: ModelConfig) -> int:
+    return cfg.kv_size
+
+
+def _qkv(cfg: ModelConfig) -> int:
+    return cfg.q_size + 2 * cfg.kv_size
+
+
+def _ffn(cfg: ModelConfig) -> int:
+    return cfg.intermediate_size
+
+
+def _moe_ffn(cfg: ModelConfig) -> int:
+    return cfg.moe_intermediate_size
+
+
+_Q = Source("self_attn.q_proj", "attn_q", _q, rope_heads="num_heads")
+_K = Source("self_attn.k_proj", "attn_k", _kv, rope_heads="num_kv_heads")
+_V = Source("self_attn.v_proj", "attn_v", _kv)
+
+ATTENTION: tuple[WeightDesc, ...] = (
+    WeightDesc("wqkv", lambda c: (c.hidden_size, _qkv(c)), ("embed", "qkv"), (_Q, _K, _V),
+               relayout=(1, "qkv"), quant="layer"),
+    WeightDesc("wo", lambda c: (c.q_size, c.hidden_size), ("heads", "embed"),
+               (Source("self_attn.o_proj", "attn_output"),), relayout=(0, "wo"), quant="layer"),
+    WeightDesc("bqkv", lambda c: (_qkv(c),), ("qkv",), (_Q, _K, _V), kind="vector", init="zeros", suffix="bias",
+               relayout=(0, "qkv"), requires=("attention_bias",)),
+    WeightDesc("q_norm", lambda c: (c.head_dim,), (None,), (Source("self_attn.q_norm", "attn_q_norm"),),
+               kind="vector", init="norm", requires=("qk_norm",)),
+    WeightDesc("k_norm", lambda c: (c.head_dim,), (None,), (Source("self_attn.k_norm", "attn_k_norm"),),
+               kind="vector", init="norm", requires=("qk_norm",)),
+)
+
+
+def _norm(name: str, hf: str, gguf: str, *requires: str) -> WeightDesc:
+    return WeightDesc(name, lambda c: (c.hidden_size,), ("embed",), (Source(hf, gguf),), kind="vector", init="norm",
+                      requires=requires)
+
+
+# Llama's "post_attention_layernorm" is the norm before the MLP; Gemma names that one
+# "pre_feedforward_layernorm" and uses "post_attention_layernorm" on the attention output.
+NORMS: tuple[WeightDesc, ...] = (
+    _norm("attn_norm", "input_layernorm", "attn_norm"),
+    _norm("mlp_norm", "post_attention_layernorm", "ffn_norm", "!sandwich_norms"),
+    _norm("mlp_norm", "pre_feedforward_layernorm", "ffn_norm", "sandwich_norms"),
+    _norm("attn_out_norm", "post_attention_layernorm", "post_attention_norm", "sandwich_norms"),
+    _norm("mlp_out_norm", "post_feedforward_layernorm", "post_ffw_norm", "sandwich_norms"),
+)
+
+DENSE_MLP: tuple[WeightDesc, ...] = (
+    WeightDesc("w_gate_up", lambda c: (c.hidden_size, 2 * _ffn(c)), ("embed", "mlp"),
+               (Source("mlp.gate_proj", "ffn_gate", _ffn), Source("mlp.up_proj", "ffn_up", _ffn)),
+               relayout=(1, "gate_up"), quant="layer"),
+    WeightDesc("w_down", lambda c: (_ffn(c), c.hidden_size), ("mlp", "embed"), (Source("mlp.down_proj", "ffn_down"),),
+               relayout=(0, "down"), quant="layer"),
+)
+
+# Experts: canonical names ``mlp.experts.E.{gate,up,down}_proj`` (one tensor each), stacked by
+# llama.cpp into one ``ffn_{gate,up,down}_exps`` tensor; the router is ``mlp.gate``. Routers and
+# experts stay float when the model is quantized.
+MOE: tuple[WeightDesc, ...] = (
+    WeightDesc("router", lambda c: (c.hidden_size, c.num_experts), ("embed", None), (Source("mlp.gate", "ffn_gate_inp"),)),
+    WeightDesc("w_gate_up", lambda c: (c.num_experts, c.hidden_size, 2 * _moe_ffn(c)), ("expert", "embed", "mlp"),
+               (Source("mlp.experts.{e}.gate_proj", "ffn_gate_exps", _moe_ffn),
+                Source("mlp.experts.{e}.up_proj", "ffn_up_exps", _moe_ffn)),
+               kind="experts", relayout=(2, "expert_gate_up")),
+    WeightDesc("w_down", lambda c: (c.num_experts, _moe_ffn(c), c.hidden_size), ("expert", "mlp", "embed"),
+               (Source("mlp.experts.{e}.down_proj", "ffn_down_exps"),), kind="experts", relayout=(1, "expert_down")),
+)
+
+MODEL: tuple[WeightDesc, ...] = (
+    WeightDesc("embed", lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+               (Source("model.embed_tokens", "token_embd"),), kind="embed", quant="embed"),
+    WeightDesc("final_norm", lambda c: (c.hidden_size,), ("embed",), (Source("model.norm", "output_norm"),),
+               kind="vector", init="norm"),
+    WeightDesc("lm_head", lambda c: (c.hidden_size, c.vocab_size), ("embed", "vocab"), (Source("lm_head", "output"),),
+               kind="head", quant="head", requires=("!tie_word_embeddings",)),
+)
+
+LAYER_KINDS = {"attention": ATTENTION, "norms": NORMS, "dense_mlp": DENSE_MLP, "moe": MOE}
+ALL: tuple[WeightDesc, ...] = ATTENTION + NORMS + DENSE_MLP + MOE + MODEL
+
+
+def layer_descs(cfg: ModelConfig, li: int) -> list[WeightDesc]:
+    """The weights layer ``li`` of ``cfg`` holds, in canonical order."""
+    mlp = MOE if cfg.is_moe_layer(li) else DENSE_MLP
+    return [d for d in ATTENTION + NORMS + mlp if d.present(cfg)]
+
+
+def model_descs(cfg: ModelConfig) -> list[WeightDesc]:
+    return [d for d in MODEL if d.present(cfg)]
+
+
+def _prefix(li: int) -> str:
+    return f"model.layers.{li}."
+
+
+# ---------------------------------------------------------------------------
+# the parameter specs
+
+
+def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    """The parameter tree of ``cfg`` as `jaxinfer.ops.spec.ArraySpec` leaves (quantized by ``cfg.quant``)."""
+    specs: Params = {d.name: d.spec(cfg, dtype) for d in model_descs(cfg)}
+    specs["layers"] = [{d.name: d.spec(cfg, dtype) for d in layer_descs(cfg, li)} for li in range(cfg.num_layers)]
+    return quant.quantize_specs(specs, cfg.quant) if cfg.quant else specs
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face tensors
+
+
+def _source_shapes(d: WeightDesc, cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """The ``[out, in]`` (or 1-D) shape of each of ``d``'s sources (one expert's, for experts)."""
+    shape = d.shape(cfg)
+    if d.kind == "vector":
+        return [(s.rows(cfg) if s.rows else shape[0],) for s in d.sources]
+    if d.kind == "embed":
+        return [shape]
+    if d.kind == "head":
+        return [shape[::-1]]
+    k, n = shape[-2:]  # linear, experts: [.., in, out]
+    return [(s.rows(cfg) if s.rows else n, k) for s in d.sources]
+
+
+def _hf_entries(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    for d in model_descs(cfg):
+        yield from zip(d.hf_names(""), _source_shapes(d, cfg))
+    for li in range(cfg.num_layers):
+        descs = layer_descs(cfg, li)
+        for d in descs:
+            if d.kind != "experts":
+                yield from zip(d.hf_names(_prefix(li)), _source_shapes(d, cfg))
+        experts = [d for d in descs if d.kind == "experts"]
+        for e in range(cfg.num_experts if experts else 0):  # expert by expert: gate, up, down
+            for d in experts:
+                yield from zip(d.hf_names(_prefix(li), e), _source_shapes(d, cfg))
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` must hold, by canonical HF name, with its numpy shape."""
+    return dict(_hf_entries(cfg))
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    """Convert canonical Hugging Face tensors (``[out, in]`` weights) to our parameter tree.
+
+    The tree is in host memory (numpy arrays of ``dtype``): `jaxinfer.ops.mesh.place_params` puts it
+    on the devices, each device receiving only its shard. Weights with a quantization role are
+    quantized by ``cfg.quant`` (GGUF blocks of the scheme's format kept as they are).
+    """
+    host_dtype = np.dtype(jnp.dtype(dtype))
+    scheme, head = quant.Scheme.pair(cfg.quant) if cfg.quant else (None, None)
+
+    def raw(name: str) -> Any:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise ValueError(f"weights are missing tensor {name!r}") from None
+
+    def get(name: str) -> np.ndarray:  # a float tensor (GGUF blocks kept for quantized weights: dequantized)
+        return quant.as_float(raw(name))
+
+    def put(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x).astype(host_dtype, copy=False)
+
+    def leaf(d: WeightDesc, prefix: str) -> Any:
+        if d.kind == "vector":
+            names = d.hf_names(prefix)
+            return put(get(names[0]) if len(names) == 1 else np.concatenate([get(n) for n in names]))
+        if d.kind == "linear":  # [out, in] parts fused on out -> [in, out]
+            return quant.weight_from_hf([raw(n) for n in d.hf_names(prefix)], scheme if d.quant else None, put)
+        if d.kind == "experts":
+            return put(np.stack([np.concatenate([get(n) for n in d.hf_names(prefix, e)], axis=0).T
+                                 for e in range(cfg.num_experts)]))
+        # the embeddings or the LM head: quantized in the HF orientation [vocab, hidden], else float
+        # ([vocab, hidden] embeddings, [hidden, vocab] head)
+        w = raw(d.hf_names(prefix)[0])
+        if head is not None and head.fits(w.shape[1]):
+            return quant.weight_from_hf([w], head, put, axis=1)
+        w = quant.as_float(w)
+        return put(w if d.kind == "embed" else w.T)
+
+    params: Params = {d.name: leaf(d, "") for d in model_descs(cfg)}
+    params["layers"] = [{d.name: leaf(d, _prefix(li)) for d in layer_descs(cfg, li)} for li in range(cfg.num_layers)]
+    return params
+
+
+# ---------------------------------------------------------------------------
+# GGUF names
+
+
+@dataclass(frozen=True)
+class GGUFName:
+    """What one llama.cpp tensor stem is: its canonical stem (``{e}``: each expert of a stacked tensor),
+    whether it is in a layer (``blk.N.``), the config field counting the heads whose rotary halves
+    llama.cpp's converter interleaved in its rows (empty: rows as they are), and whether it is a norm."""
+
+    hf: str
+    layer: bool
+    experts: bool
+    rope_heads: str
+    norm: bool
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_names(sandwich_norms: bool = False) -> dict[str, GGUFName]:
+    """llama.cpp's tensor names -> `GGUFName`: layer stems (``attn_q``) and whole model names
+    (``token_embd.weight``). ``sandwich_norms``: Gemma's naming, whose ``ffn_norm`` is the
+    pre-feedforward norm (Llama's is ``post_attention_layernorm``)."""
+    out: dict[str, GGUFName] = {}
+    flags = {"sandwich_norms": sandwich_norms}
+    for d in ALL:
+        if any(f.lstrip("!") in flags and flags[f.lstrip("!")] == f.startswith("!") for f in d.requires):
+            continue
+        layer = d not in MODEL
+        for s in d.sources:
+            key = s.gguf if layer else f"{s.gguf}.{d.suffix}"
+            out[key] = GGUFName(s.hf, layer, d.kind == "experts", s.rope_heads, d.init == "norm")
+    return out
+
+
+def head_tensors() -> tuple[str, ...]:
+    """The canonical names of the weights quantized with the head's scheme (the embeddings, the LM head)."""
+    return tuple(n for d in MODEL if d.quant in ("embed", "head") for n in d.hf_names(""))
