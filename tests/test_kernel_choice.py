@@ -86,10 +86,12 @@ def test_the_engine_decides_once_and_the_program_key_follows_the_choice(tiny_llm
     runner = tiny_llm.engine.runner
     table = runner.programs
     assert table.kernels == KernelChoice.loaded()  # decided when the table was made, after the kernels loaded
-    other = ProgramTable(runner, kernels=KernelChoice.pure_jax("cpu"))
+    pure = ProgramTable(runner, kernels=KernelChoice.pure_jax("cpu"))
+    native = ProgramTable(runner, kernels=KernelChoice.for_platform("cpu"))
     same = ProgramTable(runner, kernels=table.kernels)
-    assert other.fingerprint != table.fingerprint and same.fingerprint == table.fingerprint
-    assert not other.full_width  # the pure-JAX attention gathers every page: page buckets
+    assert pure.fingerprint != native.fingerprint and same.fingerprint == table.fingerprint
+    assert not pure.full_width  # the pure-JAX attention gathers every page: page buckets
+    assert native.full_width  # the CPU kernel stops at each row's length: one full-width page table
     assert table.full_width == table.kernels.cpu_attention
 
 
