@@ -23,9 +23,10 @@ stderr. Ctrl-C exits with status 130.
 
 Imports: ``jaxinfer --help``, a usage error and the first progress line come before
 anything slow is imported, so the engine and the loaders (`jaxinfer.llm`,
-`jaxinfer.engine`, `jaxinfer.loading`: JAX) and the tools (`jaxinfer.tools`) are
-imported inside the command that needs them (check: ``python -X importtime -c
-"import jaxinfer.cli.main"`` lists no jax, grpc or numpy).
+`jaxinfer.engine`, `jaxinfer.loading`, `jaxinfer.ops`: JAX) and bench's command
+(`jaxinfer.cli.bench`: the tools and numpy) are imported inside the command that
+needs them (check: ``python -X importtime -c "import jaxinfer.cli.main"`` lists no
+jax, grpc or numpy).
 """
 
 from __future__ import annotations
