@@ -23,7 +23,8 @@ import pytest
 
 import jaxinfer
 from conftest import TINY as TINY_512, TINY_ENGINE, requires_smollm2, tiny_params
-from jaxinfer.loading import checkpoint, gguf_file, model_cache
+from jaxinfer import gguf_file
+from jaxinfer.loading import checkpoint, model_cache
 from jaxinfer.cli.main import main as cli_main
 from jaxinfer import models
 from jaxinfer.config import GenerationDefaults, ModelConfig

@@ -256,7 +256,7 @@ def test_ctrl_c_before_the_first_word_drops_the_message(llm, tiny_model_dir, eng
 
 
 def test_bad_flags_are_refused_before_the_model_loads(capsys):
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     assert cli.main(["chat", "--top-p", "1.5", "--model", "/nonexistent"]) == 2
     assert "top_p must be in (0, 1], got 1.5" in capsys.readouterr().err
@@ -268,7 +268,7 @@ def test_bad_flags_are_refused_before_the_model_loads(capsys):
 
 def test_local_and_server_chats_give_the_same_answers(llm, tiny_model_dir, engine_json, monkeypatch, capsys):
     """``chat --server`` holds the same conversation on a running server as ``chat`` does here."""
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
     from jaxinfer.server import ServerConfig, ServerThread
 
     lines = "hello there\n/system be brief\nand then?\n"
@@ -287,7 +287,7 @@ def test_local_and_server_chats_give_the_same_answers(llm, tiny_model_dir, engin
 
 
 def test_an_unreachable_server_is_one_line_and_status_1(monkeypatch, capsys):
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
     assert cli.main(["chat", "--server", "127.0.0.1:1", "--timeout", "10"]) == 1
@@ -299,7 +299,7 @@ def test_an_unreachable_server_is_one_line_and_status_1(monkeypatch, capsys):
 def test_chat_refuses_a_model_without_a_chat_template(tmp_path, capsys):
     import jaxinfer
     from conftest import TINY, tiny_params
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     jaxinfer.save_model(tmp_path / "bare", TINY, tiny_params())  # no tokenizer, so no template
     assert cli.main(["chat", "--model", str(tmp_path / "bare"), "--engine-config", "cpu", "--max-model-len", "32",

@@ -102,7 +102,7 @@ def model_flags(model_dir):
 @pytest.fixture(scope="module")
 def llm(model_flags):
     """The model as `jaxinfer serve` loads it from these flags (so local CLI runs get the same engine)."""
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
     from jaxinfer.cli.flags import llm_kwargs
 
     llm = jaxinfer.LLM(**llm_kwargs(cli.build_parser().parse_args(["serve", *model_flags])))
@@ -265,7 +265,7 @@ def test_a_request_that_ends_with_an_error_carries_its_message_to_the_client(llm
 
 
 def _generate(capsys, *argv) -> tuple:
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     code = cli.main(["generate", PROMPT, "--json", "--quiet", "--temperature", "1", *argv])
     out, err = capsys.readouterr()
@@ -301,7 +301,7 @@ def test_cli_a_request_that_ends_with_an_error_exits_1_with_its_reason(model_fla
 
 
 def _usage_error(capsys, *argv) -> str:
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     # a model that does not exist: these errors come before any model is looked for
     assert cli.main(["generate", PROMPT, "--model", "/nonexistent/model", *argv]) == 2
