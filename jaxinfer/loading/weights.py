@@ -31,7 +31,9 @@ tree; `resolve_model` recognises it by its ``jaxinfer_model.json`` manifest and
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import DEFAULT_MODEL, GenerationDefaults, ModelConfig
@@ -486,15 +490,11 @@ def canonical_specs(config: ModelConfig, dtype: Any = np.float32) -> Any:
     """The model's canonical parameter tree as specs: the float tree `jaxinfer.models` defines for
     ``config`` and `jaxinfer.LLM.from_params` takes (``config.quant`` dropped: no quantized leaves,
     the LM head ``[hidden, vocab]``), every leaf of ``dtype``."""
-    import dataclasses
-
     logical = dataclasses.replace(config, quant="") if config.quant else config
     return get_family(config.architecture).param_specs(logical, dtype)
 
 
 def _path_text(path: tuple) -> str:
-    import jax
-
     return "params" + jax.tree_util.keystr(path)
 
 
@@ -502,10 +502,6 @@ def check_param_tree(params: Any, specs: Any) -> Any:
     """``params`` checked against the canonical ``specs`` (`canonical_specs`) and rebuilt in their
     structure (a tuple where the model has a list is accepted); raises one ValueError naming the
     first leaf that differs: a leaf missing or extra, its shape, or a dtype that is not floating."""
-    import itertools
-
-    import jax
-
     want, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     got = jax.tree_util.tree_flatten_with_path(params)[0]
     want_paths = [_path_text(p) for p, _ in want]
@@ -533,8 +529,6 @@ def check_param_tree(params: Any, specs: Any) -> Any:
 
 
 def _floating(dtype: Any) -> bool:
-    import jax.numpy as jnp
-
     try:
         return bool(jnp.issubdtype(dtype, jnp.floating))
     except TypeError:
@@ -551,8 +545,6 @@ def stored_tree(params: Any, targets: list) -> Any:
     quantized there by `jaxinfer.ops.quant.quantize`, round to nearest with that scheme, group and
     orientation: the LM head ``[hidden, vocab]`` is stored ``[vocab, hidden]``).
     """
-    import jax
-
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     out = []
     for (path, x), t in zip(flat, targets, strict=True):

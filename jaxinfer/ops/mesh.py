@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import resource
+import sys
 from typing import Any, Optional, Sequence
 
 import jax
@@ -368,9 +370,6 @@ def mesh_placement(engine: EngineConfig):
 
 def peak_host_memory_mb() -> float:
     """The process's peak resident memory so far (MB)."""
-    import resource
-    import sys
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 1e6 if sys.platform == "darwin" else peak / 1e3  # bytes on macOS, KiB on Linux
 

@@ -30,8 +30,9 @@ The head stays 8-bit under int4, as llama.cpp's Q4 files keep theirs (Q8_0 or Q6
 embeddings and the LM head are the weights a 4-bit rounding hurts most (SmolLM2 with a 4-bit
 head drifted from its float32 answers from the first tokens).
 
-Quantized leaves: the attention and MLP projections (``wqkv``, ``wo``, ``w_gate_up``,
-``w_down``), the token embeddings and the LM head. The head's weights are stored the other
+Quantized leaves: those whose spec has a quantization role (`jaxinfer.ops.spec.ArraySpec.quant`,
+from the weights table `jaxinfer.models.weights_table`): the attention and MLP projections
+(``wqkv``, ``wo``, ``w_gate_up``, ``w_down``), the token embeddings and the LM head. The head's weights are stored the other
 way round, ``[vocab, hidden]`` with groups along the hidden axis (``axis`` 1: GGUF's own row
 blocks, kept as they are): as ``[hidden, vocab]`` a band of output columns would read one
 memory page per row (rows 49152 bytes apart for SmolLM2), and the CPU kernel reached half the
@@ -42,6 +43,7 @@ contraction size the group does not divide stays float too.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
@@ -387,8 +389,6 @@ def describe_sources(tensors: dict, name: str) -> str:
     """What a conversion to ``name`` (`ModelConfig.quant`) does with a source's tensors: which GGUF
     blocks it keeps as they are and which it requantizes (by GGML type), and how many float
     tensors it quantizes."""
-    import collections
-
     layers, head = Scheme.pair(name)
     kept, requant = collections.Counter(), collections.Counter()
     floats = 0
