@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -318,8 +318,11 @@ def _channel_args(target, token, tls_ca, tls, options, max_message_bytes):
 # --------------------------------------------------------------------------- #
 
 
-class Client:
-    """A blocking client. ``tls_ca``: a CA certificate (path or PEM bytes) turns TLS on; ``tls=True`` uses system roots."""
+class _Connection:
+    """What both clients share: the channel (TLS, bearer token, message limits), the stubs, the default
+    timeout, and the requests they build. ``_channels`` is the module that makes channels: ``grpc`` or ``grpc.aio``."""
+
+    _channels: Any = grpc
 
     def __init__(
         self,
@@ -335,9 +338,17 @@ class Client:
         opts, creds, self._metadata = _channel_args(target, token, tls_ca, tls, options, max_message_bytes)
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.secure_channel(target, creds, opts) if creds else grpc.insecure_channel(target, opts)
+        channels = self._channels
+        self._channel = channels.secure_channel(target, creds, opts) if creds else channels.insecure_channel(target, opts)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _call_options(self, timeout: Optional[float]) -> dict:
+        return {"timeout": timeout if timeout is not None else self.timeout, "metadata": self._metadata}
+
+
+class Client(_Connection):
+    """A blocking client. ``tls_ca``: a CA certificate (path or PEM bytes) turns TLS on; ``tls=True`` uses system roots."""
 
     def generate(self, prompt, sampling_params=None, *, timeout: Optional[float] = None, request_id=None,
                  priority: int = 0, chat_template_kwargs=None, add_generation_prompt=True,
@@ -346,10 +357,10 @@ class Client:
         req = generate_request(prompt, sampling_params, request_id=request_id, priority=priority,
                                chat_template_kwargs=chat_template_kwargs,
                                add_generation_prompt=add_generation_prompt, **kwargs)
-        return self._stream(req, timeout if timeout is not None else self.timeout)
+        return self._stream(req, timeout)
 
     def _stream(self, req, timeout) -> Iterator[GenerationPiece]:
-        call = self._stub.Generate(req, timeout=timeout, metadata=self._metadata)
+        call = self._stub.Generate(req, **self._call_options(timeout))
         done = False
         try:
             for r in call:
@@ -385,7 +396,7 @@ class Client:
 
     def _unary(self, method, req, timeout):
         try:
-            return method(req, timeout=timeout if timeout is not None else self.timeout, metadata=self._metadata)
+            return method(req, **self._call_options(timeout))
         except grpc.RpcError as e:
             raise _error(e) from None
 
@@ -399,29 +410,10 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """The same over ``grpc.aio``: ``async for piece in client.generate(...)``; cancelling the task cancels the call."""
 
-    def __init__(
-        self,
-        target: str = "localhost:50051",
-        token: Optional[str] = None,
-        tls_ca: Union[None, str, bytes] = None,
-        *,
-        tls: bool = False,
-        timeout: Optional[float] = None,
-        options: Optional[list] = None,
-        max_message_bytes: int = 16 * 1024 * 1024,
-    ):
-        opts, creds, self._metadata = _channel_args(target, token, tls_ca, tls, options, max_message_bytes)
-        self.target = target
-        self.timeout = timeout
-        if creds:
-            self._channel = grpc.aio.secure_channel(target, creds, opts)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, opts)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    _channels = grpc.aio
 
     async def generate(self, prompt, sampling_params=None, *, timeout: Optional[float] = None, request_id=None,
                        priority: int = 0, chat_template_kwargs=None, add_generation_prompt=True,
@@ -429,8 +421,7 @@ class AsyncClient:
         req = generate_request(prompt, sampling_params, request_id=request_id, priority=priority,
                                chat_template_kwargs=chat_template_kwargs,
                                add_generation_prompt=add_generation_prompt, **kwargs)
-        call = self._stub.Generate(req, timeout=timeout if timeout is not None else self.timeout,
-                                   metadata=self._metadata)
+        call = self._stub.Generate(req, **self._call_options(timeout))
         done = False
         try:
             async for r in call:
@@ -464,8 +455,7 @@ class AsyncClient:
 
     async def _unary(self, method, req, timeout):
         try:
-            return await method(req, timeout=timeout if timeout is not None else self.timeout,
-                                metadata=self._metadata)
+            return await method(req, **self._call_options(timeout))
         except grpc.RpcError as e:
             raise _error(e) from None
 
