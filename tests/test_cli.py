@@ -117,7 +117,7 @@ def test_stop_unescapes_newline_tab_return_and_backslash():
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])
 def test_quiet_and_verbose_set_the_progress_display_before_the_command_runs(monkeypatch, capsys, command):
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
     from jaxinfer import progress
 
     seen = []
@@ -156,7 +156,7 @@ def test_every_command_that_loads_a_model_takes_the_same_engine_flags():
 
 
 def test_generate_with_server_refuses_model_and_engine_flags(capsys):
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     assert cli.main(["generate", "hi", "--server", "localhost:1", "--max-model-len", "64", "--model", "x"]) == 2
     err = capsys.readouterr().err
@@ -172,7 +172,7 @@ def test_generate_with_server_refuses_model_and_engine_flags(capsys):
     (["--frobnicate", "generate", "hi"], "jaxinfer --help"),  # before the command: the top level's
 ])
 def test_an_unknown_argument_names_the_help_of_the_command_it_was_given_to(capsys, argv, help_of):
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -234,7 +234,7 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
     both wrap the prompt; and --max-tokens is not given, so both shrink the default 256 to the small context.
     """
     import jaxinfer
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
     from jaxinfer.cli.flags import llm_kwargs
     from jaxinfer.server import ServerConfig, ServerThread
 
@@ -265,7 +265,7 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
 def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model_dir, capsys):
     """--logprobs N without --json: the text on stdout as always, then one row per token on stderr, the same
     tokens and logprobs as --json reports."""
-    from jaxinfer.cli.main import main
+    import jaxinfer.cli.main as cli
 
     argv = ["generate", "hello world", "--model", str(tiny_model_dir), "--engine-config", "cpu", "--max-model-len",
             "48", "--num-pages", "8", "--max-tokens", "5", "--seed", "3", "--logprobs", "2", "--quiet"]
@@ -293,7 +293,17 @@ def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model
 
 @pytest.fixture(scope="module")
 def runs():
-    """Start every model-using CLI process at once, then compute the library's answer in-process."""
+    """Compute the library's answer in-process, then start every model-using CLI process at once.
+
+    The library goes first so the processes find the converted model and the compiled programs
+    in the caches it filled, instead of four processes converting and compiling the same at once.
+    """
+    import jaxinfer
+
+    llm = jaxinfer.LLM(engine_config="cpu", max_model_len=2048)
+    params = jaxinfer.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = llm.chat([{"role": "user", "content": PROMPT}], params)[0]
+
     greedy = ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", *ENGINE]
     specs = {
         "stream": (["generate", "-", *greedy, "--trace"], PROMPT + "\n"),
@@ -312,12 +322,6 @@ def runs():
                 procs[name] = subprocess.Popen(
                     CMD + args, stdin=f, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
                 )
-
-        import jaxinfer
-
-        llm = jaxinfer.LLM(engine_config="cpu", max_model_len=2048)
-        params = jaxinfer.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        expected = llm.chat([{"role": "user", "content": PROMPT}], params)[0]
 
         results = {}
         first = procs["interrupted"].stdout.read(1)  # blocks until text streams out
