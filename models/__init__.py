@@ -14,12 +14,16 @@ and ``logits(params, cfg, hidden)``. What differs between families is data in
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from types import ModuleType
 from typing import Any
 
+import jax
+
 from jaxinfer.models import gemma3, llama, mixtral, qwen
 from jaxinfer.models.weights_table import ALL as WEIGHTS
-from jaxinfer.ops.spec import register_family
+from jaxinfer.ops.spec import is_spec, register_family
 
 _MODULES = (llama, qwen, gemma3, mixtral)
 
@@ -48,3 +52,36 @@ def config_from_hf(d: dict[str, Any], name: str = "model"):
             f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
         )
     return FAMILIES[model_type].config_from_hf({**d, "model_type": model_type}, name)
+
+
+def num_params(cfg) -> int:
+    """Parameters in the model ``cfg`` (every expert counted): the float tree's, however the weights are
+    stored (an int4 tree's packed nibbles, scales and offsets are not parameters of the model)."""
+    logical = dataclasses.replace(cfg, quant="") if cfg.quant else cfg
+    specs = get_family(cfg.architecture).param_specs(logical)
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
+
+
+def active_params(cfg) -> int:
+    """Parameters one token runs through: a MoE layer counts only its top-k experts."""
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    idle = cfg.num_experts - cfg.num_experts_per_tok
+    moe_layers = sum(cfg.is_moe_layer(li) for li in range(cfg.num_layers))
+    return num_params(cfg) - moe_layers * idle * per_expert
+
+
+def describe(cfg) -> str:
+    """One line naming the family and its size, e.g.
+    ``qwen3_moe, 4 layers, 1.2M parameters (0.4M active, 8 experts, top 2)``."""
+
+    def millions(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+    text = f"{cfg.architecture}, {cfg.num_layers} layers, {millions(num_params(cfg))} parameters"
+    extra = []
+    if cfg.num_experts:
+        extra.append(f"{millions(active_params(cfg))} active, {cfg.num_experts} experts, top {cfg.num_experts_per_tok}")
+    if cfg.sliding_window:
+        n = sum(bool(cfg.layer_window(li)) for li in range(cfg.num_layers))
+        extra.append(f"sliding window {cfg.sliding_window} on {n} of {cfg.num_layers} layers")
+    return text + (f" ({'; '.join(extra)})" if extra else "")
