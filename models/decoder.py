@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.models.weights_table import hf_tensor_shapes, param_specs, params_from_hf  # noqa: F401
-from jaxinfer.ops import cpu_matmul, invariant
+from jaxinfer.ops import backend, cpu_matmul, invariant
 from jaxinfer.ops.quant import is_quantized
 
 Params = dict[str, Any]
@@ -135,7 +135,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
 def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """x @ w in the weights' dtype, accumulated and returned in float32.
 
-    On CPU every product goes to the native kernel (`jaxinfer.ops.cpu_matmul`) where it takes
+    Where the step's kernel choice has the CPU matmul (`jaxinfer.ops.backend.KernelChoice`:
+    the cpu platform with the native kernels loaded) every product goes to the native kernel
+    (`jaxinfer.ops.cpu_matmul`) where it takes
     the weight: float32, bfloat16, float16 or quantized, any number of rows (decode's few,
     prefill's many). It reads each weight element once, widens it to float32 in registers
     (a quantized one: dequantizes a cache-sized panel at a time for many rows, never a
@@ -164,7 +166,7 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    if cpu_matmul.fits(rows, w, w_contract):
+    if cpu_matmul.fits(rows, w, w_contract, backend.current()):  # the step's kernel choice
         y = cpu_matmul.matmul(x.reshape(rows, k).astype(jnp.float32), w, w_contract)
         return y.reshape(*lead, y.shape[-1])
     if is_quantized(w):
