@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import jaxinfer
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models import describe, get_family
+from jaxinfer.ops.backend import engine_preset
 from jaxinfer.ops.spec import init_random
 from jaxinfer.stats import median
 from jaxinfer.tools.harness import alternate, machine_line
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     a = p.parse_args(argv)
     moe, dense = configs(a)
-    ecfg = EngineConfig.for_backend().replace(dtype=a.dtype, max_num_seqs=max(a.batches),
+    ecfg = engine_preset().replace(dtype=a.dtype, max_num_seqs=max(a.batches),
                                               batch_buckets=tuple(sorted({1, *a.batches})))
     llms = {"moe": build(moe, ecfg), "dense": build(dense, ecfg)}
     rng = random.Random(0)

@@ -299,12 +299,9 @@ class EngineConfig:
         return cls.from_dict(d)
 
     @classmethod
-    def for_backend(cls, backend: Optional[str] = None) -> "EngineConfig":
-        """The preset for a platform ("cpu", "gpu" or "cuda", "rocm", "tpu"; default: JAX's default backend)."""
-        if backend is None:
-            import jax  # only here: the configs import no JAX
-
-            backend = jax.default_backend()
+    def for_backend(cls, backend: str) -> "EngineConfig":
+        """The preset for a platform ("cpu", "gpu" or "cuda", "rocm", "tpu"); JAX's default backend's is
+        `jaxinfer.ops.backend.engine_preset()` (the configs import no JAX)."""
         return cls.preset({"cuda": "gpu", "rocm": "gpu"}.get(backend, backend))
 
 

@@ -24,7 +24,7 @@ from jaxinfer.engine.core import Engine, RequestStream
 from jaxinfer.ops.mesh import mesh_placement, placement_report
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.outputs import StreamDelta, merge_choices
-from jaxinfer.text.processor import InputProcessor, Prompt
+from jaxinfer.engine.processor import InputProcessor, Prompt
 from jaxinfer.engine.request import Request, new_request_id
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
@@ -160,7 +160,7 @@ class LLM:
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> Request:
         """A validated `Request` for a prompt (text or token ids), or for ``messages=[...]`` with prompt None.
 
-        The one front door (`jaxinfer.text.processor.InputProcessor.process`): the options are its
+        The one front door (`jaxinfer.engine.processor.InputProcessor.process`): the options are its
         keywords (messages, chat_template_kwargs, add_generation_prompt, request_id, priority,
         metrics, fit_max_tokens). Hand the result to `submit` or `stream_request`. For
         ``params.n`` > 1 use `make_requests`.
@@ -473,7 +473,7 @@ def _weights_note(engine: EngineConfig) -> str:
 
 def _engine_config(engine_config, dtype, max_model_len, overrides) -> EngineConfig:
     if engine_config is None:
-        engine = EngineConfig.for_backend()
+        engine = backend.engine_preset()
     elif isinstance(engine_config, str):
         engine = EngineConfig.preset(engine_config)
     else:

@@ -297,7 +297,7 @@ def check_engine_flags(args: argparse.Namespace):
     name = getattr(args, "engine_config", None)
     # the backend's preset imports JAX: seconds on a cold start, shown as a stage if it happens here
     with progress.stage("loading JAX") if not name and "jax" not in sys.modules else contextlib.nullcontext():
-        engine = EngineConfig.preset(name) if name else EngineConfig.for_backend()
+        engine = EngineConfig.preset(name) if name else _backend_preset()
     engine = engine.replace(**engine_overrides(args))
     if engine.max_num_seqs > engine.batch_buckets[-1]:
         raise UsageError(
@@ -590,3 +590,10 @@ def load_llm(args: argparse.Namespace):
         enable_compilation_cache()
         from jaxinfer.llm import LLM  # here, not at the top: importing JAX is the stage shown
     return LLM(**llm_kwargs(args))
+
+
+def _backend_preset():
+    """JAX's default backend's engine preset (`jaxinfer.ops.backend.engine_preset`)."""
+    from jaxinfer.ops.backend import engine_preset  # imports JAX: the caller shows it as a stage
+
+    return engine_preset()

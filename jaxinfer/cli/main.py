@@ -74,7 +74,6 @@ from jaxinfer.cli.flags import (
     read_prompt,
 )
 from jaxinfer.cli.serve import add_serve_arguments, generate_via_server, run_serve
-from jaxinfer.config import EngineConfig
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 
 _T_START = time.perf_counter()  # ~ the process start, for the "ready in" line
@@ -494,9 +493,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.loading import model_cache  # lazy, as the next two: see the module docstring
     from jaxinfer.loading.weights import resolve_model
-    from jaxinfer.ops.backend import resolve_dtype
+    from jaxinfer.ops.backend import engine_preset, resolve_dtype
 
-    dtype = resolve_dtype(args.dtype or EngineConfig.for_backend().dtype)
+    dtype = resolve_dtype(args.dtype or engine_preset().dtype)
     source = resolve_model(args.src)
     try:
         dst = model_cache.convert(source, args.dst, dtype, overwrite=args.force)

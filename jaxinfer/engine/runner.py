@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.ops import cpu_matmul, invariant
+from jaxinfer.ops import backend, invariant
 from jaxinfer.engine import distributed
-from jaxinfer.ops.attention import AttentionMetadata, prepare_cpu_kernel, reads_row_lengths
+from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.engine.buckets import bucket_for, pages_needed
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.distributed import to_host
@@ -69,14 +69,10 @@ class ModelRunner:
         # steps in flight can starve each other: on a CPU mesh each step completes before the next.
         self.one_step_in_flight = self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
         self.warmups_followed = 0  # a follower: warm-up plans of the leader it ran
-        prepare_cpu_kernel()  # built here, with its own progress line, never inside a trace
-        self.matmul_kernel = cpu_matmul.prepare()  # likewise the products' kernel (jaxinfer.ops.cpu_matmul)
+        # the native kernels load here (progress lines, never inside a trace); every program is traced with this choice
+        self.kernels = backend.prepare()
         if engine_cfg.batch_invariant:  # read while the steps are traced; on for the process from here
             invariant.set_mode(True)
-        self.reads_row_lengths = reads_row_lengths(
-            self.cfg.num_heads // self.layout.shards, self.cfg.num_kv_heads // self.layout.shards,
-            self.cfg.head_dim, engine_cfg.cache_dtype, engine_cfg.page_size,
-        )
         self.programs = ProgramTable(self)
         self._neutral_bias: dict = {}  # batch rows -> (bias_ids, bias_values) of no logit_bias, on device
         self._neutral_mask: dict = {}  # batch rows -> an all-ones allowed-token bitmask, on device

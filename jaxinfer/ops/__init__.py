@@ -1,7 +1,9 @@
 """Device code: pure functions of arrays, jitted by the layers above.
 
-Attention (the paged kernel's adapters for CPU, GPU and TPU), the paged KV cache pytree, the
-sampler, quantized weights, the mesh's sharding rules, parameter specs, the batch-invariant
+`backend` (the `KernelChoice`: which kernels a step program calls, decided once and passed to the
+steps as a static argument; dtype "auto"), attention (`attention`: the one entry point;
+`gather_attention`: the pure-JAX path; `attention_pallas`: the TPU kernel's adapter), the paged KV
+cache pytree, the sampler, quantized weights, the mesh's sharding rules, parameter specs, the batch-invariant
 reductions, the native CPU kernels (`kernels/`: C++ built on first use) and their JAX adapters.
 
 May import: the base modules at the package root (config, env, sampling_params, progress) and

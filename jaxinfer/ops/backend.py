@@ -123,6 +123,11 @@ def cpu_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, cache_d
             and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16))
 
 
+def engine_preset(platform: Optional[str] = None) -> EngineConfig:
+    """The engine preset (configs/*.json) for ``platform``, by default JAX's default backend."""
+    return EngineConfig.for_backend(platform or host_platform())
+
+
 def host_platform() -> str:
     """JAX's default backend as lowering names it ("cpu", "cuda", "rocm", "tpu")."""
     backend = jax.default_backend()
