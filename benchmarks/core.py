@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer.engine import step as step_mod
+from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
@@ -128,7 +128,7 @@ def greedy(n: int) -> SamplingParams:
 
 def jax_compile(llm, prompt, batch_prompts, warm: int = 3) -> dict:
     """Compile cost = the first request of a shape minus the median warm request of that shape."""
-    c0 = step_mod.compiled_count()
+    c0 = compile_count()
     first1 = timed(lambda: llm.generate([prompt], greedy(2)), 1)[0]  # prefill @128 + one decode step, batch 1
     warm1 = median(timed(lambda: llm.generate([prompt], greedy(2)), warm))
     first8 = timed(lambda: llm.generate(batch_prompts, greedy(2)), 1)[0]  # adds the batch-8 decode step
@@ -136,7 +136,7 @@ def jax_compile(llm, prompt, batch_prompts, warm: int = 3) -> dict:
     return {
         "compile_b1_s": first1 - warm1,
         "compile_b8_extra_s": first8 - warm8,
-        "programs_compiled": step_mod.compiled_count() - c0,
+        "programs_compiled": compile_count() - c0,
     }
 
 
@@ -554,10 +554,10 @@ def main(argv=None) -> int:
     systems = {"jaxinfer": lambda i: jax_round(llm, prompt, batch_prompts, a.decode_tokens)}
     if peer is not None:
         systems["transformers"] = lambda i: peer.round()
-    c0 = step_mod.compiled_count()
+    c0 = compile_count()
     by_system = alternate(systems, a.repeats, log=log, on_error=peer_failed)
     jrounds, hrounds = by_system["jaxinfer"], by_system.get("transformers", [])
-    jres["recompiles_during_rounds"] = step_mod.compiled_count() - c0
+    jres["recompiles_during_rounds"] = compile_count() - c0
     if peer is not None:
         peer.close()
         peer = peer if len(hrounds) == a.repeats else None

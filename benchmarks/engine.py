@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
-from jaxinfer.engine import step as step_mod
+from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.tools import serving
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
@@ -158,10 +158,10 @@ def bench_throughput(llm, a, ids: Ids, log) -> dict:
     n_req, plen, n = a.batch, a.prompt_len, a.output_len
     hf_prompts = [ids(plen) for _ in range(n_req)]
     log(f"[1] warm-up: {n_req} x {plen} in / {n} out through the engine (compiles its shapes)")
-    c0 = step_mod.compiled_count()
+    c0 = compile_count()
     t0 = time.perf_counter()
     engine_batch_round(llm, [ids(plen) for _ in range(n_req)], n)
-    warm = {"warmup_s": time.perf_counter() - t0, "programs_compiled": step_mod.compiled_count() - c0}
+    warm = {"warmup_s": time.perf_counter() - t0, "programs_compiled": compile_count() - c0}
 
     peer, why = None, "skipped (--no-hf)"
     if not a.no_hf:
@@ -187,7 +187,7 @@ def bench_throughput(llm, a, ids: Ids, log) -> dict:
     systems = {"jaxinfer": lambda i: engine_batch_round(llm, hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)], n)}
     if peer is not None:
         systems["transformers"] = lambda i: peer.round()
-    c1 = step_mod.compiled_count()
+    c1 = compile_count()
     rounds = alternate(systems, a.rounds, log=lambda m: log(f"[1] {m}"), on_error=peer_failed)
     jr, hr = rounds["jaxinfer"], rounds.get("transformers", [])
     if failed:
@@ -197,7 +197,7 @@ def bench_throughput(llm, a, ids: Ids, log) -> dict:
     res = {
         "jaxinfer": {
             **warm,
-            "recompiles": step_mod.compiled_count() - c1,
+            "recompiles": compile_count() - c1,
             "e2e_tok_s": median(r["e2e_tok_s"] for r in jr),
             "decode_tok_s": median(r["decode_tok_s"] for r in jr),
             "wall_s": median(r["wall_s"] for r in jr),

@@ -49,7 +49,7 @@ from typing import Optional
 import jax
 
 import jaxinfer
-from jaxinfer.engine import step as step_mod
+from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.stats import median
 from jaxinfer.tools.harness import Clock, Worker, alternate, finish, load_average, machine, machine_line
 
@@ -137,22 +137,22 @@ class JaxSystem:
         return out.metrics.tpot_s, list(out.outputs[0].token_ids), out.metrics.cached_tokens
 
     def warm(self) -> None:
-        c0 = step_mod.compiled_count()
+        c0 = compile_count()
         t0 = time.perf_counter()
         self._ttft()
         self._decode()
         engine_batch_round(self.llm, self.batch_prompts, self.n)
         self.info["warmup_s"] = time.perf_counter() - t0
-        self.info["programs_compiled_in_warmup"] = step_mod.compiled_count() - c0
+        self.info["programs_compiled_in_warmup"] = compile_count() - c0
         self.info["recompiles_in_rounds"] = 0
 
     def round(self) -> dict:
-        c0 = step_mod.compiled_count()
+        c0 = compile_count()
         k = self.repeats
         ttft = [self._ttft() for _ in range(k)]
         dec = [self._decode() for _ in range(k)]
         bat = [engine_batch_round(self.llm, self.batch_prompts, self.n) for _ in range(self.batch_repeats)]
-        self.info["recompiles_in_rounds"] += step_mod.compiled_count() - c0
+        self.info["recompiles_in_rounds"] += compile_count() - c0
         return {
             "ttft_s": median(ttft),
             "tpot_s": median([d[0] for d in dec]),

@@ -63,7 +63,7 @@ from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer.ops import sampler
 from jaxinfer.engine import structured
 from jaxinfer.stats import median
-from jaxinfer.engine.step import compiled_count
+from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.tools.harness import Clock, alternate, finish, load_line, machine_line
 
 SCHEMA = {
@@ -230,7 +230,7 @@ def run_once(llm, run: str, prompts: list, a, counts, probe: Probe) -> dict:
     st = eng.stats
     sp = params_for(run, len(prompts), a.max_tokens, a.seed, counts)
     syncs = [0]
-    c0 = compiled_count()
+    c0 = compile_count()
     s0, p0 = st.snapshot(), probe.snapshot()
     e0 = (st.busy_s, st.host_s, st.wait_s)
     ctx = forced_sync(eng, syncs) if run == "plain+sync" else nullcontext()
@@ -261,7 +261,7 @@ def run_once(llm, run: str, prompts: list, a, counts, probe: Probe) -> dict:
         "finish_reasons": reasons,
         "constrained": len(cons),
         "constrained_valid": sum(1 for c in cons if c.finish_reason == "stop" and valid(c.text)),
-        "programs_compiled": compiled_count() - c0,
+        "programs_compiled": compile_count() - c0,
         "steps": steps,
         "step_ms": 1e3 * busy / steps if steps else None,
         "host_ms_per_step": 1e3 * host / steps if steps else None,

@@ -32,7 +32,6 @@ from typing import Optional
 import jax
 
 from jaxinfer.engine.buckets import bucket_for, pages_needed
-from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.engine.engine_stats import EngineStats
 from jaxinfer.engine.distributed import to_host
 from jaxinfer.outputs import Logprob, StreamDelta
@@ -442,11 +441,6 @@ class Engine:
         lengths and batch sizes runs one of these programs.
         """
         return self.runner.warmup(self.program_keys())
-
-    @staticmethod
-    def compiled_count() -> int:
-        """Programs lowered in this process (step programs and eager ops alike)."""
-        return compile_count()
 
     @property
     def backend(self) -> str:

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.models import get_family
 from jaxinfer.ops import backend
 from jaxinfer.ops.attention import AttentionMetadata
@@ -234,8 +233,3 @@ def on_mesh(kind: str, cache_sharding: Any, replicated: Any):
     (the program table passes its `KernelChoice`)."""
     fn = _prefill if kind == "prefill" else _decode_step
     return jax.jit(fn, out_shardings=(replicated, cache_sharding, replicated), **_JIT)
-
-
-def compiled_count() -> int:
-    """Programs lowered in this process (steps and eager ops alike); see `jaxinfer.engine.compile_cache`."""
-    return compile_count()
