@@ -997,9 +997,10 @@ def main(argv: Optional[list] = None) -> int:
     for scheme in ("int8", "int4-g32"):
         for rows in (1, 64):
             try:
+                from jaxinfer.models.decoder import matmul
                 from jaxinfer.ops.quant import float_copy_check
 
-                r = float_copy_check(side, side, rows, scheme)
+                r = float_copy_check(side, side, rows, scheme, matmul)  # the steps' own product
             except Exception as e:
                 r = {"scheme": scheme, "rows": rows, "error": f"{type(e).__name__}: {e}"}
                 problems.append(f"quantized {scheme}")
