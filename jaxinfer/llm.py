@@ -17,7 +17,11 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import jax
 
 from jaxinfer import models
+from jaxinfer import progress
+from jaxinfer.loading import model_cache as cache
+from jaxinfer.loading.weights import resolve_model
 from jaxinfer.ops import backend
+from jaxinfer.ops.quant import quantize_params
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine.core import Engine, RequestStream
@@ -59,9 +63,6 @@ class LLM:
         model_cache: bool = True,
         **engine_overrides,
     ):
-        from jaxinfer.loading import model_cache as cache
-        from jaxinfer import progress
-        from jaxinfer.loading.weights import resolve_model
 
         t0 = time.perf_counter()
         if quantization is not None:
@@ -104,8 +105,6 @@ class LLM:
         self = cls.__new__(cls)
         engine = _engine_config(engine_config, None, None, {})
         if engine.quantization and not model_config.quant:  # a float tree, quantized here
-            from jaxinfer.ops.quant import quantize_params
-
             model_config, params = quantize_params(params, model_config, engine.quantization)
         self._setup(model_config, engine, params, tokenizer, generation or GenerationDefaults(), name, **engine_options)
         self.load_time_s = 0.0
@@ -134,8 +133,6 @@ class LLM:
         self.runner = ModelRunner(cfg, engine, params)
         del params  # the runner holds the placed tree; what was loaded (host copies) is freed here
         if engine.tensor_parallel_size > 1:
-            from jaxinfer import progress
-
             progress.say(placement_report(self.runner))
         self.max_model_len = self.runner.max_model_len
         self.engine = _Engine(
