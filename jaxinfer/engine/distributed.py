@@ -12,7 +12,7 @@ inputs and runs the same program. A step's outputs are replicated, and the
 leader reads its own copy. When the leader closes, it publishes a stop plan.
 
 The key-value store (the coordination service JAX starts with
-`jax.distributed.initialize`) costs about 1.5 ms a plan on loopback, and needs no
+`jax.distributed.initialize`) costs a millisecond or two a plan on loopback, and needs no
 compiled program (`multihost_utils.broadcast_one_to_all` compiles one per shape).
 A plan is deleted once its step has completed (which needs every process). The leader
 builds a step's inputs and program before publishing its plan; a failure after the

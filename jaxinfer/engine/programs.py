@@ -215,7 +215,7 @@ class ProgramTable:
         before = self.loaded_from_disk
         if todo:
             # Two workers: one traces and lowers (Python, holding the GIL) while the other
-            # compiles (XLA, without it); measured 1.2-1.4x faster than one at a time on 2 cores.
+            # compiles (XLA, without it), which is faster than one at a time even on 2 cores.
             workers = max(1, min(2, os.cpu_count() or 1, len(todo)))
             with progress.stage("compiling programs", total=len(todo), unit="program") as s:
                 with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxinfer-compile") as pool:

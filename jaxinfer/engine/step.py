@@ -45,9 +45,8 @@ from jaxinfer.ops.sampler import (
 )
 
 # Prompt logprobs make at most this many bytes of float32 logits at once, in blocks of at most
-# PROMPT_LOGPROB_MAX_ROWS rows (a power of two). Measured on a 2-core AVX2 box, SmolLM2's head (49,152 x 576,
-# float32, the native kernel): 48 ms for 32 rows, 100 for 64, 146 for 128, 394 for 256; 128 rows per block
-# is the fastest per row, and 25 MB at that vocabulary.
+# PROMPT_LOGPROB_MAX_ROWS rows (a power of two): on CPU the head's product is cheapest per row around
+# 128 rows per block, and a block of a 49k vocabulary is then 25 MB.
 PROMPT_LOGPROB_BYTES = 32 << 20
 PROMPT_LOGPROB_MAX_ROWS = 128
 

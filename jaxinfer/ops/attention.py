@@ -9,9 +9,9 @@ decode alike: a decode step is a chunk of length 1.
 The pure-JAX path (`jaxinfer.ops.gather_attention`) runs everywhere. Its cost grows with
 the pages attended (``P``, a bucketed size), never with the cache's capacity.
 On CPU, XLA emits its page gather element by element rather than as block
-copies; that gather and the masked softmax over the gathered copy were most
-of a batched step (measured on SmolLM2 at batch 32: ~100 ms of a 190 ms decode
-step; 0.6 s of a 1.8 s 32 x 128-token bfloat16 prefill). So on the CPU platform
+copies; that gather and the masked softmax over the gathered copy were the
+largest part of a batched decode step and a large part of a batched prefill
+(`python -m benchmarks.engine` shows the split). So on the CPU platform
 attention goes to a native kernel that reads the pages where they lie
 (`jaxinfer/ops/kernels/paged_attention_cpu.cc`), for decode and prefill chunks
 alike. Which path a program takes is the step's `jaxinfer.ops.backend.KernelChoice`

@@ -91,9 +91,9 @@ also deprecated in JAX 0.11 (importing them warns ``... is deprecated.``). The r
   interleaved; ``cache[:, :, 0::2].transpose(2, 0, 1, 3)`` is a strided copy of the whole
   layer, not a view. Per decode step that reads and writes the full cache once per layer:
   ``2 * num_pages * page_size * 2*KVH * D * bytes`` per layer. Llama-3-8B in bfloat16
-  holds 128 KiB of K/V per token; a 100 GiB cache (~800K tokens) would move ~200 GiB per
-  step, ~45 ms at an H200's ~4.8 TB/s, while the attention itself for 32 rows of 2K
-  context reads ~8 GiB (~2 ms). That is the full-cache copy per step the design forbids
+  holds 128 KiB of K/V per token, so a large cache would move twice its size every step,
+  many times what the attention itself reads for a batch of ordinary contexts. That is the
+  full-cache copy per step the design forbids
   (cost growing with capacity), and keeping a second, head-major copy doubles memory and
   every write. It also attends one query per row (decode only: no causal mask inside a
   prefill chunk), has no window start (only ``lengths``), and needs ``pages_per_seq``
