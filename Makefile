@@ -32,14 +32,16 @@ demo: setup
 # a test's time is compiling and waiting, which two workers overlap), then the model-level tests again with the CPU kernels off (the model's logits and
 # every family's logits): GPU and TPU run that pure-JAX path, and CI has neither. The engine above the model (test_engine, test_llm) does not depend on the
 # path. Then tensor parallelism on 8 fake CPU devices (tests/multidevice skips in a one-device process),
-# kernel on, and with the kernel off the layer-by-layer logits at every TP size (plain and quantized) and the
-# partitioned step (the engine-level TP tests above follow from those logits).
+# kernel on, and with the kernel off the logits at every position at every TP size, plain and quantized (the
+# engine-level TP tests above follow from those logits). One file, so its tests are
+# spread over the two workers by group (--dist loadgroup): the tests that share an expensive module fixture
+# (the TP engines, SmolLM2 at TP 3) form a group each and stay on one worker.
 MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
 test: setup-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/test_paged_model.py tests/test_families.py::test_logits_match_transformers_at_every_position
-	$(MESH8) $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/multidevice
-	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/multidevice -k "logits_at_every_position or compiled_step_is_partitioned"
+	$(MESH8) $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider tests/multidevice
+	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider tests/multidevice -k "logits_at_every_position"
 
 # Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers,
 # accelerate). The peer benchmarks live in benchmarks/ (not installed) and run from the repository root;

@@ -85,7 +85,7 @@ def rand_prompt(rng, lo=1, hi=40):
     return rng.integers(0, TINY.vocab_size, int(rng.integers(lo, hi))).tolist()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     n=st.integers(2, 7),

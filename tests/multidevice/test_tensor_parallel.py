@@ -165,6 +165,7 @@ def logits_at_tp(cfg: ModelConfig, params, tokens: list, chunk: int, tp: int) ->
 # 1. tiny Llamas: TP 1, 2, 4, 8 agree
 
 
+@pytest.mark.xdist_group("engines")  # one worker builds the TP 1/2/4/8 engines once
 def test_greedy_tokens_and_logprobs_are_identical_at_tp_1_2_4_8(engines):
     """Four prompts (3 to 21 tokens: chunked prefill in 8-token chunks, pages crossed) through the
     engine of the 6-head / 3-KV-head model: padded KV heads at TP 2, replicated at 4 and 8."""
@@ -240,6 +241,7 @@ def test_logits_at_every_position_match_tp1(name, tp):
 # 4. seeded sampling and 5. preemption and prefix hits under TP
 
 
+@pytest.mark.xdist_group("engines")  # one worker builds the TP 1/2/4/8 engines once
 def test_seeded_sampling_draws_the_same_tokens_at_tp_1_and_4(engines):
     sps = [jaxinfer.SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True)
            for s in (7, 8, 9)]
@@ -253,6 +255,7 @@ def test_seeded_sampling_draws_the_same_tokens_at_tp_1_and_4(engines):
     assert engines(4).generate(prompts[:1], sps[:1])[0].outputs[0].token_ids == four[0]  # and seeded
 
 
+@pytest.mark.xdist_group("engines")  # one worker builds the TP 1/2/4/8 engines once
 def test_preemption_and_prefix_hits_give_tp1_tokens_at_tp_4_and_free_every_page(engines):
     """Four requests of 22-26 tokens + 12 new need ~36 pages of the 23: some are preempted and
     recomputed; then two prompts sharing a 16-token prefix, the second a prefix-cache hit."""
@@ -357,6 +360,7 @@ def test_padded_model_shards_what_divides_and_replicates_what_does_not():
     assert {sh.data.shape[2] for sh in four.kv_cache[0].addressable_shards} == {2}
 
 
+@pytest.mark.xdist_group("engines")  # one worker builds the TP 1/2/4/8 engines once
 def test_compiled_step_is_partitioned_with_collectives(engines):
     """The engine's compiled programs take the parameters in their split shardings and XLA's SPMD
     partitioner put collectives in (the all-reduce after wo and w_down)."""
@@ -411,6 +415,7 @@ def smollm2_reference():
     return ref, dict(np.load(os.path.join(FIXTURES, "smollm2_reference_logits.npz")))
 
 
+@pytest.mark.xdist_group("smollm2")  # one worker loads SmolLM2 at TP 3 once
 def test_smollm2_at_tp3_matches_transformers_logits(smollm2, smollm2_reference):
     """Last-position logits of every short reference prompt, and the eight stepwise logits of
     "english" (its prompt + 7 greedy tokens in one pass), within test_parity's tolerance."""
@@ -434,6 +439,7 @@ def test_smollm2_at_tp3_matches_transformers_logits(smollm2, smollm2_reference):
     assert np.all(err < 1e-3 * np.asarray(sw["max_abs_logit_per_step"])), err
 
 
+@pytest.mark.xdist_group("smollm2")  # one worker loads SmolLM2 at TP 3 once
 def test_smollm2_greedy_tokens_at_tp3_equal_tp1(smollm2, smollm2_reference):
     ref, _ = smollm2_reference
     cases = [c for c in ref["generation"] if c["name"] in ("english", "chat")]  # 9 and 42 tokens (2 chunks)
