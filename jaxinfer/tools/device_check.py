@@ -6,6 +6,9 @@
 (From a checkout installed with ``pip install -e``: the tests and the fixtures are read
 from the checkout's ``tests/``.)
 
+Its imports of JAX and of the engine (everything that initialises a device) sit inside the
+stages that use them: the tests' subprocess must hold the device before this process touches it.
+
 It runs, in this order, and prints one table at the end:
 
 1. **tests**: a chosen list of model-level test files (model, sampler, family and
