@@ -27,9 +27,7 @@ Every figure is the median over ``--repeats`` rounds (`jaxinfer.stats.median`).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,8 @@ from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.loading.weights import resolve_model
-from jaxinfer.tools.harness import Clock, Worker, alternate, finish, load_average, machine, machine_line, medians
+from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, find_python, heading, medians, parser, ratio, run,
+                                   settle, target, targets_block, worker_flags)
 
 HF_PEER = Path(__file__).with_name("hf_peer.py")
 TEXT = (
@@ -290,19 +289,18 @@ def _can_import_torch_transformers() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
-def find_hf_python(flag: Optional[str]) -> tuple:
-    """(interpreter or None, how it was chosen)."""
-    if flag:
-        return flag, "--hf-python"
-    env = os.environ.get("JAXINFER_HF_PYTHON")
-    if env:
-        return env, "JAXINFER_HF_PYTHON"
-    if _can_import_torch_transformers():
-        return sys.executable, "this interpreter"
-    return None, (
-        "skipped: this interpreter lacks torch/transformers; set JAXINFER_HF_PYTHON or pass --hf-python "
-        "(a Python with torch, transformers, accelerate and gguf), or install '.[reference]'"
-    )
+def hf_flags(p, threads: int = 2) -> None:
+    """The transformers peer's flags (`core` and `engine`): where it runs, its threads, its attention."""
+    worker_flags(p, "hf", "torch + transformers (+ gguf) for the transformers")
+    p.add_argument("--threads", type=int, default=threads, help="torch threads for the peer")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the peer's attention implementation")
+
+
+def find_hf_python(flag: Optional[str], off: Optional[str] = None) -> tuple:
+    """(interpreter or None, how it was chosen or why skipped): --hf-python, JAXINFER_HF_PYTHON, this one."""
+    return find_python(flag, "JAXINFER_HF_PYTHON", off=off, here=_can_import_torch_transformers(), missing=(
+        "this interpreter lacks torch/transformers; set JAXINFER_HF_PYTHON or pass --hf-python "
+        "(a Python with torch, transformers, accelerate and gguf), or install '.[reference]'"))
 
 
 class HFPeer(Worker):
@@ -321,11 +319,6 @@ class HFPeer(Worker):
                          env={"TOKENIZERS_PARALLELISM": "false"})
 
 
-# --------------------------------------------------------------------------- #
-# Report
-# --------------------------------------------------------------------------- #
-
-
 def common_prefix(a, b) -> int:
     k = 0
     for x, y in zip(a, b):
@@ -335,184 +328,14 @@ def common_prefix(a, b) -> int:
     return k
 
 
-def report(res: dict) -> str:
-    L = []
-    bw, fl, j, h = res["bandwidth"], res["floor"], res["jaxinfer"], res.get("transformers")
-    sysinfo = res["system"]
-    L.append(
-        f"jaxinfer core benchmark — {res['model']} ({res.get('dtype', 'float32')} weights); "
-        f"medians of {res['repeats']} alternating rounds"
-    )
-    L.append(machine_line(sysinfo))
-    L.append(f"load average at start {sysinfo['loadavg']}, at end {sysinfo.get('loadavg_end')}")
-    L.append("")
-    L.append(
-        f"memory bandwidth (512 MiB float32): jitted sum {bw['jax_sum_gbs']:.1f} GB/s, jitted matvec "
-        f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write)"
-    )
-    L.append(
-        f"decode floor: {fl['weight_bytes'] / 1e6:.0f} MB of {res.get('dtype', 'float32')} weights / {fl['bandwidth_gbs']:.1f} GB/s "
-        f"(best jitted read) = {fl['floor_ms']:.2f} ms/step = {1e3 / fl['floor_ms']:.1f} tok/s"
-    )
-    L.append("")
-    w = 44
-    L.append(f"{'metric':<{w}} {'jaxinfer':>12} {'transformers':>13} {'ratio':>8}")
-    L.append("-" * (w + 36))
-
-    def row(name, a, b, fmt, better="higher"):
-        if b is None:
-            L.append(f"{name:<{w}} {fmt.format(a):>12} {'-':>13} {'-':>8}")
-            return
-        ratio = a / b if better == "higher" else b / a
-        L.append(f"{name:<{w}} {fmt.format(a):>12} {fmt.format(b):>13} {ratio:>7.2f}x")
-
-    hs = res.get("transformers_summary")
-    row("compile, prefill@128 + decode b1 (s)", j["compile"]["compile_b1_s"], None, "{:.2f}")
-    row("compile, extra for decode b8 (s)", j["compile"]["compile_b8_extra_s"], None, "{:.2f}")
-    row("load (s)", j["load_s"], h["info"]["load_s"] if h else None, "{:.2f}", "lower")
-    row("TTFT, 128-token prompt (ms)", 1e3 * j["ttft_s"], 1e3 * hs["ttft_s"] if h else None, "{:.1f}", "lower")
-    row("batch-1 decode (tok/s)", 1 / j["tpot_s"], 1 / hs["tpot_s"] if h else None, "{:.1f}")
-    row("batch-1 decode, ms/token", 1e3 * j["tpot_s"], 1e3 * hs["tpot_s"] if h else None, "{:.2f}", "lower")
-    row(
-        f"batch-{res['batch']} aggregate decode (tok/s)",
-        j["batch_decode_tok_s"],
-        hs["batch_decode_tok_s"] if h else None,
-        "{:.1f}",
-    )
-    row(
-        f"batch-{res['batch']} aggregate end-to-end (tok/s)",
-        j["batch_e2e_tok_s"],
-        hs["batch_e2e_tok_s"] if h else None,
-        "{:.1f}",
-    )
-    L.append("")
-    L.append(
-        f"jaxinfer TTFT wall clock around llm.generate: {1e3 * j['ttft_wall_s']:.1f} ms; "
-        f"batch-1 ms/token from the wall clock: {1e3 * j['tpot_wall_s']:.2f}"
-    )
-    if h:
-        s = h["summary"]
-        L.append(
-            f"transformers ({h['info']['attn']} attention, {h['info']['threads']} threads, "
-            f"torch {h['info']['versions']['torch']}, transformers {h['info']['versions']['transformers']}): "
-            f"TTFT forward {1e3 * s['ttft_manual_s']:.1f} ms / generate {1e3 * s['ttft_generate_s']:.1f} ms; "
-            f"decode loop with its cache {1e3 * s['tpot_manual_s']:.2f} ms/token / generate "
-            f"{1e3 * s['tpot_generate_s']:.2f} ms/token (the table uses the faster of each)"
-        )
-        jr, hr = j["rounds"], h["rounds"]
-        jb = min(r["tpot_s"] for r in jr)
-        hb = min(min(r["tpot_manual_s"], r["tpot_generate_s"]) for r in hr)
-        jt = min(r["ttft_s"] for r in jr)
-        ht = min(min(r["ttft_manual_s"], r["ttft_generate_s"]) for r in hr)
-        j8 = max(r["batch_decode_tok_s"] for r in jr)
-        h8 = max(r["batch_decode_tok_s"] for r in hr)
-        L.append(
-            f"best round of each (least disturbed): batch-1 {1e3 * jb:.2f} vs {1e3 * hb:.2f} ms/token ({hb / jb:.2f}x), "
-            f"TTFT {1e3 * jt:.1f} vs {1e3 * ht:.1f} ms ({ht / jt:.2f}x), batch-{res['batch']} decode {j8:.1f} vs "
-            f"{h8:.1f} tok/s ({j8 / h8:.2f}x)"
-        )
-        L.append(
-            f"greedy tokens agree with transformers for the first {res['agree_b1']} of {res['decode_tokens']} "
-            f"(batch 1) and {res['agree_b8']} of {res['decode_tokens']} (batch row 0)"
-        )
-    L.append(
-        f"batch-{res['batch']} aggregate decode = output tokens after each request's first / "
-        f"(last token - the moment all {res['batch']} have their first token, i.e. all prefills done); end-to-end = all output tokens / wall time of the call"
-    )
-    L.append("")
-    c = res["cache"]
-    L.append(f"decode step (jitted, blocking, inputs on device), batch 1 at context {c['context']}:")
-    for k in ("1x", "8x", "engine"):
-        d = c[k]
-        L.append(
-            f"  cache {k:<6} {d['num_pages']:>5} pages = {d['capacity_tokens']:>6} tokens "
-            f"({d['cache_bytes'] / 1e6:>6.0f} MB): step {1e3 * d['step_s']:.2f} ms (min {1e3 * d['step_min_s']:.2f}), "
-            f"through ModelRunner.decode {1e3 * d['runner_step_s']:.2f} ms"
-        )
-    d = c[f"engine_b{c['batch']}"]
-    L.append(
-        f"  batch {c['batch']}, engine cache: step {1e3 * d['step_s']:.2f} ms (min {1e3 * d['step_min_s']:.2f}) "
-        f"= {c['batch'] / d['step_s']:.1f} tok/s aggregate; {d['step_s'] / c['engine']['step_s']:.2f}x the batch-1 step"
-    )
-    L.append(f"  8x / 1x step time: {c['ratio_8x_1x']:.3f}")
-    L.append(
-        f"  floor / step: {res['floor_over_step']:.2f} (device step alone), "
-        f"{res['floor_over_tpot']:.2f} (streamed batch-1 token)"
-    )
-    L.append(
-        f"  host share of a streamed token: {100 * res['host_share']:.0f}% "
-        f"({1e3 * j['tpot_s']:.2f} ms/token streamed vs {1e3 * c['engine']['step_s']:.2f} ms device step)"
-    )
-    L.append("")
-    L.append("targets:")
-    for t in res["targets"]:
-        L.append(f"  [{t['verdict']:<4}] {t['name']}: {t['value']}")
-    return "\n".join(L)
-
-
-def targets(res: dict) -> list:
-    j, c = res["jaxinfer"], res["cache"]
-    hs = res.get("transformers_summary")
-    out = []
-
-    def add(name, ok, value):
-        out.append({"name": name, "verdict": "n/a" if ok is None else ("PASS" if ok else "MISS"), "value": value})
-
-    if hs:
-        r = hs["tpot_s"] / j["tpot_s"]
-        add("batch-1 decode >= 2x transformers", r >= 2.0, f"{r:.2f}x")
-        r = hs["ttft_s"] / j["ttft_s"]
-        add("TTFT(128) no worse than transformers", r >= 1.0, f"{1e3 * j['ttft_s']:.1f} vs {1e3 * hs['ttft_s']:.1f} ms")
-    else:
-        add("batch-1 decode >= 2x transformers", None, "peer skipped")
-        add("TTFT(128) no worse than transformers", None, "peer skipped")
-    add(
-        "batch-1 decode at >= 0.75 of the floor",
-        res["floor_over_tpot"] >= 0.75,
-        f"{res['floor_over_tpot']:.2f} streamed, {res['floor_over_step']:.2f} device step",
-    )
-    add("decode step at 8x cache within 10% of 1x", c["ratio_8x_1x"] <= 1.10, f"{c['ratio_8x_1x']:.3f}")
-    return out
-
-
 # --------------------------------------------------------------------------- #
-# Main
+# What is measured
 # --------------------------------------------------------------------------- #
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.core", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
-    p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers for the peer")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the peer's attention implementation")
-    p.add_argument("--cache-tokens", type=int, default=4096, help="KV capacity (tokens) of the 1x cache")
-    p.add_argument("--step-context", type=int, default=None, help="context of the timed decode step (default prompt + decode)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed per block")
-    p.add_argument("--json", default=None, help="also write the figures as JSON to this file")
-    p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"), help="weights' dtype (default: the preset's)")
-    a = p.parse_args(argv)
-    if a.decode_tokens < 2:
-        p.error("--decode-tokens must be at least 2")
-    return a
-
-
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    log = Clock()
-    res: dict = {
-        "model": a.model,
-        "repeats": a.repeats,
-        "batch": a.batch,
-        "prompt_len": a.prompt_len,
-        "decode_tokens": a.decode_tokens,
-        "system": machine(),
-    }
+def measure(b: Bench) -> None:
+    a, res, log = b.args, b.figures, b.log
+    res.update(model=a.model, repeats=a.repeats, batch=a.batch, prompt_len=a.prompt_len, decode_tokens=a.decode_tokens)
 
     log("measuring memory bandwidth")
     res["bandwidth"] = bw = measure_bandwidth()
@@ -530,45 +353,34 @@ def main(argv=None) -> int:
     log("jaxinfer compile time")
     jres = {"load_s": llm.load_time_s, "compile": jax_compile(llm, prompt, batch_prompts)}
 
-    peer = None
-    hf_python, why = (None, "skipped (--no-hf)") if a.no_hf else find_hf_python(a.hf_python)
+    hf_python, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
     res["transformers_python"] = hf_python or why
+    peer = None
     if hf_python:
         log(f"starting the transformers peer ({hf_python}; load + one warm-up round)")
-        try:
-            peer = HFPeer(
-                hf_python, str(resolve_model(a.model).path), a.threads, a.attn, prompt, batch_prompts, a.decode_tokens
-            )
-        except Exception as e:  # report, go on without the peer
-            log(f"transformers peer failed: {e}")
-            res["transformers_python"] = f"failed: {e}"
+        peer = b.start("transformers", lambda: HFPeer(hf_python, str(resolve_model(a.model).path), a.threads, a.attn,
+                                                      prompt, batch_prompts, a.decode_tokens))
     else:
         log(f"transformers peer {why}")
-
-    def peer_failed(name, i, e):  # report, go on without the peer
-        if name != "transformers":
-            raise e
-        log(f"transformers peer failed: {e}")
-        res["transformers_python"] = f"failed: {e}"
 
     systems = {"jaxinfer": lambda i: jax_round(llm, prompt, batch_prompts, a.decode_tokens)}
     if peer is not None:
         systems["transformers"] = lambda i: peer.round()
     c0 = compile_count()
-    by_system = alternate(systems, a.repeats, log=log, on_error=peer_failed)
+    by_system = b.rounds(systems, a.repeats, may_fail=("transformers",))
     jrounds, hrounds = by_system["jaxinfer"], by_system.get("transformers", [])
     jres["recompiles_during_rounds"] = compile_count() - c0
     if peer is not None:
         peer.close()
         peer = peer if len(hrounds) == a.repeats else None
+    res["transformers_python"] = res.get("skipped", {}).get("transformers", res["transformers_python"])
 
     keys = ["ttft_s", "ttft_wall_s", "tpot_s", "tpot_wall_s", "batch_decode_tok_s", "batch_e2e_tok_s", "batch_all_first_tokens_s"]
     jres.update(medians(jrounds, keys))
     jres["rounds"] = jrounds
     res["jaxinfer"] = jres
     if peer is not None:
-        hkeys = [k for k in hrounds[0] if not k.startswith(("tokens", "batch_tokens"))]
-        s = medians(hrounds, hkeys)
+        s = medians(hrounds, [k for k in hrounds[0] if not k.startswith(("tokens", "batch_tokens"))])
         res["transformers"] = {"info": peer.info, "summary": s, "rounds": hrounds}
         res["transformers_summary"] = {
             "ttft_s": min(s["ttft_manual_s"], s["ttft_generate_s"]),
@@ -589,8 +401,130 @@ def main(argv=None) -> int:
     res["floor_over_tpot"] = floor_s / jres["tpot_s"]
     res["host_share"] = max(0.0, 1 - c["engine"]["step_s"] / jres["tpot_s"])
     res["targets"] = targets(res)
-    res["system"]["loadavg_end"] = load_average()
-    return finish(report(res), res, a.json, log)
+
+
+def targets(res: dict) -> list:
+    j, c, hs = res["jaxinfer"], res["cache"], res.get("transformers_summary")
+    decode = ratio(j["tpot_s"], hs and hs["tpot_s"], lower_better=True)
+    ttft = ratio(j["ttft_s"], hs and hs["ttft_s"], lower_better=True)
+    return [
+        target("batch-1 decode >= 2x transformers", hs and decode >= 2.0,
+               f"{decode:.2f}x" if hs else "peer skipped"),
+        target("TTFT(128) no worse than transformers", hs and ttft >= 1.0,
+               f"{1e3 * j['ttft_s']:.1f} vs {1e3 * hs['ttft_s']:.1f} ms" if hs else "peer skipped"),
+        target("batch-1 decode at >= 0.75 of the floor", res["floor_over_tpot"] >= 0.75,
+               f"{res['floor_over_tpot']:.2f} streamed, {res['floor_over_step']:.2f} device step"),
+        target("decode step at 8x cache within 10% of 1x", c["ratio_8x_1x"] <= 1.10, f"{c['ratio_8x_1x']:.3f}"),
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# Report
+# --------------------------------------------------------------------------- #
+
+
+def report(res: dict) -> str:
+    bw, fl, j, h = res["bandwidth"], res["floor"], res["jaxinfer"], res.get("transformers")
+    hs, n, dtype = res.get("transformers_summary") or {}, res["batch"], res.get("dtype", "float32")
+
+    def peer(key, scale=1.0):
+        return scale * hs[key] if hs else None
+
+    L = heading(f"jaxinfer core benchmark — {res['model']} ({dtype} weights); medians of {res['repeats']} "
+                "alternating rounds", res["system"])
+    L += [
+        "",
+        f"memory bandwidth (512 MiB float32): jitted sum {bw['jax_sum_gbs']:.1f} GB/s, jitted matvec "
+        f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write)",
+        f"decode floor: {fl['weight_bytes'] / 1e6:.0f} MB of {dtype} weights / {fl['bandwidth_gbs']:.1f} GB/s "
+        f"(best jitted read) = {fl['floor_ms']:.2f} ms/step = {1e3 / fl['floor_ms']:.1f} tok/s",
+        "",
+        compare([
+            ("compile, prefill@128 + decode b1 (s)", j["compile"]["compile_b1_s"], None, ".2f"),
+            ("compile, extra for decode b8 (s)", j["compile"]["compile_b8_extra_s"], None, ".2f"),
+            ("load (s)", j["load_s"], h["info"]["load_s"] if h else None, ".2f", "lower"),
+            ("TTFT, 128-token prompt (ms)", 1e3 * j["ttft_s"], peer("ttft_s", 1e3), ".1f", "lower"),
+            ("batch-1 decode (tok/s)", 1 / j["tpot_s"], 1 / hs["tpot_s"] if hs else None, ".1f"),
+            ("batch-1 decode, ms/token", 1e3 * j["tpot_s"], peer("tpot_s", 1e3), ".2f", "lower"),
+            (f"batch-{n} aggregate decode (tok/s)", j["batch_decode_tok_s"], peer("batch_decode_tok_s"), ".1f"),
+            (f"batch-{n} aggregate end-to-end (tok/s)", j["batch_e2e_tok_s"], peer("batch_e2e_tok_s"), ".1f"),
+        ]),
+        "",
+        f"jaxinfer TTFT wall clock around llm.generate: {1e3 * j['ttft_wall_s']:.1f} ms; "
+        f"batch-1 ms/token from the wall clock: {1e3 * j['tpot_wall_s']:.2f}",
+    ]
+    if h:
+        s, i = h["summary"], h["info"]
+        L.append(
+            f"transformers ({i['attn']} attention, {i['threads']} threads, torch {i['versions']['torch']}, "
+            f"transformers {i['versions']['transformers']}): TTFT forward {1e3 * s['ttft_manual_s']:.1f} ms / generate "
+            f"{1e3 * s['ttft_generate_s']:.1f} ms; decode loop with its cache {1e3 * s['tpot_manual_s']:.2f} ms/token / "
+            f"generate {1e3 * s['tpot_generate_s']:.2f} ms/token (the table uses the faster of each)"
+        )
+        jr, hr = j["rounds"], h["rounds"]
+        jb = min(r["tpot_s"] for r in jr)
+        hb = min(min(r["tpot_manual_s"], r["tpot_generate_s"]) for r in hr)
+        jt = min(r["ttft_s"] for r in jr)
+        ht = min(min(r["ttft_manual_s"], r["ttft_generate_s"]) for r in hr)
+        j8 = max(r["batch_decode_tok_s"] for r in jr)
+        h8 = max(r["batch_decode_tok_s"] for r in hr)
+        L.append(
+            f"best round of each (least disturbed): batch-1 {1e3 * jb:.2f} vs {1e3 * hb:.2f} ms/token ({hb / jb:.2f}x), "
+            f"TTFT {1e3 * jt:.1f} vs {1e3 * ht:.1f} ms ({ht / jt:.2f}x), batch-{n} decode {j8:.1f} vs "
+            f"{h8:.1f} tok/s ({j8 / h8:.2f}x)"
+        )
+        L.append(
+            f"greedy tokens agree with transformers for the first {res['agree_b1']} of {res['decode_tokens']} "
+            f"(batch 1) and {res['agree_b8']} of {res['decode_tokens']} (batch row 0)"
+        )
+    L.append(
+        f"batch-{n} aggregate decode = output tokens after each request's first / (last token - the moment all {n} "
+        "have their first token, i.e. all prefills done); end-to-end = all output tokens / wall time of the call"
+    )
+    c = res["cache"]
+    L += ["", f"decode step (jitted, blocking, inputs on device), batch 1 at context {c['context']}:"]
+    for k in ("1x", "8x", "engine"):
+        d = c[k]
+        L.append(
+            f"  cache {k:<6} {d['num_pages']:>5} pages = {d['capacity_tokens']:>6} tokens "
+            f"({d['cache_bytes'] / 1e6:>6.0f} MB): step {1e3 * d['step_s']:.2f} ms (min {1e3 * d['step_min_s']:.2f}), "
+            f"through ModelRunner.decode {1e3 * d['runner_step_s']:.2f} ms"
+        )
+    d = c[f"engine_b{c['batch']}"]
+    L += [
+        f"  batch {c['batch']}, engine cache: step {1e3 * d['step_s']:.2f} ms (min {1e3 * d['step_min_s']:.2f}) "
+        f"= {c['batch'] / d['step_s']:.1f} tok/s aggregate; {d['step_s'] / c['engine']['step_s']:.2f}x the batch-1 step",
+        f"  8x / 1x step time: {c['ratio_8x_1x']:.3f}",
+        f"  floor / step: {res['floor_over_step']:.2f} (device step alone), "
+        f"{res['floor_over_tpot']:.2f} (streamed batch-1 token)",
+        f"  host share of a streamed token: {100 * res['host_share']:.0f}% "
+        f"({1e3 * j['tpot_s']:.2f} ms/token streamed vs {1e3 * c['engine']['step_s']:.2f} ms device step)",
+        "",
+        *targets_block(res["targets"]),
+    ]
+    return "\n".join(L)
+
+
+# --------------------------------------------------------------------------- #
+# Main
+# --------------------------------------------------------------------------- #
+
+
+def parse_args(argv=None):
+    p = parser("python -m benchmarks.core", __doc__, dtype=True, json_help="also write the figures as JSON to this file")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5, help="alternating rounds (default 5)")
+    hf_flags(p)
+    p.add_argument("--cache-tokens", type=int, default=4096, help="KV capacity (tokens) of the 1x cache")
+    p.add_argument("--step-context", type=int, default=None, help="context of the timed decode step (default prompt + decode)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per block")
+    return settle(p, p.parse_args(argv), at_least={"decode_tokens": 2})
+
+
+def main(argv=None) -> int:
+    return run(measure, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ never helps a figure by accident. Figures are medians over rounds (`jaxinfer.sta
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -47,9 +46,10 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.loading.weights import resolve_model
 
-from jaxinfer.tools.harness import Clock, Worker, alternate, finish, load_average, machine, machine_line, medians
+from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, fmt, heading, load_average, medians, parser, run,
+                                   settle, table, target, targets_block)
 
-from benchmarks.core import HF_PEER, StepBench, common_prefix, find_hf_python, timed
+from benchmarks.core import HF_PEER, StepBench, common_prefix, find_hf_python, hf_flags, timed
 
 
 def greedy(n: int) -> SamplingParams:
@@ -154,7 +154,8 @@ def engine_batch_round(llm, prompts: list, n: int) -> dict:
     }
 
 
-def bench_throughput(llm, a, ids: Ids, log) -> dict:
+def bench_throughput(llm, b: Bench, ids: Ids) -> dict:
+    a, log = b.args, b.log
     n_req, plen, n = a.batch, a.prompt_len, a.output_len
     hf_prompts = [ids(plen) for _ in range(n_req)]
     log(f"[1] warm-up: {n_req} x {plen} in / {n} out through the engine (compiles its shapes)")
@@ -163,45 +164,27 @@ def bench_throughput(llm, a, ids: Ids, log) -> dict:
     engine_batch_round(llm, [ids(plen) for _ in range(n_req)], n)
     warm = {"warmup_s": time.perf_counter() - t0, "programs_compiled": compile_count() - c0}
 
-    peer, why = None, "skipped (--no-hf)"
-    if not a.no_hf:
-        python, why = find_hf_python(a.hf_python)
-        if python:
-            log(f"[1] starting transformers ({python}; load + a short warm-up generate at batch {n_req})")
-            try:
-                peer = BatchPeer(python, str(resolve_model(a.model).path), a.threads, a.attn, hf_prompts, n, a.hf_dtype)
-                why = python
-            except Exception as e:
-                log(f"transformers peer failed: {e}")
-                why, peer = f"failed: {e}", None
-
-    failed: list = []
-
-    def peer_failed(name, i, e):  # report, go on without the peer
-        if name != "transformers":
-            raise e
-        log(f"transformers peer failed: {e}")
-        failed.append(f"failed: {e}")
+    python, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
+    peer = None
+    if python:
+        log(f"[1] starting transformers ({python}; load + a short warm-up generate at batch {n_req})")
+        peer = b.start("transformers", lambda: BatchPeer(python, str(resolve_model(a.model).path), a.threads, a.attn,
+                                                         hf_prompts, n, a.hf_dtype))
+        why = python if peer is not None else b.figures["skipped"]["transformers"]
 
     # round 1 uses transformers' prompts (for the token check); later rounds fresh ids, so no prefix hits
     systems = {"jaxinfer": lambda i: engine_batch_round(llm, hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)], n)}
     if peer is not None:
         systems["transformers"] = lambda i: peer.round()
     c1 = compile_count()
-    rounds = alternate(systems, a.rounds, log=lambda m: log(f"[1] {m}"), on_error=peer_failed)
+    rounds = b.rounds(systems, tag="[1] ", may_fail=("transformers",))
     jr, hr = rounds["jaxinfer"], rounds.get("transformers", [])
-    if failed:
-        why = failed[0]
-        peer.close()
-        peer = None
+    why = b.figures.get("skipped", {}).get("transformers", why)
     res = {
         "jaxinfer": {
             **warm,
             "recompiles": compile_count() - c1,
-            "e2e_tok_s": median(r["e2e_tok_s"] for r in jr),
-            "decode_tok_s": median(r["decode_tok_s"] for r in jr),
-            "wall_s": median(r["wall_s"] for r in jr),
-            "all_first_tokens_s": median(r["all_first_tokens_s"] for r in jr),
+            **{k: median(r[k] for r in jr) for k in ("e2e_tok_s", "decode_tok_s", "wall_s", "all_first_tokens_s")},
             "cached_tokens": sum(r["cached_tokens"] for r in jr),
             "rounds": [{k: v for k, v in r.items() if k != "tokens_first"} for r in jr],
         },
@@ -209,7 +192,7 @@ def bench_throughput(llm, a, ids: Ids, log) -> dict:
     }
     if hr:
         res["transformers"] = {
-            "info": peer.info if peer is not None else None,
+            "info": peer.info,
             "e2e_tok_s": median(r["batch_e2e_tok_s"] for r in hr),
             "decode_tok_s": median(r["batch_decode_tok_s"] for r in hr),
             "wall_s": median(r["batch_generate_s"] for r in hr),
@@ -376,9 +359,9 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32", quantization=
         row = {}
         for b in batches:
             x = jnp.ones((b, shape[contract]), jnp.float32)
-            run = lambda: mm(x, w, w_contract=contract).block_until_ready()  # noqa: E731
-            run()
-            row[str(b)] = 1e3 * median(timed(run, repeats))
+            product = lambda: mm(x, w, w_contract=contract).block_until_ready()  # noqa: E731
+            product()
+            row[str(b)] = 1e3 * median(timed(product, repeats))
         out[name] = {"shape": list(shape), "ms": row}
     per_layer = {str(b): sum(out[k]["ms"][str(b)] for k in ("qkv", "o", "gate_up", "down")) for b in batches}
     head_ms = out["head_tied" if (cfg.tie_word_embeddings or quantization) else "head"]["ms"]
@@ -403,16 +386,16 @@ def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict
     for b in batches:
         q = jnp.ones((b, 1, cfg.num_heads, hd), jnp.float32)
         k = jnp.ones((b, 1, kvh, hd), jnp.float32)
-        table = np.arange(1, 1 + b * p, dtype=np.int32).reshape(b, p) % (ecfg.num_pages - 1) + 1
+        pages = np.arange(1, 1 + b * p, dtype=np.int32).reshape(b, p) % (ecfg.num_pages - 1) + 1
         pos = np.full((b, 1), context - 1, np.int32)
-        meta = jax.device_put(AttentionMetadata(pos, slots_for(table, pos, ps), table, np.full((b,), context, np.int32)))
+        meta = jax.device_put(AttentionMetadata(pos, slots_for(pages, pos, ps), pages, np.full((b,), context, np.int32)))
 
-        def run():
+        def step():
             o, state["cache"] = f(q, k, k, state["cache"], meta)
             o.block_until_ready()
 
-        run()
-        out[str(b)] = 1e3 * median(timed(run, repeats))
+        step()
+        out[str(b)] = 1e3 * median(timed(step, repeats))
     return out
 
 
@@ -509,59 +492,39 @@ def bench_stall(llm, a, ids: Ids, log) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-def fmt(x, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def report(res: dict) -> str:
-    L = []
-    s = res["system"]
-    L.append(
-        f"jaxinfer engine benchmark — {res['model']} ({res.get('quantization') or res['dtype']} weights, {res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} "
-        f"(max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']})"
-    )
-    L.append(machine_line(s))
-    L.append(f"load average at start {s['loadavg']}, at end {s.get('loadavg_end')}; medians of {res['rounds']} rounds")
+    L = heading(
+        f"jaxinfer engine benchmark — {res['model']} ({res.get('quantization') or res['dtype']} weights, "
+        f"{res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} (max_num_seqs "
+        f"{res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}); medians of {res['rounds']} rounds",
+        res["system"])
 
     t, c = res.get("throughput"), res.get("ceiling")
     if t:
         j, h = t["jaxinfer"], t.get("transformers")
-        L.append("")
-        L.append(
+        L += [
+            "",
             f"1. {res['batch']} requests x {res['prompt_len']} prompt / {res['output_len']} output tokens at once "
-            f"(greedy, ignore_eos)"
-        )
-        w = 46
-        L.append(f"   {'':<{w}} {'jaxinfer':>10} {'transformers':>13} {'ratio':>7}")
-
-        def row(name, x, y):
-            r = f"{x / y:.2f}x" if (x and y) else "-"
-            L.append(f"   {name:<{w}} {fmt(x):>10} {fmt(y):>13} {r:>7}")
-
-        row("output tok/s, wall clock incl. prefill", j["e2e_tok_s"], h and h["e2e_tok_s"])
-        row("decode-only tok/s (after all first tokens)", j["decode_tok_s"], h and h["decode_tok_s"])
-        L.append(
+            "(greedy, ignore_eos)",
+            compare([("output tok/s, wall clock incl. prefill", j["e2e_tok_s"], h and h["e2e_tok_s"], ".1f"),
+                     ("decode-only tok/s (after all first tokens)", j["decode_tok_s"], h and h["decode_tok_s"], ".1f")],
+                    label="", indent="   "),
             f"   wall time: jaxinfer {fmt(j['wall_s'], '.2f')} s (all first tokens after "
             f"{fmt(j['all_first_tokens_s'], '.2f')} s)"
-            + (f"; transformers {fmt(h['wall_s'], '.2f')} s (first token {fmt(h['first_token_s'], '.2f')} s)" if h else "")
-        )
-        L.append(
+            + (f"; transformers {fmt(h['wall_s'], '.2f')} s (first token {fmt(h['first_token_s'], '.2f')} s)" if h else ""),
             f"   per-round e2e tok/s: jaxinfer {[round(r['e2e_tok_s'], 1) for r in j['rounds']]}"
-            + (f", transformers {[round(r['batch_e2e_tok_s'], 1) for r in h['rounds']]}" if h else "")
-        )
-        L.append(
+            + (f", transformers {[round(r['batch_e2e_tok_s'], 1) for r in h['rounds']]}" if h else ""),
             f"   jaxinfer warm-up {j['warmup_s']:.1f} s ({j['programs_compiled']} programs compiled), "
-            f"{j['recompiles']} compiled during the rounds; prefix-cache tokens reused in the rounds: {j['cached_tokens']}"
-        )
+            f"{j['recompiles']} compiled during the rounds; prefix-cache tokens reused in the rounds: {j['cached_tokens']}",
+        ]
         if h:
             i = h.get("info") or {}
+            v = i.get("versions") or {}
             L.append(
                 f"   transformers: {i.get('dtype')}, {i.get('attn')} attention, {i.get('threads')} threads, torch "
-                f"{(i.get('versions') or {}).get('torch')}, transformers {(i.get('versions') or {}).get('transformers')}; "
-                f"greedy row 0 agrees for {t['agree_row0']} of {res['output_len']} tokens"
+                f"{v.get('torch')}, transformers {v.get('transformers')}; greedy row 0 agrees for {t['agree_row0']} of "
+                f"{res['output_len']} tokens"
             )
-            ok = t["ratio_e2e"] >= 2.5
-            L.append(f"   target >= 2.5x transformers: [{'PASS' if ok else 'MISS'}] {t['ratio_e2e']:.2f}x")
         else:
             L.append(f"   transformers: {t['transformers_python']}")
     if c:
@@ -578,98 +541,73 @@ def report(res: dict) -> str:
 
     sv = res.get("serving")
     if sv:
-        L.append("")
-        L.append(
-            f"2. jaxinfer bench driver (LibraryBackend), {res['requests_per_slot']} x concurrency requests of "
-            f"{res['prompt_len']} in / {res['output_len']} out, all sent at once under the cap"
-        )
-        L.append(
-            f"   {'conc':>4} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-            f"{'ITL max':>8} {'TPOT p50':>9}  (ms)"
-        )
-        for k, v in sv.items():
-            L.append(
-                f"   {k:>4} {v['requests']:>5} {fmt(v['output_tok_s']):>10} {fmt(v['ttft_ms']['median']):>9} "
-                f"{fmt(v['ttft_ms']['p99']):>9} {fmt(v['itl_ms']['median']):>8} {fmt(v['itl_ms']['p99']):>8} "
-                f"{fmt(v['itl_ms']['max']):>8} {fmt(v['tpot_ms']['median']):>9}"
-                + (f"  failed {v['failed']}" if v["failed"] else "")
-            )
+        rows = [[k, v["requests"], fmt(v["output_tok_s"]), fmt(v["ttft_ms"]["median"]), fmt(v["ttft_ms"]["p99"]),
+                 fmt(v["itl_ms"]["median"]), fmt(v["itl_ms"]["p99"]), fmt(v["itl_ms"]["max"]),
+                 fmt(v["tpot_ms"]["median"]), f"failed {v['failed']}" if v["failed"] else ""] for k, v in sv.items()]
+        text = table(["conc", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ITL max", "TPOT p50",
+                      "(ms)"], rows)
+        L += ["", f"2. jaxinfer bench driver (LibraryBackend), {res['requests_per_slot']} x concurrency requests of "
+              f"{res['prompt_len']} in / {res['output_len']} out, all sent at once under the cap",
+              *("   " + line for line in text.splitlines())]
 
     p = res.get("prefix")
     if p:
-        L.append("")
-        L.append(f"3. prefix cache: {p['prompt_tokens']}-token prompts sharing a {res['system_len']}-token system prompt")
-        L.append(
+        L += [
+            "",
+            f"3. prefix cache: {p['prompt_tokens']}-token prompts sharing a {res['system_len']}-token system prompt",
             f"   TTFT with the cache {1e3 * p['ttft_cached_s']:.1f} ms, without {1e3 * p['ttft_uncached_s']:.1f} ms: "
             f"{p['speedup']:.1f}x faster; cached_tokens reported {p['cached_tokens']} "
-            f"(the request that filled it: {1e3 * p['fill_ttft_s']:.1f} ms)"
-        )
-        L.append(
+            f"(the request that filled it: {1e3 * p['fill_ttft_s']:.1f} ms)",
             f"   samples (ms): cached {[round(1e3 * x, 1) for x in p['samples_cached_s']]}, "
-            f"uncached {[round(1e3 * x, 1) for x in p['samples_uncached_s']]}"
-        )
+            f"uncached {[round(1e3 * x, 1) for x in p['samples_uncached_s']]}",
+        ]
 
     hs = res.get("host")
     if hs:
-        L.append("")
-        L.append("4. host share of a steady decode step (engine stats over a window, all requests decoding)")
+        L += ["", "4. host share of a steady decode step (engine stats over a window, all requests decoding)"]
         for b, v in hs["summary"].items():
             L.append(
                 f"   batch {b:>2}: step {fmt(v['step_ms'], '.2f')} ms, host {fmt(v['host_ms_per_step'], '.2f')} ms, "
                 f"waiting on the device {fmt(v['wait_ms_per_step'], '.2f')} ms => host share "
                 f"{100 * v['host_share']:.0f}%; {fmt(v['tok_s'])} tok/s, ITL p50 {fmt(v['itl_median_ms'], '.2f')} ms"
             )
-        sa = hs["step_alone_ms"]
+        sa, mm, at = hs["step_alone_ms"], hs["matmuls"], hs["attention"]
         b0 = next(iter(sa))
-        L.append(
-            "   jitted decode step alone (inputs on device) / through ModelRunner.decode: "
-            + ", ".join(
+        L += [
+            "   jitted decode step alone (inputs on device) / through ModelRunner.decode: " + ", ".join(
                 f"b{b} {v['direct']:.2f} / {v['runner']:.2f} ms ({v['direct'] / sa[b0]['direct']:.2f}x b{b0})"
-                for b, v in sa.items()
-            )
-        )
-        mm = hs["matmuls"]
-        L.append(
+                for b, v in sa.items()),
             "   the model's matmuls alone (30 layers + head, jitted one by one): "
-            + ", ".join(f"b{b} {v:.2f} ms" for b, v in mm["model_ms"].items())
-        )
-        at = hs["attention"]
-        L.append(
+            + ", ".join(f"b{b} {v:.2f} ms" for b, v in mm["model_ms"].items()),
             f"   decode attention alone, one layer ({at['pages']} pages attended) x {res['num_layers']} layers: "
-            + ", ".join(f"b{b} {res['num_layers'] * at[str(b)]:.2f} ms" for b in hs["step_alone_ms"])
-        )
+            + ", ".join(f"b{b} {res['num_layers'] * at[str(b)]:.2f} ms" for b in sa),
+        ]
         for name in ("qkv", "o", "gate_up", "down", "head", "head_tied"):
-            if name not in mm:
-                continue
-            v = mm[name]
-            L.append(
-                f"     {name:<8} {str(v['shape']):<13} " + ", ".join(f"b{b} {x:.3f} ms" for b, x in v["ms"].items())
-            )
+            if name in mm:
+                v = mm[name]
+                L.append(f"     {name:<8} {str(v['shape']):<13} "
+                         + ", ".join(f"b{b} {x:.3f} ms" for b, x in v["ms"].items()))
 
     st = res.get("stall")
     if st:
-        L.append("")
-        L.append(
+        per_chunk = st["lone_long_ttft_ms"] / st["long_chunks"]
+        L += [
+            "",
             f"5. stall: {res['stall_streams']} streams decoding, then a {res['long_len']}-token prompt arrives "
-            f"(chunk {st['chunk_tokens']}, budget {st['budget_tokens']} tokens/step)"
-        )
-        L.append(
-            f"   gaps before {st['median_gap_before_ms']:.1f} ms (median); during its prefill ({st['long_chunks']:.0f} chunks, "
-            f"TTFT {1e3 * st['long_ttft_s']:.0f} ms) median {fmt(st['median_gap_during_ms'])} ms, "
-            f"max {fmt(st['max_gap_during_ms'])} ms (worst round {st['max_gap_during_worst_ms']:.1f} ms)"
-        )
-        L.append(
+            f"(chunk {st['chunk_tokens']}, budget {st['budget_tokens']} tokens/step)",
+            f"   gaps before {st['median_gap_before_ms']:.1f} ms (median); during its prefill ({st['long_chunks']:.0f} "
+            f"chunks, TTFT {1e3 * st['long_ttft_s']:.0f} ms) median {fmt(st['median_gap_during_ms'])} ms, "
+            f"max {fmt(st['max_gap_during_ms'])} ms (worst round {st['max_gap_during_worst_ms']:.1f} ms)",
             f"   one {st['chunk_tokens']}-token chunk step alone (TTFT of a lone {st['chunk_tokens']}-token prompt) "
             f"{st['lone_chunk_ttft_ms']:.1f} ms; lone {res['long_len']}-token prompt {st['lone_long_ttft_ms']:.0f} ms "
-            f"= {st['lone_long_ttft_ms'] / st['long_chunks']:.1f} ms per chunk"
-        )
-        r1 = st["max_gap_during_ms"] / st["median_gap_before_ms"]
-        r2 = st["max_gap_during_ms"] / st["lone_chunk_ttft_ms"]
-        r3 = st["max_gap_during_ms"] / (st["lone_long_ttft_ms"] / st["long_chunks"] + st["median_gap_before_ms"])
-        L.append(
-            f"   max gap = {r1:.1f}x the usual gap, {r2:.2f}x a lone first chunk, "
-            f"{r3:.2f}x (mean chunk of the long prompt + one decode step)"
-        )
+            f"= {per_chunk:.1f} ms per chunk",
+            f"   max gap = {st['max_gap_during_ms'] / st['median_gap_before_ms']:.1f}x the usual gap, "
+            f"{st['max_gap_during_ms'] / st['lone_chunk_ttft_ms']:.2f}x a lone first chunk, "
+            f"{st['max_gap_during_ms'] / (per_chunk + st['median_gap_before_ms']):.2f}x (mean chunk of the long prompt "
+            "+ one decode step)",
+        ]
+    if res.get("targets"):
+        L += ["", *targets_block(res["targets"])]
     return "\n".join(L)
 
 
@@ -681,13 +619,9 @@ SECTIONS = ("throughput", "serving", "prefix", "host", "stall")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = parser("python -m benchmarks.engine", __doc__, rounds=(3, 2), quick="fewer rounds and requests", dtype=True)
     p.add_argument("--engine-config", default=None, help="engine preset (default: this backend's)")
-    p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"), help="weights' dtype (default: the preset's)")
     p.add_argument("--quantization", default=None, choices=("int8", "int4"), help="quantized weights (jaxinfer.ops.quant)")
-    p.add_argument("--quick", action="store_true", help="fewer rounds and requests")
-    p.add_argument("--rounds", type=int, default=None, help="measured rounds per figure (default 3, --quick 2)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -701,70 +635,50 @@ def parse_args(argv=None):
     p.add_argument("--long-len", type=int, default=2000)
     p.add_argument("--stall-streams", type=int, default=8)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="run only these sections")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
-    p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers (+ gguf) for the peer")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the peer")
-    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    hf_flags(p)
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the peer's dtype (float32: what transformers' GGUF loader gives by default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write every figure as JSON to this file")
-    a = p.parse_args(argv)
-    a.rounds = a.rounds or (2 if a.quick else 3)
-    a.requests_per_slot = a.requests_per_slot or (1 if a.quick else 2)
-    a.prefix_requests = a.prefix_requests or (3 if a.quick else 5)
-    a.host_window = a.host_window or (24 if a.quick else 48)
+    a = settle(p, p.parse_args(argv), quick={"requests_per_slot": (2, 1), "prefix_requests": (5, 3),
+                                             "host_window": (48, 24)}, at_least={"output_len": 2})
     a.step_batches = sorted(set(a.host_batches) | {a.batch})
-    if a.output_len < 2:
-        p.error("--output-len must be at least 2")
     return a
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    log = Clock()
-    sections = a.only or SECTIONS
+def measure(b: Bench) -> None:
+    a, res, log = b.args, b.figures, b.log
     llm = jaxinfer.LLM(a.model, engine_config=a.engine_config, dtype=a.dtype, quantization=a.quantization)
     e = llm.engine_config
-    res: dict = {
-        "model": llm.model_name,
-        "dtype": e.dtype,
-        "quantization": e.quantization,
-        "kv_cache_dtype": e.cache_dtype,
-        "engine_config": e.name,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": llm.engine.scheduler.budget,
-        "rounds": a.rounds,
-        "num_layers": llm.model_config.num_layers,
-        "batch": a.batch,
-        "prompt_len": a.prompt_len,
-        "output_len": a.output_len,
-        "requests_per_slot": a.requests_per_slot,
-        "system_len": a.system_len,
-        "long_len": a.long_len,
-        "stall_streams": a.stall_streams,
-        "system": machine(),
-    }
+    res.update(model=llm.model_name, dtype=e.dtype, quantization=e.quantization, kv_cache_dtype=e.cache_dtype,
+               engine_config=e.name, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=llm.engine.scheduler.budget,
+               rounds=a.rounds, num_layers=llm.model_config.num_layers, batch=a.batch, prompt_len=a.prompt_len,
+               output_len=a.output_len, requests_per_slot=a.requests_per_slot, system_len=a.system_len,
+               long_len=a.long_len, stall_streams=a.stall_streams)
     log(f"loaded {llm.model_name} in {llm.load_time_s:.1f} s; load average {load_average()}")
     ids = Ids(llm.model_config.vocab_size, a.seed)
+    sections = {
+        "throughput": lambda: bench_throughput(llm, b, ids),
+        "serving": lambda: bench_serving(llm, a, log),
+        "prefix": lambda: bench_prefix(llm, a, ids, log),
+        "host": lambda: bench_host(llm, a, ids, log),
+        "stall": lambda: bench_stall(llm, a, ids, log),
+    }
     try:
         log(f"compute ceiling: jitted {e.dtype} [4096,576]x[576,1536] matmul")
         res["ceiling"] = ceiling(llm.model_config, matmul_gflops(dtype=e.dtype), a.batch, a.prompt_len, a.output_len)
-        for name, fn in (
-            ("throughput", bench_throughput),
-            ("serving", lambda l, a, i, g: bench_serving(l, a, g)),
-            ("prefix", bench_prefix),
-            ("host", bench_host),
-            ("stall", bench_stall),
-        ):
-            if name in sections:
-                res[name] = fn(llm, a, ids, log)
-                res["system"][f"loadavg_after_{name}"] = load_average()
-                log(f"{name} done; load average {load_average()}")
+        for name in a.only or SECTIONS:
+            res[name] = sections[name]()
+            res["system"][f"loadavg_after_{name}"] = load_average()
+            log(f"{name} done; load average {load_average()}")
     finally:
         llm.close()
-    res["system"]["loadavg_end"] = load_average()
-    return finish(report(res), res, a.json, log)
+    t = res.get("throughput")
+    if t and "ratio_e2e" in t:
+        res["targets"] = [target("batch throughput >= 2.5x transformers", t["ratio_e2e"] >= 2.5, f"{t['ratio_e2e']:.2f}x")]
+
+
+def main(argv=None) -> int:
+    return run(measure, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ machine other processes' load moves every number, which is why the runs alternat
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -60,11 +59,11 @@ import numpy as np
 
 import jaxinfer
 from jaxinfer import SamplingParams, StructuredOutputsParams
-from jaxinfer.ops import sampler
-from jaxinfer.engine import structured
+from jaxinfer.engine import sampling, structured
 from jaxinfer.stats import median
 from jaxinfer.engine.compile_cache import compile_count
-from jaxinfer.tools.harness import Clock, alternate, finish, load_line, machine_line
+from jaxinfer.tools.harness import (Bench, fmt, heading, load_line, machine_line, parser, run, settle, table, target,
+                                   targets_block)
 
 SCHEMA = {
     "type": "object",
@@ -137,7 +136,7 @@ def is_constrained(run: str, i: int) -> bool:
 
 
 class Probe:
-    """Times `jaxinfer.engine.structured.fill_bitmasks` (as `jaxinfer.ops.sampler` calls it: the name it imported)
+    """Times `jaxinfer.engine.structured.fill_bitmasks` (as `jaxinfer.engine.sampling` calls it: the name it imported)
     and `Constraint.accept` while installed."""
 
     def __init__(self):
@@ -149,7 +148,7 @@ class Probe:
 
     @contextmanager
     def installed(self):
-        fill, accept = sampler.fill_bitmasks, structured.Constraint.accept
+        fill, accept = sampling.fill_bitmasks, structured.Constraint.accept
 
         def timed_fill(rows, batch, vocab_size):
             t0 = time.perf_counter()
@@ -168,11 +167,11 @@ class Probe:
                 self.accept_s += time.perf_counter() - t0
                 self.accept_calls += 1
 
-        sampler.fill_bitmasks, structured.Constraint.accept = timed_fill, timed_accept
+        sampling.fill_bitmasks, structured.Constraint.accept = timed_fill, timed_accept
         try:
             yield self
         finally:
-            sampler.fill_bitmasks, structured.Constraint.accept = fill, accept
+            sampling.fill_bitmasks, structured.Constraint.accept = fill, accept
 
 
 @contextmanager
@@ -324,28 +323,28 @@ def device_stage(batch: int, vocab: int, repeats: int) -> dict:
 def summarize(rounds: dict) -> dict:
     keys = ("tok_s", "decode_tok_s", "wall_s", "step_ms", "host_ms_per_step", "wait_ms_per_step")
     med = {}
-    for run, rs in rounds.items():
-        med[run] = {k: median([r[k] for r in rs if r[k] is not None]) for k in keys if any(r[k] is not None for r in rs)}
-        med[run]["output_tokens"] = median([r["output_tokens"] for r in rs])
-        med[run]["steps"] = median([r["steps"] for r in rs])
+    for name, rs in rounds.items():
+        med[name] = {k: median([r[k] for r in rs if r[k] is not None]) for k in keys if any(r[k] is not None for r in rs)}
+        med[name]["output_tokens"] = median([r["output_tokens"] for r in rs])
+        med[name]["steps"] = median([r["steps"] for r in rs])
     ratios = {}
-    for run, base in BASELINE.items():
-        if run in rounds and base in rounds:
-            per = [x["tok_s"] / y["tok_s"] for x, y in zip(rounds[run], rounds[base])]
-            dec = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(rounds[run], rounds[base])
+    for name, base in BASELINE.items():
+        if name in rounds and base in rounds:
+            per = [x["tok_s"] / y["tok_s"] for x, y in zip(rounds[name], rounds[base])]
+            dec = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(rounds[name], rounds[base])
                    if x["decode_tok_s"] and y["decode_tok_s"]]
-            ratios[run] = {"baseline": base, "per_round": per, "median": median(per),
+            ratios[name] = {"baseline": base, "per_round": per, "median": median(per),
                            "decode_per_round": dec, "decode_median": median(dec) if dec else None}
     masks = {}
-    for run in ("mixed", "all"):
-        rs = rounds.get(run)
+    for name in ("mixed", "all"):
+        rs = rounds.get(name)
         if not rs:
             continue
         mask_s, rows = sum(r["mask_s"] for r in rs), sum(r["mask_rows"] for r in rs)
         msteps, fill_s = sum(r["mask_steps"] for r in rs), sum(r["fill_s"] for r in rs)
         acc_s, acc_n = sum(r["accept_s"] for r in rs), sum(r["accept_calls"] for r in rs)
         steps, syncs = sum(r["steps"] for r in rs), sum(r["grammar_syncs"] for r in rs)
-        masks[run] = {
+        masks[name] = {
             "mask_steps": msteps,
             "mask_rows": rows,
             "mask_ms_per_step": 1e3 * mask_s / msteps if msteps else None,
@@ -357,10 +356,10 @@ def summarize(rounds: dict) -> dict:
             "steps": steps,
             "grammar_syncs": syncs,
             "sync_share": syncs / steps if steps else None,
-            # the host's structured-output work as a share of the run's wall time
+            # the host's structured-output work as a share of the name's wall time
             "host_share_of_wall": (mask_s + acc_s) / sum(r["wall_s"] for r in rs),
         }
-        base = rounds.get(BASELINE[run])
+        base = rounds.get(BASELINE[name])
         if base and msteps and steps:
             # what the parts add to a step of the baseline, measured apart from the noise of whole runs:
             # the masks and the matcher (host, now on the critical path), and the baseline's own host
@@ -368,7 +367,7 @@ def summarize(rounds: dict) -> dict:
             b_step = median([r["step_ms"] for r in base])
             b_host = median([r["host_ms_per_step"] for r in base])
             extra = (1e3 * (mask_s + acc_s) + b_host * syncs) / steps
-            masks[run].update({"baseline_step_ms": b_step, "baseline_host_ms_per_step": b_host,
+            masks[name].update({"baseline_step_ms": b_step, "baseline_host_ms_per_step": b_host,
                                "expected_extra_ms_per_step": extra, "expected_ratio": b_step / (b_step + extra)})
     return {"median": med, "ratios": ratios, "masks": masks}
 
@@ -376,49 +375,40 @@ def summarize(rounds: dict) -> dict:
 def report(res: dict) -> str:
     s = res["summary"]
     med, ratios, masks = s["median"], s["ratios"], s["masks"]
-    L = [
-        f"structured output — {res['model']} ({res['dtype']}), batch {res['batch']}, max_tokens {res['max_tokens']}, "
-        f"temperature 1.0; medians of {res['rounds']} rounds, runs alternating",
-        res["cpu"],
-        f"{res['load_start']} at start, {res['load_end']} at end; total {res['total_s']:.0f} s "
-        f"(warm-up and compiles {res['warmup_s']:.0f} s)",
-        "",
-        f"{'run':<12} {'constrained':>11} {'tokens':>7} {'steps':>6} {'wall s':>8} {'tok/s':>8} {'decode tok/s':>13} "
-        f"{'step ms':>8} {'host ms':>8} {'vs baseline':>12}",
-    ]
-    for run in res["runs"]:
-        m = med[run]
-        r0 = res["rounds_data"][run][0]
-        ratio = ratios.get(run)
-        L.append(
-            f"{run:<12} {r0['constrained']:>11} {m['output_tokens']:>7.0f} {m['steps']:>6.0f} {m['wall_s']:>8.2f} "
-            f"{m['tok_s']:>8.1f} {m.get('decode_tok_s', float('nan')):>13.1f} {m.get('step_ms', float('nan')):>8.1f} "
-            f"{m.get('host_ms_per_step', float('nan')):>8.1f} "
-            + (f"{ratio['median']:>11.3f}x" if ratio else f"{'':>12}")
-        )
-    L.append("")
-    for run, r in ratios.items():
-        what = {"mixed": "half constrained", "all": "all constrained", "plain+sync": "sync forced, no masks"}[run]
-        goal = f"  goal >= {GOAL:.2f}x: {'PASS' if r['median'] >= GOAL else 'FAIL'}" if run != "plain+sync" else ""
-        L.append(f"{run} ({what}) / {r['baseline']}: median {r['median']:.3f}x; per round "
-                 f"{', '.join(f'{x:.3f}' for x in r['per_round'])}{goal}")
+    L = heading(f"structured output — {res['model']} ({res['dtype']}), batch {res['batch']}, max_tokens "
+                f"{res['max_tokens']}, temperature 1.0; medians of {res['rounds']} rounds, runs alternating",
+                res["system"])
+    L.append(f"warm-up and compiles {res['warmup_s']:.0f} s")
+    rows = []
+    for run_name in res["runs"]:
+        m, ratio = med[run_name], ratios.get(run_name)
+        rows.append([run_name, res["rounds_data"][run_name][0]["constrained"], fmt(m["output_tokens"], ".0f"),
+                     fmt(m["steps"], ".0f"), fmt(m["wall_s"], ".2f"), fmt(m["tok_s"]), fmt(m.get("decode_tok_s")),
+                     fmt(m.get("step_ms")), fmt(m.get("host_ms_per_step")),
+                     f"{ratio['median']:.3f}x" if ratio else ""])
+    L += ["", table(["run", "constrained", "tokens", "steps", "wall s", "tok/s", "decode tok/s", "step ms", "host ms",
+                     "vs baseline"], rows), ""]
+    for run_name, r in ratios.items():
+        what = {"mixed": "half constrained", "all": "all constrained", "plain+sync": "sync forced, no masks"}[run_name]
+        L.append(f"{run_name} ({what}) / {r['baseline']}: median {r['median']:.3f}x; per round "
+                 f"{', '.join(f'{x:.3f}' for x in r['per_round'])}")
         if r["decode_median"] is not None:
             L.append(f"{'':>4}decode phase only: median {r['decode_median']:.3f}x; per round "
                      f"{', '.join(f'{x:.3f}' for x in r['decode_per_round'])}")
     L.append("")
-    for run, m in masks.items():
+    for run_name, m in masks.items():
         L.append(
-            f"{run}: mask {m['mask_ms_per_step']:.2f} ms per step ({m['rows_per_mask_step']:.1f} constrained rows), "
+            f"{run_name}: mask {m['mask_ms_per_step']:.2f} ms per step ({m['rows_per_mask_step']:.1f} constrained rows), "
             f"{m['mask_us_per_row']:.0f} us per row (runner.mask_s / mask_rows over {m['mask_steps']} steps); "
             f"llguidance's fill alone {m['fill_ms_per_step']:.2f} ms per step, {m['fill_us_per_row']:.0f} us per row; "
             f"matcher advance {m['accept_us_per_token']:.1f} us per token; host structured-output work "
             f"{100 * m['host_share_of_wall']:.2f}% of wall time"
         )
-        L.append(f"{run}: grammar_syncs {m['grammar_syncs']} of {m['steps']} steps ({100 * m['sync_share']:.0f}%)")
+        L.append(f"{run_name}: grammar_syncs {m['grammar_syncs']} of {m['steps']} steps ({100 * m['sync_share']:.0f}%)")
         if "expected_ratio" in m:
-            L.append(f"{run}: from the parts (masks + matcher + the baseline's host work {m['baseline_host_ms_per_step']:.1f} "
-                     f"ms on each synced step): +{m['expected_extra_ms_per_step']:.2f} ms on a "
-                     f"{m['baseline_step_ms']:.1f} ms step = {m['expected_ratio']:.3f}x expected")
+            L.append(f"{run_name}: from the parts (masks + matcher + the baseline's host work "
+                     f"{m['baseline_host_ms_per_step']:.1f} ms on each synced step): +{m['expected_extra_ms_per_step']:.2f} "
+                     f"ms on a {m['baseline_step_ms']:.1f} ms step = {m['expected_ratio']:.3f}x expected")
     ds = res.get("device_stage")
     if ds:
         L.append(
@@ -427,13 +417,15 @@ def report(res: dict) -> str:
             f"one step's mask ({ds['mask_bytes'] // 1024} KiB) placed on device {ds['put_mask_ms']:.3f} ms"
         )
     checks = res["checks"]
-    L.append(
+    L += [
         f"constrained outputs that ended 'stop' and validate against the schema: {checks['valid']} of "
         f"{checks['constrained']}; token counts of the free runs matched their constrained runs: "
         f"{'yes' if checks['counts_matched'] else 'NO (see JSON)'}; programs compiled during the rounds: "
-        f"{checks['programs_compiled_in_rounds']}"
-    )
-    L.append(f"example constrained output: {res['example']}")
+        f"{checks['programs_compiled_in_rounds']}",
+        f"example constrained output: {res['example']}",
+    ]
+    if res["targets"]:
+        L += ["", *targets_block(res["targets"])]
     return "\n".join(L)
 
 
@@ -443,38 +435,40 @@ def report(res: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.structured_output", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="the model (and, with --tiny, the tokenizer's source) (default: smollm2-135m-instruct)")
+    p = parser("python -m benchmarks.structured_output", __doc__, rounds=(3, 2),
+               quick="--tiny, 2 rounds: a few minutes on 2 cores", json_help="also write every figure as JSON")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random-weight model with --model's tokenizer instead of --model's weights")
-    p.add_argument("--quick", action="store_true", help="--tiny, 2 rounds: a few minutes on 2 cores")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of every run (default: 3; --quick: 2)")
     p.add_argument("--batch", type=int, default=32, help="concurrent requests (default: 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default: 64)")
     p.add_argument("--seed", type=int, default=1000, help="request i samples with seed + i (default: 1000)")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                    help="which runs (a ratio needs its baseline: mixed/plain, all/plain-all, plain+sync/plain)")
-    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.tiny = True
-    if a.rounds is None:
-        a.rounds = 2 if a.quick else 3
-    if a.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {a.rounds}")
-    if a.batch < 2:
-        p.error(f"--batch must be at least 2 (half the rows are constrained), got {a.batch}")
-    if a.max_tokens < 32:
-        p.error(f"--max-tokens must be at least 32 (the schema's longest output fits), got {a.max_tokens}")
+    # --batch 2: half the rows are constrained; --max-tokens 32: the schema's longest output fits
+    a = settle(p, p.parse_args(argv), at_least={"rounds": 1, "batch": 2, "max_tokens": 32})
+    a.tiny = a.tiny or a.quick
     return a
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    log = Clock()
-    cpu, load_start = machine_line(), load_line()
-    log(f"{cpu}; {load_start}")
+def warm_up(llm, a, runs: list, prompts: list, probe: Probe, log) -> dict:
+    """Compile every shape; the constrained runs' token counts, which the free runs must match."""
+    counts: dict = {}
+    for run_name in ("mixed", "all"):
+        if run_name in runs or BASELINE.get(run_name) in runs or (run_name == "mixed" and "plain+sync" in runs):
+            log(f"warm-up: {run_name}")
+            counts[run_name] = run_once(llm, run_name, prompts, a, None, probe)["counts"]
+    for run_name in ("plain", "plain-all"):
+        if run_name in runs:
+            log(f"warm-up: {run_name}")
+            run_once(llm, run_name, prompts, a, counts.get("mixed" if run_name == "plain" else "all"), probe)
+    if "plain+sync" in runs and "plain" not in runs:
+        run_once(llm, "plain", prompts, a, counts["mixed"], probe)
+    return counts
+
+
+def measure(b: Bench) -> None:
+    a, res, log = b.args, b.figures, b.log
+    res.update(cpu=machine_line(res["system"]), load_start=load_line())
     if a.tiny:
         log(f"building a tiny random model with {a.model}'s tokenizer")
         llm = tiny_llm(a.model)
@@ -484,42 +478,29 @@ def main(argv=None) -> int:
     prompts = make_prompts(llm, a.batch)
     probe = Probe()
     runs = [r for r in RUNS if r in a.runs]
-    counts: dict = {}
     with probe.installed():
-        # warm-up: compiles every shape, and gives the token counts the free runs must match
-        for run in ("mixed", "all"):
-            if run in runs or BASELINE.get(run) in runs or (run == "mixed" and "plain+sync" in runs):
-                log(f"warm-up: {run}")
-                counts[run] = run_once(llm, run, prompts, a, None, probe)["counts"]
-        for run in ("plain", "plain-all"):
-            if run in runs:
-                src = counts.get("mixed" if run == "plain" else "all")
-                log(f"warm-up: {run}")
-                run_once(llm, run, prompts, a, src, probe)
-        if "plain+sync" in runs and "plain" not in runs:
-            run_once(llm, "plain", prompts, a, counts["mixed"], probe)
+        counts = warm_up(llm, a, runs, prompts, probe, log)
         warmup_s = log.elapsed()
 
-        def measure(run):
+        def measured(run_name):
             def one(i):
-                src = counts.get("all" if run == "plain-all" else "mixed")
-                r = run_once(llm, run, prompts, a, src, probe)
+                r = run_once(llm, run_name, prompts, a, counts.get("all" if run_name == "plain-all" else "mixed"), probe)
                 r["load"] = load_line()
-                log(f"round {i + 1}/{a.rounds} {run:<10}: {r['tok_s']:7.1f} tok/s, {r['output_tokens']} tokens in "
+                log(f"round {i + 1}/{a.rounds} {run_name:<10}: {r['tok_s']:7.1f} tok/s, {r['output_tokens']} tokens in "
                     f"{r['wall_s']:.2f} s, {r['steps']} steps, {r['grammar_syncs']} grammar syncs  ({r['load']})")
                 return r
             return one
 
-        data = alternate({run: measure(run) for run in runs}, a.rounds)
+        data = b.rounds({run_name: measured(run_name) for run_name in runs})
     log("the bitmask stage alone")
     ds = device_stage(a.batch, llm.model_config.vocab_size, 50)
-    matched = all(r["counts"] == counts["mixed" if run in ("mixed", "plain", "plain+sync") else "all"]
-                  for run, rs in data.items() for r in rs)
-    cons = [r for run in ("mixed", "all") for r in data.get(run, [])]
-    res = {
+    matched = all(r["counts"] == counts["mixed" if run_name in ("mixed", "plain", "plain+sync") else "all"]
+                  for run_name, rs in data.items() for r in rs)
+    cons = [r for run_name in ("mixed", "all") for r in data.get(run_name, [])]
+    summary = summarize(data)
+    res.update({
         "model": "tiny-random (" + a.model + "'s tokenizer)" if a.tiny else a.model,
         "dtype": llm.engine_config.dtype,
-        "cpu": cpu,
         "batch": a.batch,
         "max_tokens": a.max_tokens,
         "rounds": a.rounds,
@@ -532,14 +513,18 @@ def main(argv=None) -> int:
                    "programs_compiled_in_rounds": sum(r["programs_compiled"] for rs in data.values() for r in rs),
                    "valid": sum(r["constrained_valid"] for r in cons), "counts_matched": matched},
         "example": cons[0]["example"] if cons else "",
-        "load_start": load_start,
         "load_end": load_line(),
         "warmup_s": warmup_s,
-    }
-    res["summary"] = summarize(data)
-    res["total_s"] = log.elapsed()
+        "summary": summary,
+        "targets": [target(f"{run_name} / {r['baseline']} >= {GOAL:.2f}x", r["median"] >= GOAL, f"{r['median']:.3f}x")
+                    for run_name, r in summary["ratios"].items() if run_name != "plain+sync"],
+        "total_s": log.elapsed(),
+    })
     llm.close()
-    return finish(report(res), res, a.json)
+
+
+def main(argv=None) -> int:
+    return run(measure, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,16 @@ A benchmark says what it measures (its systems, its workload, its figures); this
 * **rounds**: `alternate()` measures paired systems in rounds, the order rotating each round so no
   system always goes first (two systems: the order flips); `spread()` and `medians()` summarize them
   (medians come from `jaxinfer.stats`, as everywhere);
+* **flags**: `parser()` (``--model``, ``--rounds``, ``--quick``, ``--dtype``, ``--json`` as every
+  benchmark spells them), `settle()` (defaults that ``--quick`` changes, lower bounds),
+  `worker_flags()` and `find_python()` (a peer's interpreter: a flag, an environment variable, a
+  default path, or skipped);
+* **a run**: `run()` (a `Bench`: the figures with the machine, a `Clock`, rounds in rotation with
+  peers that may fail, then the report and ``--json``);
 * **output**: `Clock` (progress lines on stderr with the time since the start), `table()`,
-  `write_json()` and `finish()` (the report, the total time, the ``--json`` file);
+  `fmt()`, `heading()` (the title, the machine line and the load at start and end),
+  `compare()` (two systems side by side with their ratio), `target()` / `targets_block()` (a goal
+  and its PASS / FAIL), `write_json()` and `finish()` (the report, the total time, the ``--json`` file);
 * **workers**: `Worker` drives a system that lives in another interpreter (the transformers and
   llama.cpp peers) in JSON lines: a setup line, then one command a line, one JSON reply each;
   `read_setup()`, `emit()` and `answer()` are that protocol's other side, in the worker.
@@ -20,6 +28,7 @@ worker in an interpreter without jaxinfer's dependencies can load it from the ch
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -181,6 +190,87 @@ def medians(rounds: Sequence[Mapping], keys: Optional[Iterable] = None) -> dict:
 
 
 # --------------------------------------------------------------------------- #
+# Flags
+# --------------------------------------------------------------------------- #
+
+
+def parser(prog: str, doc: str, *, model: Optional[str] = "smollm2-135m-instruct", rounds: Any = None,
+           quick: Optional[str] = None, dtype: bool = False,
+           json_help: str = "also write every figure as JSON to this file") -> argparse.ArgumentParser:
+    """A benchmark's parser, with the flags the benchmarks share spelt one way.
+
+    `doc`'s first line is the description. ``--model`` (default `model`; None: no flag);
+    ``--rounds``: `rounds` is its default, or a pair (default, with ``--quick``) that `settle`
+    applies; ``--quick`` with `quick` as its help; ``--dtype`` (the weights': auto, float32,
+    bfloat16); ``--json FILE`` always.
+    """
+    p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n")[0])
+    if model is not None:
+        p.add_argument("--model", default=model, help=f"the model (default: {model})")
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=quick)
+    if rounds is not None:
+        if isinstance(rounds, tuple):
+            p.add_argument("--rounds", type=int, default=None,
+                           help=f"measured rounds (default {rounds[0]}, --quick {rounds[1]})")
+            p.set_defaults(_quick_rounds=rounds)
+        else:
+            p.add_argument("--rounds", type=int, default=rounds, help=f"measured rounds (default {rounds})")
+    if dtype:
+        p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
+                       help="weights' dtype (default: the preset's)")
+    p.add_argument("--json", default=None, metavar="FILE", help=json_help)
+    return p
+
+
+def settle(p: argparse.ArgumentParser, args: argparse.Namespace, quick: Optional[Mapping[str, tuple]] = None,
+           at_least: Optional[Mapping[str, int]] = None) -> argparse.Namespace:
+    """Fill the flags left unset (None) from `quick`'s ``{name: (default, with --quick)}`` (``--rounds``
+    from `parser`'s pair too), then refuse a value under `at_least`'s ``{name: minimum}`` with
+    one line naming the flag and the limit."""
+    pairs = dict(quick or {})
+    if getattr(args, "_quick_rounds", None):
+        pairs.setdefault("rounds", args._quick_rounds)
+        del args._quick_rounds
+    fast = bool(getattr(args, "quick", False))
+    for name, (normal, quick_value) in pairs.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, quick_value if fast else normal)
+    for name, least in (at_least or {}).items():
+        v = getattr(args, name)
+        if v is not None and v < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
+    return args
+
+
+def worker_flags(p: argparse.ArgumentParser, name: str, what: str) -> None:
+    """``--NAME-python PATH`` (the interpreter that runs the `what` worker) and ``--no-NAME`` (skip it)."""
+    p.add_argument(f"--{name}-python", default=None, metavar="PATH", help=f"interpreter with {what}")
+    p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {what} peer")
+
+
+def find_python(flag: Optional[str], env: str, *, off: Optional[str] = None, default: Optional[str] = None,
+                here: bool = False, missing: str = "no interpreter") -> tuple:
+    """(a worker's interpreter or None, how it was chosen or why it is skipped).
+
+    In order: `off` (the flag that skipped it, e.g. ``"--no-hf"``), the flag's path, the environment
+    variable `env`, `default` where that file exists, this interpreter where `here` is true;
+    else None and ``"skipped: " + missing``.
+    """
+    if off:
+        return None, f"skipped ({off})"
+    if flag:
+        return flag, "flag"
+    if os.environ.get(env):
+        return os.environ[env], env
+    if default and os.path.exists(default):
+        return default, "default"
+    if here:
+        return sys.executable, "this interpreter"
+    return None, f"skipped: {missing}"
+
+
+# --------------------------------------------------------------------------- #
 # Output
 # --------------------------------------------------------------------------- #
 
@@ -209,6 +299,50 @@ def table(header: Sequence[str], rows: Iterable[Sequence], first_width: Optional
         " ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r)).rstrip() for r in cells)
 
 
+def fmt(x: Optional[float], spec: str = ".1f") -> str:
+    """A figure in `spec`, or "-" where it was not measured (None)."""
+    return "-" if x is None else format(x, spec)
+
+
+def heading(title: str, system: Mapping) -> list:
+    """A report's first lines: its title, the machine line, the load average at the start and at the end."""
+    return [title, machine_line(dict(system)),
+            f"load average at start {system.get('loadavg')}, at end {system.get('loadavg_end')}"]
+
+
+def ratio(a: Optional[float], b: Optional[float], lower_better: bool = False) -> Optional[float]:
+    """How many times better `a` is than `b` (a / b; b / a where lower is better); None without both."""
+    if not a or not b:
+        return None
+    return b / a if lower_better else a / b
+
+
+def compare(rows: Iterable[Sequence], names: Sequence[str] = ("jaxinfer", "transformers"), label: str = "metric",
+            indent: str = "") -> str:
+    """Two systems side by side and how many times better the first is, as a `table`.
+
+    Each row is ``(label, a, b, spec)`` or ``(label, a, b, spec, "lower")`` where lower is better;
+    a figure not measured (None) prints "-", and so does the ratio without both.
+    """
+    out = []
+    for row in rows:
+        name, a, b, spec = row[:4]
+        r = ratio(a, b, lower_better=len(row) > 4 and row[4] == "lower")
+        out.append([name, fmt(a, spec), fmt(b, spec), "-" if r is None else f"{r:.2f}x"])
+    text = table([label, *names, "ratio"], out)
+    return "\n".join(indent + line for line in text.splitlines())
+
+
+def target(name: str, ok: Optional[bool], value: str, **extra) -> dict:
+    """A goal's record: its name, PASS / FAIL (n/a where `ok` is None: not measured) and the value shown."""
+    return {"name": name, "verdict": "n/a" if ok is None else ("PASS" if ok else "FAIL"), "value": value, **extra}
+
+
+def targets_block(targets: Iterable[Mapping], title: str = "targets:") -> list:
+    """The report's lines for the goals: `title`, then ``  [PASS] name: value`` each."""
+    return [title] + [f"  [{t['verdict']:<4}] {t['name']}: {t['value']}" for t in targets]
+
+
 def write_json(path, figures: Any, indent: int = 2) -> None:
     """Write the figures as JSON (what JSON cannot hold, as text)."""
     Path(path).write_text(json.dumps(figures, indent=indent, default=str) + "\n", encoding="utf-8")
@@ -231,6 +365,66 @@ def finish(report: str, figures: dict, json_path: Optional[str], clock: Optional
         write_json(json_path, out)
         print(f"figures written to {json_path}")
     return 0
+
+
+# --------------------------------------------------------------------------- #
+# A run
+# --------------------------------------------------------------------------- #
+
+
+class Bench:
+    """One benchmark run: its flags (`args`), the figures the report and ``--json`` read (``system``:
+    the `machine` at the start, its load at the end added), `log` (a `Clock`), and what was skipped."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.log = Clock()
+        self.figures: dict = {"system": machine()}
+
+    def skip(self, name: str, why: str, key: str = "skipped") -> None:
+        """Record (in ``figures[key][name]``) and log why a system has no figures."""
+        self.figures.setdefault(key, {})[name] = why
+        self.log(f"{name} {why}")
+
+    def start(self, name: str, make: Callable[[], Any], key: str = "skipped") -> Any:
+        """`make()` (a peer's worker, a system); on an error, that recorded with `skip` and None."""
+        try:
+            return make()
+        except Exception as e:  # reported, and the run goes on without it
+            self.skip(name, f"failed: {e}", key)
+            return None
+
+    def rounds(self, systems: Mapping[Any, Callable[[int], Any]], n: Optional[int] = None, tag: str = "",
+               may_fail: Any = (), on_fail: Optional[Callable[[Any, str], None]] = None) -> dict:
+        """`alternate` over `n` rounds (``args.rounds`` by default), each round logged after `tag`.
+
+        A system named in `may_fail` (True: any) whose measure raises is logged, left out of later
+        rounds and told to `on_fail` (name, ``"failed in round k: error"``); any other one's error
+        propagates.
+        """
+        def failed(name, i, e):
+            if may_fail is not True and name not in may_fail:
+                raise e
+            why = f"failed in round {i + 1}: {e}"
+            self.log(f"{name} {why}")
+            if on_fail is not None:
+                on_fail(name, why)
+
+        return alternate(systems, self.args.rounds if n is None else n,
+                         log=lambda m: self.log(f"{tag}{m}"), on_error=failed)
+
+
+def run(measure: Callable[[Bench], None], report: Callable[[dict], str], args: argparse.Namespace,
+        json_figures: Optional[Callable[[dict], dict]] = None) -> int:
+    """A benchmark's `main`: `measure` fills a `Bench`'s figures, then the report is printed with the total
+    time and the ``--json`` file written (`json_figures`, when given, chooses what it holds); 0."""
+    bench = Bench(args)
+    bench.log(machine_line(bench.figures["system"]))
+    measure(bench)
+    res = bench.figures
+    res["system"]["loadavg_end"] = load_average()
+    return finish(report(res), res, getattr(args, "json", None), bench.log,
+                  json_figures=json_figures(res) if json_figures else None)
 
 
 # --------------------------------------------------------------------------- #
