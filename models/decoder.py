@@ -156,6 +156,9 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     ``w_contract`` is the axis of ``w`` that meets x's last axis (1 for the tied
     embedding, stored [vocab, hidden]).
 
+    XLA's product runs at the choice's precision (`KernelChoice.matmul_precision`: "default", the
+    platform's fastest for float32, TF32 on NVIDIA GPUs; or "highest", full float32).
+
     In batch-invariant mode (`jaxinfer.ops.invariant.active`) XLA's path runs the product as a loop
     of fixed-shape row tiles (`jaxinfer.ops.invariant.tiled_dot`), so a row's result does not
     depend on the step's other rows there either.
@@ -166,7 +169,8 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    if cpu_matmul.fits(rows, w, w_contract, backend.current()):  # the step's kernel choice
+    choice = backend.current()  # the step's kernel choice and product precision
+    if cpu_matmul.fits(rows, w, w_contract, choice):
         y = cpu_matmul.matmul(x.reshape(rows, k).astype(jnp.float32), w, w_contract)
         return y.reshape(*lead, y.shape[-1])
     if is_quantized(w):
@@ -174,12 +178,13 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     x2 = x.reshape(rows, k).astype(w.dtype)
     dims = (((1,), (w_contract,)), ((), ()))
     if invariant.active():  # batch-invariant mode: one dot shape whatever the rows
-        y = invariant.tiled_dot(x2, w, dims)
+        with backend.precision_scope(choice):
+            y = invariant.tiled_dot(x2, w, dims)
         return y.reshape(*lead, y.shape[-1])
     pad = rows == 1 and w.dtype != jnp.float32
     if pad:
         x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
-    y = jax.lax.dot_general(x2, w, dims, preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x2, w, dims, precision=choice.lax_precision, preferred_element_type=jnp.float32)
     if pad:
         y = y[:1]
     return y.reshape(*lead, y.shape[-1])

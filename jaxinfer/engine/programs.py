@@ -17,9 +17,10 @@ cache key covers everything the executables depend on: JAX and jaxlib
 versions, the device, the CPU's flags, the model and engine configs (and the
 values the trace reads from the model config's derived properties), the
 kernel choice (`jaxinfer.ops.backend.KernelChoice`, decided once when the
-table is made), the parameter tree's shapes and dtypes, and the source of
-jaxinfer's device code (ops/, its C++ kernels, models/, engine/step.py; not
-the configs' or this module's code: editing a default there keeps the cache).
+table is made; it carries the engine config's matmul precision), the
+parameter tree's shapes and dtypes, and the source of jaxinfer's device code
+(ops/, its C++ kernels, models/, engine/step.py; not the configs' or this
+module's code: editing a default there keeps the cache).
 `JAXINFER_COMPILATION_CACHE=0` turns it off. Within one process, tables with the same
 fingerprint (another `LLM` of the same model and engine config) share the executables
 themselves, so a process never deserializes a program it already holds.
@@ -103,9 +104,11 @@ class ProgramTable:
         self.runner = runner
         self.ecfg = runner.ecfg
         # Which kernels the programs call: ``kernels``, else the runner's decision, else decided once here
-        # (`backend.prepare`: loads the host's kernels first). A static argument of every program, and
-        # part of the cache key.
-        self.kernels: backend.KernelChoice = kernels or getattr(runner, "kernels", None) or backend.prepare()
+        # (`backend.prepare`: loads the host's kernels first), with XLA's float32 products at the engine
+        # config's precision (`EngineConfig.matmul_precision`). A static argument of every program, and
+        # part of the cache key: programs of another precision are other programs.
+        choice = kernels or getattr(runner, "kernels", None) or backend.prepare()
+        self.kernels: backend.KernelChoice = choice.with_precision(self.ecfg.matmul_precision)
         self._compiled: dict[ProgramKey, Any] = {}
         self.warmed_up = False
         self.compiled_late: list[ProgramKey] = []  # keys first reached after warm-up

@@ -8,7 +8,8 @@ is a prefill chunk of length one.
 
 Compile keys are the model config, the kernel choice (``kernels``, a
 `jaxinfer.ops.backend.KernelChoice`: which attention and matmul kernels the
-program calls, decided once after the kernels load) and the padded shapes
+program calls, decided once after the kernels load, and the precision of XLA's
+float32 products, which every product of the step takes) and the padded shapes
 (batch, chunk length, and the page-table width); sampler settings, logprobs and
 context lengths are data. The engine compiles them ahead of time into its
 program table (`jaxinfer.engine.programs`); calling these jitted functions
@@ -119,8 +120,10 @@ def _step_core(
     kernels: Optional[KernelChoice],
 ):
     # Device code reads the kernel choice from here (`backend.current`); None: the host's at trace time.
+    # Its matmul precision reaches every product traced in the step (`backend.precision_scope`).
     with backend.using(kernels) if kernels is not None else contextlib.nullcontext():
-        return _step_body(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, record)
+        with backend.precision_scope(backend.current()):
+            return _step_body(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, record)
 
 
 def _step_body(params, kv_cache, sampler_state, tokens, attn, last_index, sampling, cfg, record):

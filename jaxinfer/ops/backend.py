@@ -10,7 +10,14 @@ attention (`jaxinfer.ops.attention`) and the products (`jaxinfer.models.decoder.
 `jaxinfer.ops.cpu_matmul.fits`) read only that.
 
 A choice can be built for a platform other than the host's (`KernelChoice.for_platform`):
-lowering a step for ``tpu`` or ``cuda`` on a CPU machine takes that platform's kernels.
+lowering a step for ``tpu`` or ``cuda`` on a CPU machine takes that platform's kernels
+(`jaxinfer.tools.lowering` does, and checks the programs).
+
+The choice also carries the precision of XLA's float32 products (``matmul_precision``, the engine
+config's `EngineConfig.matmul_precision`): like the kernels, it changes the program, so it is part
+of the one static value the programs and their cache key take. `precision_scope` applies it to every
+product traced inside a step (the attention's einsums included); `jaxinfer.models.decoder.matmul`
+also passes it to its own product explicitly.
 
 The platform's dtype for ``dtype="auto"`` (`dtype_choice`) is decided here too: it follows
 whether the native CPU matmul kernel can run.
@@ -26,7 +33,7 @@ from typing import Iterator, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import MATMUL_PRECISIONS, EngineConfig
 from jaxinfer.env import cpu_flags
 from jaxinfer.ops import kernels
 from jaxinfer.ops.attention_pallas import tpu_kernel_fits
@@ -46,6 +53,9 @@ class KernelChoice:
     simd:          the SIMD path of the CPU matmul kernel ("avx512", "avx2", "scalar"; "" when unknown or
                    not used): a different build of the same source, so programs compiled with one are not
                    programs of the other.
+    matmul_precision: XLA's float32 products (dot_general, einsums) at the platform's "default" precision
+                   (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs) or at "highest" (full float32). The
+                   native CPU kernels compute float32 exactly either way.
     """
 
     platform: str = "cpu"
@@ -53,6 +63,7 @@ class KernelChoice:
     cpu_attention: bool = False
     tpu_attention: bool = False
     simd: str = ""
+    matmul_precision: str = "default"
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
@@ -63,6 +74,20 @@ class KernelChoice:
             raise ValueError(f"the Pallas TPU attention runs on the tpu platform only, not {self.platform!r}")
         if self.simd not in SIMD_LEVELS:
             raise ValueError(f"simd must be one of {', '.join(repr(s) for s in SIMD_LEVELS)}, got {self.simd!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
+                             f"got {self.matmul_precision!r}")
+
+    def with_precision(self, matmul_precision: str) -> "KernelChoice":
+        """This choice with XLA's float32 products at ``matmul_precision`` ("default" | "highest")."""
+        return self if matmul_precision == self.matmul_precision else dataclasses.replace(
+            self, matmul_precision=matmul_precision)
+
+    @property
+    def lax_precision(self) -> Optional[jax.lax.Precision]:
+        """The ``precision`` a product passes to XLA: None (the default, as every product had before the
+        field) or ``Precision.HIGHEST``."""
+        return jax.lax.Precision.HIGHEST if self.matmul_precision == "highest" else None
 
     @classmethod
     def for_platform(cls, platform: str, native_cpu_kernels: bool = True, simd: str = "") -> "KernelChoice":
@@ -114,7 +139,8 @@ class KernelChoice:
         used = [n for n, on in (("cpu matmul", self.cpu_matmul), ("cpu attention", self.cpu_attention),
                                 ("tpu attention", self.tpu_attention)) if on]
         simd = f" ({self.simd})" if self.simd else ""
-        return f"{self.platform}: {', '.join(used) or 'pure JAX'}{simd}"
+        precision = f", {self.matmul_precision} precision" if self.matmul_precision != "default" else ""
+        return f"{self.platform}: {', '.join(used) or 'pure JAX'}{simd}{precision}"
 
 
 def cpu_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype) -> bool:
@@ -154,15 +180,16 @@ def start_build(platform: Optional[str] = None) -> None:
         kernels.build_in_background(kernels.MATMUL)
 
 
-def prepare(platform: Optional[str] = None) -> KernelChoice:
+def prepare(platform: Optional[str] = None, matmul_precision: str = "default") -> KernelChoice:
     """Load the platform's native kernels (building them once per machine, with a progress line each)
     and decide: the `KernelChoice` the engine's programs are traced with. Call it before tracing, never
-    inside a trace. Idempotent; a failed build warns once and its kernel is not chosen."""
+    inside a trace. Idempotent; a failed build warns once and its kernel is not chosen. ``matmul_precision``:
+    XLA's float32 products (`KernelChoice.matmul_precision`)."""
     platform = platform or host_platform()
     if platform == "cpu":
         kernels.prepare(kernels.PAGED_ATTENTION)
         kernels.prepare(kernels.MATMUL)
-    return KernelChoice.loaded(platform)
+    return KernelChoice.loaded(platform).with_precision(matmul_precision)
 
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("jaxinfer_kernel_choice", default=None)
@@ -185,6 +212,15 @@ def current() -> KernelChoice:
     code tracing a model's forward itself) the host's choice at that moment (`KernelChoice.loaded`)."""
     choice = _CURRENT.get()
     return choice if choice is not None else KernelChoice.loaded()
+
+
+def precision_scope(choice: KernelChoice):
+    """A context in which every product traced without its own ``precision`` (the attention's einsums, the
+    experts', the batch-invariant tiles) takes ``choice.matmul_precision``; for "default" nothing at all, so
+    those programs are exactly what they were before the field."""
+    if choice.matmul_precision == "default":
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(choice.matmul_precision)
 
 
 # ---------------------------------------------------------------------------
