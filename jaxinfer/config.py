@@ -52,6 +52,9 @@ ROPE_TYPES = ("llama3", "linear", "yarn")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
+# `EngineConfig.matmul_precision`: float32 products at the platform's default precision, or full float32
+MATMUL_PRECISIONS = ("default", "highest")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -198,6 +201,11 @@ class EngineConfig:
     # fixed-shape product tiles and fixed-order row sums (`jaxinfer.ops.invariant`). The CPU kernels
     # are invariant without it. None: from $JAXINFER_BATCH_INVARIANT.
     batch_invariant: Optional[bool] = None
+    # The precision of float32 products on the pure-JAX path (XLA's dot_general and the attention's
+    # einsums): "default" (the platform's fastest: TF32 on NVIDIA GPUs, bfloat16 passes on TPUs) or
+    # "highest" (full float32). Static: programs of different precisions are different programs
+    # (`jaxinfer.ops.backend.KernelChoice.matmul_precision`). The native CPU kernels are exact either way.
+    matmul_precision: str = "default"
     # set by `resolved`: dtype was "auto" (the load line says why it chose); not part of what programs key on
     dtype_auto: bool = field(default=False, repr=False, compare=False)
 
@@ -219,6 +227,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be int8, int4 or None, got {self.quantization!r}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}.")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
+                             f"got {self.matmul_precision!r}.")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}."
