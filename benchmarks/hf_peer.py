@@ -91,7 +91,6 @@ class Peer:
 
     def _manual(self):
         """Prefill over the prompt, then one forward per token with past_key_values (greedy)."""
-        torch = self.torch
         t0 = time.perf_counter()
         out = self.model(self.ids, use_cache=True, **self.keep)  # logits for the last position only
         tok = out.logits[:, -1].argmax(-1)

@@ -38,7 +38,6 @@ measured memory bandwidth (`benchmarks.core.measure_bandwidth`) bounds batch-1 d
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import sys
@@ -51,7 +50,8 @@ import jax
 import jaxinfer
 from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.stats import median
-from jaxinfer.tools.harness import Clock, Worker, alternate, finish, load_average, machine, machine_line
+from jaxinfer.tools.harness import (Bench, Worker, find_python, fmt, heading, load_average, parser, ratio, run, settle,
+                                   table, target, targets_block, worker_flags)
 
 from benchmarks.core import HFPeer, common_prefix, find_hf_python, greedy, make_prompts, measure_bandwidth
 from benchmarks.engine import engine_batch_round
@@ -93,19 +93,11 @@ def has_quantization() -> bool:
     return "quantization" in inspect.signature(jaxinfer.LLM).parameters
 
 
-def find_llama_python(flag: Optional[str]) -> tuple:
-    """(interpreter or None, how it was chosen / why skipped)."""
-    if flag:
-        return flag, "--llama-python"
-    env = os.environ.get("JAXINFER_LLAMA_PYTHON")
-    if env:
-        return env, "JAXINFER_LLAMA_PYTHON"
-    if os.path.exists(DEFAULT_LLAMA_PYTHON):
-        return DEFAULT_LLAMA_PYTHON, "default"
-    return None, (
-        "skipped: no llama-cpp-python interpreter; pass --llama-python or set JAXINFER_LLAMA_PYTHON "
-        "(a Python with llama-cpp-python, e.g. pip install '.[benchmark]')"
-    )
+def find_llama_python(flag: Optional[str], off: Optional[str] = None) -> tuple:
+    """(interpreter or None, how it was chosen / why skipped): --llama-python, JAXINFER_LLAMA_PYTHON, the default."""
+    return find_python(flag, "JAXINFER_LLAMA_PYTHON", off=off, default=DEFAULT_LLAMA_PYTHON, missing=(
+        "no llama-cpp-python interpreter; pass --llama-python or set JAXINFER_LLAMA_PYTHON "
+        "(a Python with llama-cpp-python, e.g. pip install '.[benchmark]')"))
 
 
 # --------------------------------------------------------------------------- #
@@ -235,26 +227,17 @@ class HFSystem:
 # --------------------------------------------------------------------------- #
 
 
-def fmt(x, spec=".1f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def targets(res: dict) -> list:
-    s = res["summary"]
-    out = []
-
-    def get(name, key):
-        return (s.get(name) or {}).get(key)
+    s, out = res["summary"], []
 
     def add(name, name_a, name_b, key, need, value_fmt, lower_better=False):
-        a, b = get(name_a, key), get(name_b, key)
+        a, b = (s.get(name_a) or {}).get(key), (s.get(name_b) or {}).get(key)
         if a is None or b is None:
             missing = [LABELS[n] for n, v in ((name_a, a), (name_b, b)) if v is None]
-            out.append({"name": name, "verdict": "n/a", "value": f"not measured: {', '.join(missing)}"})
+            out.append(target(name, None, f"not measured: {', '.join(missing)}"))
             return
-        ratio = (b / a) if lower_better else (a / b)
-        out.append({"name": name, "verdict": "PASS" if ratio >= need else "FAIL", "ratio": ratio,
-                    "value": value_fmt.format(a=a, b=b, r=ratio)})
+        r = ratio(a, b, lower_better)
+        out.append(target(name, r >= need, value_fmt.format(a=a, b=b, r=r), ratio=r))
 
     for name_a, name_b, label in (("jax:float32", "llama:F32", "batch-1 decode: jaxinfer float32 >= llama.cpp F32"),
                                   ("jax:int8", "llama:Q8_0", "batch-1 decode: jaxinfer int8 >= llama.cpp Q8_0"),
@@ -272,15 +255,11 @@ def targets(res: dict) -> list:
 
 
 def report(res: dict) -> str:
-    L = []
-    sysi = res["system"]
-    L.append(
-        f"llama.cpp peer benchmark — {res['model']}; {res['threads']} threads for llama.cpp and torch; {res['batch']} prompts of "
-        f"{res['prompt_len']} tokens, {res['decode_tokens']} new tokens, greedy, EOS ignored; medians of "
-        f"{res['repeats']} runs per round ({res['batch_repeats']} of the concurrent batch), {res['rounds']} alternating rounds"
-    )
-    L.append(machine_line(sysi))
-    L.append(f"load average at start {sysi['loadavg']}, at end {sysi.get('loadavg_end')}")
+    L = heading(
+        f"llama.cpp peer benchmark — {res['model']}; {res['threads']} threads for llama.cpp and torch; {res['batch']} "
+        f"prompts of {res['prompt_len']} tokens, {res['decode_tokens']} new tokens, greedy, EOS ignored; medians of "
+        f"{res['repeats']} runs per round ({res['batch_repeats']} of the concurrent batch), {res['rounds']} alternating "
+        "rounds", res["system"])
     if res.get("llama_system_info"):
         L.append(f"llama.cpp {res.get('llama_version')}: {res['llama_system_info']}")
     bw = res["bandwidth"]
@@ -289,34 +268,26 @@ def report(res: dict) -> str:
         f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write); the floor uses "
         f"{res['bandwidth_gbs']:.1f} GB/s"
     )
-    for line in res.get("notes", []):
-        L.append(f"note: {line}")
-    L.append("")
-    L.append("batch-1 floor (weight bytes read per token / bandwidth):")
+    L += [f"note: {line}" for line in res.get("notes", [])]
+    L += ["", "batch-1 floor (weight bytes read per token / bandwidth):"]
     for name, f in res["floors"].items():
-        L.append(f"  {LABELS[name]:<30} {f['weight_bytes'] / 1e6:>7.1f} MB -> {f['floor_ms']:>6.2f} ms/token = {f['floor_tok_s']:>6.1f} tok/s")
-    L.append("")
-    w = 30
-    bl = f"{res['batch']} conc e2e"
-    L.append(
-        f"{'system':<{w}} {'TTFT ms':>9} {'b1 tok/s':>9} {'floor %':>8} {bl:>12} {'decode-only':>12} {'vs F32':>7}"
-    )
-    L.append("-" * (w + 63))
+        L.append(f"  {LABELS[name]:<30} {f['weight_bytes'] / 1e6:>7.1f} MB -> {f['floor_ms']:>6.2f} ms/token = "
+                 f"{f['floor_tok_s']:>6.1f} tok/s")
     s = res["summary"]
     ref = (s.get("llama:F32") or {}).get("batch_e2e_tok_s")
+    rows, skipped = [], []
     for name in res["systems"]:
         v = s.get(name)
         if v is None:
-            L.append(f"{LABELS[name]:<{w}} {res['skipped'].get(name, 'skipped')}")
+            skipped.append(f"{LABELS[name]}: {res['skipped'].get(name, 'skipped')}")
             continue
         fl = res["floors"].get(name)
-        frac = 100 * v["decode_tok_s"] / fl["floor_tok_s"] if fl else None
-        rel = f"{v['batch_e2e_tok_s'] / ref:.2f}x" if ref else "-"
-        L.append(
-            f"{LABELS[name]:<{w}} {fmt(v['ttft_ms']):>9} {fmt(v['decode_tok_s']):>9} {fmt(frac, '.0f'):>8} "
-            f"{fmt(v['batch_e2e_tok_s']):>12} {fmt(v['batch_decode_tok_s']):>12} {rel:>7}"
-        )
-    L.append("")
+        rows.append([LABELS[name], fmt(v["ttft_ms"]), fmt(v["decode_tok_s"]),
+                     fmt(100 * v["decode_tok_s"] / fl["floor_tok_s"] if fl else None, ".0f"),
+                     fmt(v["batch_e2e_tok_s"]), fmt(v["batch_decode_tok_s"]),
+                     f"{v['batch_e2e_tok_s'] / ref:.2f}x" if ref else "-"])
+    L += ["", table(["system", "TTFT ms", "b1 tok/s", "floor %", f"{res['batch']} conc e2e", "decode-only", "vs F32"],
+                    rows), *skipped, ""]
     L.append(
         f"{res['batch']} concurrent: e2e = all output tokens / wall clock of the whole batch (prefill included); "
         f"decode-only = tokens after each request's first / time after all first tokens. 'vs F32' = e2e / llama.cpp F32's."
@@ -332,10 +303,8 @@ def report(res: dict) -> str:
     for name in res["systems"]:
         rs = res["rounds_by_system"].get(name)
         if rs:
-            L.append(
-                f"  {LABELS[name]:<30} "
-                + "  ".join(f"{1e3 * r['ttft_s']:.1f}/{1 / r['tpot_s']:.1f}/{r['batch_e2e_tok_s']:.1f}" for r in rs)
-            )
+            L.append(f"  {LABELS[name]:<30} "
+                     + "  ".join(f"{1e3 * r['ttft_s']:.1f}/{1 / r['tpot_s']:.1f}/{r['batch_e2e_tok_s']:.1f}" for r in rs))
     agree = res.get("agreement", {})
     if agree:
         L.append(
@@ -346,18 +315,17 @@ def report(res: dict) -> str:
         if name.startswith("jax:"):
             L.append(
                 f"{LABELS[name]}: load {info['load_s']:.1f} s, warm-up {info.get('warmup_s', 0):.1f} s "
-                f"({info.get('programs_compiled_in_warmup')} programs), {info.get('recompiles_in_rounds')} compiled during the rounds"
+                f"({info.get('programs_compiled_in_warmup')} programs), {info.get('recompiles_in_rounds')} compiled "
+                "during the rounds"
             )
         elif name.startswith("llama:"):
-            L.append(f"{LABELS[name]}: {Path(info['path']).name}, {info['model_bytes'] / 1e6:.1f} MB, load {info['load_s']:.2f} s")
+            L.append(f"{LABELS[name]}: {Path(info['path']).name}, {info['model_bytes'] / 1e6:.1f} MB, "
+                     f"load {info['load_s']:.2f} s")
         elif name.startswith("hf:"):
             v = info.get("versions", {})
-            L.append(f"{LABELS[name]}: {info.get('attn')} attention, {info.get('threads')} threads, torch {v.get('torch')}, "
-                     f"transformers {v.get('transformers')}")
-    L.append("")
-    L.append("targets:")
-    for t in res["targets"]:
-        L.append(f"  [{t['verdict']:<4}] {t['name']}: {t['value']}")
+            L.append(f"{LABELS[name]}: {info.get('attn')} attention, {info.get('threads')} threads, torch "
+                     f"{v.get('torch')}, transformers {v.get('transformers')}")
+    L += ["", *targets_block(res["targets"])]
     return "\n".join(L)
 
 
@@ -367,13 +335,11 @@ def report(res: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp_peer", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = parser("python -m benchmarks.llamacpp_peer", __doc__, rounds=2,
+               quick="short: 8 requests, 32 new tokens, 1 run per round")
     p.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS, metavar="SYSTEM",
                    help=f"which to run (default all): {' '.join(ALL_SYSTEMS)}")
     p.add_argument("--skip", nargs="+", default=[], choices=ALL_SYSTEMS, metavar="SYSTEM", help="leave these out")
-    p.add_argument("--quick", action="store_true", help="short: 8 requests, 32 new tokens, 1 run per round")
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None,
                    help="runs of TTFT and batch-1 decode per round (default 3, --quick 1)")
     p.add_argument("--batch-repeats", type=int, default=None,
@@ -383,136 +349,83 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=None, help="new tokens (default 128, --quick 32)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp and torch threads (default: the cores)")
-    p.add_argument("--llama-python", default=None, help="interpreter with llama-cpp-python")
+    worker_flags(p, "llama", "llama-cpp-python for the llama.cpp")
     p.add_argument("--llama-sequential", action="store_true",
                    help="run llama.cpp's concurrent requests one after another instead of batched")
-    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
-    p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers (+ gguf)")
-    p.add_argument("--no-hf", action="store_true", help="skip transformers")
-    p.add_argument("--json", default=None, help="also write every figure as JSON to this file")
-    a = p.parse_args(argv)
-    a.repeats = a.repeats or (1 if a.quick else 3)
+    worker_flags(p, "hf", "torch + transformers (+ gguf) for the transformers")
+    a = settle(p, p.parse_args(argv), quick={"repeats": (3, 1), "batch": (32, 8), "decode_tokens": (128, 32)},
+               at_least={"decode_tokens": 2})
     a.batch_repeats = a.batch_repeats or a.repeats
-    a.batch = a.batch or (8 if a.quick else 32)
-    a.decode_tokens = a.decode_tokens or (32 if a.quick else 128)
-    if a.decode_tokens < 2:
-        p.error("--decode-tokens must be at least 2")
-    systems = a.systems or ALL_SYSTEMS
-    a.systems = [s for s in ALL_SYSTEMS if s in systems and s not in a.skip]
+    a.systems = [s for s in ALL_SYSTEMS if s in (a.systems or ALL_SYSTEMS) and s not in a.skip]
     return a
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    log = Clock()
-    res: dict = {
-        "model": a.model, "batch": a.batch, "prompt_len": a.prompt_len, "decode_tokens": a.decode_tokens,
-        "repeats": a.repeats, "batch_repeats": a.batch_repeats, "rounds": a.rounds, "threads": a.threads, "systems": a.systems,
-        "llama_batch_mode": "sequential" if a.llama_sequential else "parallel",
-        "skipped": {}, "notes": [], "infos": {},
-        "system": machine(),
-    }
-    log("measuring memory bandwidth")
-    res["bandwidth"] = bw = measure_bandwidth()
-    res["bandwidth_gbs"] = max(bw["jax_sum_gbs"], bw["jax_matvec_gbs"])
-
-    systems: dict = {}
-    rounds: dict = {}
-    quant_ok = has_quantization()
+def start_systems(b: Bench, systems: dict) -> tuple:
+    """Load every chosen system into `systems` (the jaxinfer ones first: their tokenizer makes the prompts);
+    (prompt, batch_prompts)."""
+    a, res, log = b.args, b.figures, b.log
     prompt = batch_prompts = None
-    try:
-        # jaxinfer first: its tokenizer makes the prompts every system gets
-        for name in [s for s in a.systems if s in JAX_SYSTEMS]:
-            dtype, quant = JAX_SYSTEMS[name]
-            if quant and not quant_ok:
-                res["skipped"][name] = "skipped: jaxinfer.LLM has no quantization= argument yet"
-                log(f"{name} {res['skipped'][name]}")
+    for name in [s for s in a.systems if s in JAX_SYSTEMS]:
+        dtype, quant = JAX_SYSTEMS[name]
+        if quant and not has_quantization():
+            b.skip(name, "skipped: jaxinfer.LLM has no quantization= argument yet")
+            continue
+        log(f"loading {name} (dtype={dtype}, quantization={quant})")
+        sysm = b.start(name, lambda: JaxSystem(name, a.model, dtype, quant, a))
+        if sysm is None:
+            continue
+        if prompt is None:
+            prompt, batch_prompts = make_prompts(sysm.llm, a.prompt_len, a.batch)
+        sysm.set_prompts(prompt, batch_prompts)
+        systems[name] = sysm
+    if prompt is None:  # no jaxinfer system: a float32 engine just for the tokenizer
+        tmp = jaxinfer.LLM(a.model, dtype="float32")
+        prompt, batch_prompts = make_prompts(tmp, a.prompt_len, a.batch)
+        tmp.close()
+    res["prompt_ids"] = list(prompt)
+
+    from jaxinfer.loading.weights import resolve_model
+
+    src = Path(resolve_model(a.model).path)
+    llama_names = [s for s in a.systems if s in LLAMA_SYSTEMS]
+    if llama_names:
+        py, why = find_llama_python(a.llama_python, off=a.no_llama and "--no-llama")
+        res["llama_python"] = py or why
+        if py and src.suffix != ".gguf":
+            py, why = None, f"skipped: {src} is not a GGUF file"
+        for name in llama_names:
+            if not py:
+                b.skip(name, why)
                 continue
-            log(f"loading {name} (dtype={dtype}, quantization={quant})")
-            try:
-                sysm = JaxSystem(name, a.model, dtype, quant, a)
-            except Exception as e:
-                res["skipped"][name] = f"failed to load: {type(e).__name__}: {e}"
-                log(f"{name} {res['skipped'][name]}")
+            from benchmarks import gguf_variants
+
+            def start(name=name):
+                t = LLAMA_SYSTEMS[name]
+                path = gguf_variants.variants(src, [t], log=log)[t]
+                log(f"starting {name} ({path.name}; load + warm-up)")
+                return LlamaSystem(name, py, path, prompt, batch_prompts, a)
+
+            sysm = b.start(name, start)
+            if sysm is not None:
+                systems[name] = sysm
+    hf_names = [s for s in a.systems if s in HF_SYSTEMS]
+    if hf_names:
+        py, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
+        res["transformers_python"] = py or why
+        for name in hf_names:
+            if not py:
+                b.skip(name, why)
                 continue
-            if prompt is None:
-                prompt, batch_prompts = make_prompts(sysm.llm, a.prompt_len, a.batch)
-            sysm.set_prompts(prompt, batch_prompts)
-            systems[name] = sysm
-        if prompt is None:  # no jaxinfer system: a float32 engine just for the tokenizer
-            tmp = jaxinfer.LLM(a.model, dtype="float32")
-            prompt, batch_prompts = make_prompts(tmp, a.prompt_len, a.batch)
-            tmp.close()
-            del tmp
-        res["prompt_ids"] = list(prompt)
+            log(f"starting {name} ({py}; load + a warm-up round)")
+            sysm = b.start(name, lambda: HFSystem(name, py, str(src), prompt, batch_prompts, a))
+            if sysm is not None:
+                systems[name] = sysm
+    return prompt, batch_prompts
 
-        from jaxinfer.loading.weights import resolve_model
 
-        src = Path(resolve_model(a.model).path)
-        llama_names = [s for s in a.systems if s in LLAMA_SYSTEMS]
-        if llama_names:
-            py, why = (None, "skipped (--no-llama)") if a.no_llama else find_llama_python(a.llama_python)
-            res["llama_python"] = py or why
-            if not py or src.suffix != ".gguf":
-                why = why if not py else f"skipped: {src} is not a GGUF file"
-                for n in llama_names:
-                    res["skipped"][n] = why
-                log(f"llama.cpp {why}")
-            else:
-                from benchmarks import gguf_variants
-
-                for name in llama_names:
-                    t = LLAMA_SYSTEMS[name]
-                    try:
-                        path = gguf_variants.variants(src, [t], log=log)[t]
-                        log(f"starting {name} ({path.name}; load + warm-up)")
-                        systems[name] = LlamaSystem(name, py, path, prompt, batch_prompts, a)
-                    except Exception as e:
-                        res["skipped"][name] = f"failed: {e}"
-                        log(f"{name} {res['skipped'][name]}")
-        hf_names = [s for s in a.systems if s in HF_SYSTEMS]
-        if hf_names:
-            py, why = (None, "skipped (--no-hf)") if a.no_hf else find_hf_python(a.hf_python)
-            res["transformers_python"] = py or why
-            for name in hf_names:
-                if not py:
-                    res["skipped"][name] = why
-                    log(f"transformers {why}")
-                    continue
-                log(f"starting {name} ({py}; load + a warm-up round)")
-                try:
-                    systems[name] = HFSystem(name, py, str(src), prompt, batch_prompts, a)
-                except Exception as e:
-                    res["skipped"][name] = f"failed: {e}"
-                    log(f"{name} {res['skipped'][name]}")
-
-        for name, sysm in systems.items():
-            res["infos"][name] = sysm.info  # the same dict: what warm() and the rounds add shows up
-            if sysm.kind == "jaxinfer":
-                log(f"warm-up {name}: one run of each figure (compiles its shapes)")
-                sysm.warm()
-
-        def dropped(name, i, e):  # report, go on without it
-            res["skipped"][name] = f"failed in round {i + 1}: {e}"
-            log(f"{name} {res['skipped'][name]}")
-            systems.pop(name).close()
-
-        rounds.update(alternate({n: (lambda i, s=s: s.round()) for n, s in systems.items()}, a.rounds, log=log,
-                                on_error=dropped))
-        res["system"]["loadavg_end"] = load_average()
-        for name, info in res["infos"].items():
-            if name.startswith("llama:") and "llama_system_info" not in res:
-                res["llama_system_info"] = info.get("system_info")
-                res["llama_version"] = info.get("version")
-    finally:
-        for sysm in systems.values():
-            try:
-                sysm.close()
-            except Exception:
-                pass
-
+def summarize(res: dict, rounds: dict, systems: list) -> None:
     summary, floors = {}, {}
-    for name in a.systems:
+    for name in systems:
         rs = rounds.get(name)
         if not rs:
             continue
@@ -528,13 +441,49 @@ def main(argv=None) -> int:
             floor_s = wb / (res["bandwidth_gbs"] * 1e9)
             floors[name] = {"weight_bytes": wb, "floor_ms": 1e3 * floor_s, "floor_tok_s": 1 / floor_s}
     res["summary"], res["floors"] = summary, floors
-    res["rounds_by_system"] = {n: rs for n, rs in rounds.items() if rs}
-    ref = "llama:F32" if "llama:F32" in res["rounds_by_system"] else next(iter(res["rounds_by_system"]), None)
+    res["rounds_by_system"] = by = {n: rs for n, rs in rounds.items() if rs}
+    ref = "llama:F32" if "llama:F32" in by else next(iter(by), None)
     if ref:
         res["agreement_ref"] = ref
-        base = res["rounds_by_system"][ref][-1]["tokens"]
-        res["agreement"] = {n: common_prefix(rs[-1]["tokens"], base) for n, rs in res["rounds_by_system"].items() if n != ref}
-    if any(s in JAX_SYSTEMS and JAX_SYSTEMS[s][1] for s in a.systems) and not quant_ok:
+        res["agreement"] = {n: common_prefix(rs[-1]["tokens"], by[ref][-1]["tokens"]) for n, rs in by.items() if n != ref}
+
+
+def measure(b: Bench) -> None:
+    a, res, log = b.args, b.figures, b.log
+    res.update(model=a.model, batch=a.batch, prompt_len=a.prompt_len, decode_tokens=a.decode_tokens, repeats=a.repeats,
+               batch_repeats=a.batch_repeats, rounds=a.rounds, threads=a.threads, systems=a.systems,
+               llama_batch_mode="sequential" if a.llama_sequential else "parallel", skipped={}, notes=[], infos={})
+    log("measuring memory bandwidth")
+    res["bandwidth"] = bw = measure_bandwidth()
+    res["bandwidth_gbs"] = max(bw["jax_sum_gbs"], bw["jax_matvec_gbs"])
+
+    systems: dict = {}
+    try:
+        start_systems(b, systems)
+        for name, sysm in systems.items():
+            res["infos"][name] = sysm.info  # the same dict: what warm() and the rounds add shows up
+            if sysm.kind == "jaxinfer":
+                log(f"warm-up {name}: one run of each figure (compiles its shapes)")
+                sysm.warm()
+        def dropped(name, why):  # reported; the others go on
+            res["skipped"][name] = why
+            systems.pop(name).close()
+
+        rounds = b.rounds({n: (lambda i, s=s: s.round()) for n, s in systems.items()}, may_fail=True, on_fail=dropped)
+        res["system"]["loadavg_end"] = load_average()
+        llama_infos = [info for name, info in res["infos"].items() if name.startswith("llama:")]
+        if llama_infos:
+            res["llama_system_info"] = llama_infos[0].get("system_info")
+            res["llama_version"] = llama_infos[0].get("version")
+    finally:
+        for sysm in systems.values():
+            try:
+                sysm.close()
+            except Exception:
+                pass
+
+    summarize(res, rounds, a.systems)
+    if any(s in JAX_SYSTEMS and JAX_SYSTEMS[s][1] for s in a.systems) and not has_quantization():
         res["notes"].append("jaxinfer int8 / int4 rows skipped: jaxinfer.LLM has no quantization= argument in this checkout")
     cached = {n: sum(r.get("cached_tokens", 0) for r in rs) for n, rs in res["rounds_by_system"].items() if n in JAX_SYSTEMS}
     if any(cached.values()):
@@ -546,7 +495,10 @@ def main(argv=None) -> int:
             "unreliable, llama.cpp's most (its OpenMP threads spin-wait for each other)"
         )
     res["targets"] = targets(res)
-    return finish(report(res), res, a.json, log)
+
+
+def main(argv=None) -> int:
+    return run(measure, report, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ position is the float32 row's argmax.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import math
 import os
@@ -50,7 +49,8 @@ from jaxinfer.ops import kv_cache
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.models import get_family
 
-from jaxinfer.tools.harness import Clock, Worker, finish, load_average, machine, machine_line
+from jaxinfer.tools.harness import (Bench, Worker, fmt, heading, parser, run, settle, table, target, targets_block,
+                                   worker_flags)
 
 from benchmarks.llamacpp_peer import WORKER, find_llama_python
 
@@ -221,39 +221,45 @@ def summarize(res: dict) -> None:
         res["cross_q4"] = {"ppl_ratio": a["ppl"] / b["ppl"], "top1_agree": agreement(a["top1"], b["top1"])}
 
 
+def targets(res: dict) -> list:
+    out = []
+    for name in ("jax:int8", "jax:int4", "jax:int4-requant"):
+        if name not in res["order"]:
+            continue
+        r, goal = res["rows"].get(name), f"{LABELS[name]} ppl within {100 * LIMITS[name]:.0f}% of float32"
+        if r is None or "check" not in r:
+            out.append(target(goal, None, res["skipped"].get(name, "no float32 row")))
+        else:
+            out.append(target(goal, r["check"]["pass"], f"{r['ppl']:.4f} vs {res['rows']['jax:float32']['ppl']:.4f} "
+                              f"({100 * (r['ratio'] - 1):+.2f}%)"))
+    return out
+
+
 def report(res: dict) -> str:
-    L = []
-    L.append(
+    L = heading(
         f"perplexity — {res['model']}; text {res['text']} ({res['text_tokens']} tokens, jaxinfer's tokenizer, "
-        f"no chat template{', BOS first in each window' if res['bos'] is not None else ', no BOS (the model adds none)'})"
-    )
-    L.append(
-        f"{res['windows']} non-overlapping windows of {res['ctx']} tokens, each from an empty cache; scored: positions "
-        f"{res['score_from']}..{res['ctx'] - 2} of each (the next token's log-probability), {res['scored']} tokens in all"
-    )
-    L.append(machine_line(res["system"]))
-    L.append(f"load average at start {res['system']['loadavg']}, at end {res['system'].get('loadavg_end')}")
-    for n in res.get("notes", []):
-        L.append(f"note: {n}")
-    L.append("")
-    w = 40
-    L.append(f"{'row':<{w}} {'ppl':>9} {'vs own f32':>11} {'top-1 = f32':>12}  check")
-    L.append("-" * (w + 48))
+        f"no chat template{', BOS first in each window' if res['bos'] is not None else ', no BOS (the model adds none)'})",
+        res["system"])
+    L.insert(1, f"{res['windows']} non-overlapping windows of {res['ctx']} tokens, each from an empty cache; scored: "
+                f"positions {res['score_from']}..{res['ctx'] - 2} of each (the next token's log-probability), "
+                f"{res['scored']} tokens in all")
+    L += [f"note: {n}" for n in res.get("notes", [])]
+    rows, skipped = [], []
     for name in res["order"]:
         r = res["rows"].get(name)
         if r is None:
-            L.append(f"{LABELS[name]:<{w}} {res['skipped'].get(name, 'skipped')}")
+            skipped.append(f"{LABELS[name]}: {res['skipped'].get(name, 'skipped')}")
             continue
-        ratio = f"{r['ratio']:.4f}" if "ratio" in r else "-"
-        agree = f"{100 * r['top1_agree']:.2f}%" if "top1_agree" in r and REFERENCE[name] != name else "-"
+        own = REFERENCE[name] == name
         chk = ""
         if "check" in r:
             c = r["check"]
             chk = f"[{'PASS' if c['pass'] else 'FAIL'}] within {100 * c['limit']:.0f}% ({100 * (r['ratio'] - 1):+.2f}%)"
-        elif REFERENCE[name] != name and "ratio" in r:
+        elif not own and "ratio" in r:
             chk = f"({100 * (r['ratio'] - 1):+.2f}%)"
-        L.append(f"{LABELS[name]:<{w}} {r['ppl']:>9.4f} {ratio:>11} {agree:>12}  {chk}")
-    L.append("")
+        rows.append([LABELS[name], f"{r['ppl']:.4f}", fmt(r.get("ratio"), ".4f"),
+                     f"{100 * r['top1_agree']:.2f}%" if "top1_agree" in r and not own else "-", chk])
+    L += ["", table(["row", "ppl", "vs own f32", "top-1 = f32", "check"], rows, left=(0, 4)), *skipped, ""]
     c = res.get("cross_f32")
     if c:
         L.append(
@@ -272,19 +278,7 @@ def report(res: dict) -> str:
             i = r["info"]
             extra = f", {i['weight_bytes'] / 1e6:.0f} MB of weights" if "weight_bytes" in i else ""
             L.append(f"{LABELS[name]}: load {i['load_s']:.1f} s, scoring {i['eval_s']:.1f} s{extra}")
-    L.append("")
-    L.append("targets:")
-    for name in ("jax:int8", "jax:int4", "jax:int4-requant"):
-        r = res["rows"].get(name)
-        if name not in res["order"]:
-            continue
-        if r is None or "check" not in r:
-            L.append(f"  [n/a ] {LABELS[name]} ppl within {100 * LIMITS[name]:.0f}% of float32: "
-                     f"{res['skipped'].get(name, 'no float32 row')}")
-        else:
-            c = r["check"]
-            L.append(f"  [{'PASS' if c['pass'] else 'FAIL'}] {LABELS[name]} ppl within {100 * c['limit']:.0f}% of float32: "
-                     f"{r['ppl']:.4f} vs {res['rows']['jax:float32']['ppl']:.4f} ({100 * (r['ratio'] - 1):+.2f}%)")
+    L += ["", *targets_block(res["targets"])]
     return "\n".join(L)
 
 
@@ -294,103 +288,108 @@ def report(res: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.perplexity", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = parser("python -m benchmarks.perplexity", __doc__, quick="the first 2 windows only",
+               json_help="also write the figures (not the per-token values) as JSON")
     p.add_argument("--text", default=str(TEXT), help="a UTF-8 text file (default: the committed one)")
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (even)")
     p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
-    p.add_argument("--quick", action="store_true", help="the first 2 windows only")
     p.add_argument("--systems", nargs="+", default=None, choices=ALL_ROWS, metavar="ROW",
                    help=f"rows to compute (default: {' '.join(DEFAULT_ROWS)}; also jax:bfloat16, llama:BF16)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
-    p.add_argument("--llama-python", default=None, help="interpreter with llama-cpp-python")
-    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
-    p.add_argument("--json", default=None, help="also write the figures (not the per-token values) as JSON")
-    a = p.parse_args(argv)
-    if a.ctx < 4 or a.ctx % 2:
-        p.error("--ctx must be an even number >= 4")
-    if a.quick and a.max_windows is None:
-        a.max_windows = 2
+    worker_flags(p, "llama", "llama-cpp-python for the llama.cpp")
+    a = settle(p, p.parse_args(argv), quick={"max_windows": (None, 2)}, at_least={"ctx": 4})
+    if a.ctx % 2:
+        p.error(f"--ctx must be an even number, got {a.ctx}")
     a.systems = [s for s in ALL_ROWS if s in (a.systems or DEFAULT_ROWS)]
     return a
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    log = Clock()
+def jax_rows(b: Bench, f32, windows: list, first: int) -> None:
+    """Score every jaxinfer row (float32 on the engine already loaded) into ``figures["rows"]``."""
+    a, res = b.args, b.figures
     quant_ok = "quantization" in inspect.signature(jaxinfer.LLM).parameters
-    res: dict = {"model": a.model, "ctx": a.ctx, "order": a.systems, "rows": {}, "skipped": {}, "notes": [],
-                 "system": machine()}
-    text_path = Path(a.text)
-    res["text"] = text_path.name
+    for name in [s for s in a.systems if s in JAX_ROWS]:
+        if JAX_ROWS[name][1] and not quant_ok:
+            b.skip(name, "skipped: jaxinfer.LLM has no quantization= argument yet")
+            continue
+        b.log(f"{name}: scoring {len(windows)} windows")
 
-    log("loading jaxinfer float32 (the tokenizer and the float32 row)")
+        def score(name=name):
+            if name != "jax:float32":
+                return jax_row(name, a.model, windows, first, a, b.log, float_llm=f32)
+            scorer = JaxScorer(f32, a.ctx)
+            t0 = time.perf_counter()
+            logp, top1 = zip(*(scorer.window(w, first) for w in windows))
+            return {"logp": list(logp), "top1": list(top1), "info": {
+                "load_s": f32.load_time_s, "eval_s": time.perf_counter() - t0, "dtype": "float32",
+                "weight_bytes": sum(x.nbytes for x in jax.tree.leaves(f32.runner.params))}}
+
+        row = b.start(name, score)
+        if row is not None:
+            res["rows"][name] = row
+    if not quant_ok and any(JAX_ROWS[s][1] for s in a.systems if s in JAX_ROWS):
+        res["notes"].append("jaxinfer int8 / int4 rows skipped: jaxinfer.LLM has no quantization= argument in this checkout")
+
+
+def llama_rows(b: Bench, windows: list, first: int) -> None:
+    """Score every llama.cpp row in its worker into ``figures["rows"]`` (skipped without an interpreter)."""
+    a, res = b.args, b.figures
+    names = [s for s in a.systems if s in LLAMA_ROWS]
+    if not names:
+        return
+    py, why = find_llama_python(a.llama_python, off=a.no_llama and "--no-llama")
+    from jaxinfer.loading.weights import resolve_model
+
+    src = Path(resolve_model(a.model).path)
+    if py and src.suffix != ".gguf":
+        py, why = None, f"skipped: {src} is not a GGUF file"
+    for name in names:
+        if not py:
+            b.skip(name, why)
+            continue
+        from benchmarks import gguf_variants
+
+        def score(name=name):
+            t = LLAMA_ROWS[name]
+            path = gguf_variants.variants(src, [t], log=b.log)[t]
+            b.log(f"{name}: scoring {len(windows)} windows ({path.name})")
+            return llama_row(name, py, path, windows, first, a)
+
+        row = b.start(name, score)
+        if row is not None:
+            res["rows"][name] = row
+
+
+def measure(b: Bench) -> None:
+    a, res = b.args, b.figures
+    text_path = Path(a.text)
+    res.update(model=a.model, ctx=a.ctx, order=a.systems, rows={}, skipped={}, notes=[], text=text_path.name)
+    b.log("loading jaxinfer float32 (the tokenizer and the float32 row)")
     f32 = jaxinfer.LLM(a.model, dtype="float32", enable_prefix_caching=False)
     tok = f32.tokenizer
     ids = tok.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False)
     bos = tok.bos_token_id if getattr(tok, "add_bos_token", False) else None
-    windows = windows_of(ids, a.ctx, bos)
-    if a.max_windows:
-        windows = windows[: a.max_windows]
+    windows = windows_of(ids, a.ctx, bos)[: a.max_windows or None]
     if not windows:
         raise SystemExit(f"{text_path} has {len(ids)} tokens: not one window of {a.ctx}")
     first = a.ctx // 2
     res.update(text_tokens=len(ids), bos=bos, windows=len(windows), score_from=first,
                scored=len(windows) * (a.ctx - 1 - first))
-
-    for name in [s for s in a.systems if s in JAX_ROWS]:
-        dtype, quant, requant = JAX_ROWS[name]
-        if quant and not quant_ok:
-            res["skipped"][name] = "skipped: jaxinfer.LLM has no quantization= argument yet"
-            log(f"{name} {res['skipped'][name]}")
-            continue
-        log(f"{name}: scoring {len(windows)} windows")
-        try:
-            if name == "jax:float32":
-                scorer = JaxScorer(f32, a.ctx)
-                t0 = time.perf_counter()
-                logp, top1 = zip(*(scorer.window(w, first) for w in windows))
-                res["rows"][name] = {"logp": list(logp), "top1": list(top1), "info": {
-                    "load_s": f32.load_time_s, "eval_s": time.perf_counter() - t0, "dtype": "float32",
-                    "weight_bytes": sum(x.nbytes for x in jax.tree.leaves(f32.runner.params))}}
-            else:
-                res["rows"][name] = jax_row(name, a.model, windows, first, a, log, float_llm=f32)
-        except Exception as e:
-            res["skipped"][name] = f"failed: {type(e).__name__}: {e}"
-            log(f"{name} {res['skipped'][name]}")
+    jax_rows(b, f32, windows, first)
     f32.close()
     del f32
-
-    llama_names = [s for s in a.systems if s in LLAMA_ROWS]
-    if llama_names:
-        py, why = (None, "skipped (--no-llama)") if a.no_llama else find_llama_python(a.llama_python)
-        from jaxinfer.loading.weights import resolve_model
-
-        src = Path(resolve_model(a.model).path)
-        if py and src.suffix != ".gguf":
-            py, why = None, f"skipped: {src} is not a GGUF file"
-        for name in llama_names:
-            if not py:
-                res["skipped"][name] = why
-                continue
-            from benchmarks import gguf_variants
-
-            t = LLAMA_ROWS[name]
-            try:
-                path = gguf_variants.variants(src, [t], log=log)[t]
-                log(f"{name}: scoring {len(windows)} windows ({path.name})")
-                res["rows"][name] = llama_row(name, py, path, windows, first, a)
-            except Exception as e:
-                res["skipped"][name] = f"failed: {e}"
-                log(f"{name} {res['skipped'][name]}")
-        if not py:
-            log(f"llama.cpp {why}")
-    if not quant_ok and any(JAX_ROWS[s][1] for s in a.systems if s in JAX_ROWS):
-        res["notes"].append("jaxinfer int8 / int4 rows skipped: jaxinfer.LLM has no quantization= argument in this checkout")
+    llama_rows(b, windows, first)
     summarize(res)
-    res["system"]["loadavg_end"] = load_average()
-    slim = {n: {k: v for k, v in r.items() if k not in ("logp", "top1")} for n, r in res["rows"].items()}
-    return finish(report(res), res, a.json, log, json_figures=dict(res, rows=slim))
+    res["targets"] = targets(res)
+
+
+def without_tokens(res: dict) -> dict:
+    """The figures for ``--json``: every row without its per-token values."""
+    return dict(res, rows={n: {k: v for k, v in r.items() if k not in ("logp", "top1")} for n, r in res["rows"].items()})
+
+
+def main(argv=None) -> int:
+    return run(measure, report, parse_args(argv), json_figures=without_tokens)
 
 
 if __name__ == "__main__":

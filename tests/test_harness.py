@@ -177,3 +177,92 @@ def test_the_llamacpp_worker_runs_by_path_and_reports_its_missing_library():
 
     with pytest.raises(RuntimeError, match="llama_cpp"):
         harness.Worker(sys.executable, LLAMA_WORKER, {"mode": "bench", "model": "/nonexistent.gguf"}, name="llama")
+
+
+# --------------------------------------------------------------------------- #
+# Flags, the report's pieces, a run
+# --------------------------------------------------------------------------- #
+
+
+def test_settle_fills_quick_defaults_and_refuses_values_under_a_limit(capsys):
+    def parse(argv):
+        p = harness.parser("python -m benchmarks.toy", "A toy.\n\nMore.", rounds=(3, 2), quick="fewer", dtype=True)
+        p.add_argument("--window", type=int, default=None)
+        p.add_argument("--tokens", type=int, default=8)
+        return harness.settle(p, p.parse_args(argv), quick={"window": (48, 24)}, at_least={"tokens": 2})
+
+    a = parse([])
+    assert (a.rounds, a.window, a.quick, a.json, a.model, a.dtype) == (3, 48, False, None, "smollm2-135m-instruct", None)
+    a = parse(["--quick", "--json", "f.json"])
+    assert (a.rounds, a.window, a.json) == (2, 24, "f.json")
+    a = parse(["--quick", "--rounds", "7", "--window", "5"])  # what is given wins over --quick
+    assert (a.rounds, a.window) == (7, 5)
+    with pytest.raises(SystemExit) as e:
+        parse(["--tokens", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("error: --tokens must be at least 2, got 1")
+
+
+def test_find_python_takes_the_flag_then_the_environment_then_the_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOY_PYTHON", raising=False)
+    default = tmp_path / "python"
+    assert harness.find_python("/x/py", "TOY_PYTHON", off="--no-toy") == (None, "skipped (--no-toy)")
+    assert harness.find_python(None, "TOY_PYTHON", default=str(default), missing="none here") == (
+        None, "skipped: none here")
+    default.write_text("")
+    assert harness.find_python(None, "TOY_PYTHON", default=str(default))[0] == str(default)
+    monkeypatch.setenv("TOY_PYTHON", "/env/py")
+    assert harness.find_python(None, "TOY_PYTHON", default=str(default)) == ("/env/py", "TOY_PYTHON")
+    assert harness.find_python("/flag/py", "TOY_PYTHON")[0] == "/flag/py"
+    monkeypatch.delenv("TOY_PYTHON")
+    assert harness.find_python(None, "TOY_PYTHON", here=True)[0] == sys.executable
+
+
+def test_compare_gives_how_many_times_better_the_first_is_either_way():
+    text = harness.compare([("tok/s", 30.0, 10.0, ".1f"), ("TTFT (ms)", 50.0, 100.0, ".1f", "lower"),
+                            ("load (s)", 2.0, None, ".2f")], names=("ours", "theirs"))
+    lines = text.splitlines()
+    assert lines[0].split() == ["metric", "ours", "theirs", "ratio"]
+    assert lines[1].split()[-3:] == ["30.0", "10.0", "3.00x"]
+    assert lines[2].split()[-3:] == ["50.0", "100.0", "2.00x"]  # lower is better: theirs / ours
+    assert lines[3].split()[-3:] == ["2.00", "-", "-"]
+    assert harness.ratio(None, 3.0) is None and harness.fmt(None) == "-"
+
+
+def test_targets_say_pass_fail_or_not_measured():
+    ts = [harness.target("a", True, "1.2x"), harness.target("b", False, "0.5x", ratio=0.5),
+          harness.target("c", None, "peer skipped")]
+    assert [t["verdict"] for t in ts] == ["PASS", "FAIL", "n/a"] and ts[1]["ratio"] == 0.5
+    assert harness.targets_block(ts) == ["targets:", "  [PASS] a: 1.2x", "  [FAIL] b: 0.5x", "  [n/a ] c: peer skipped"]
+
+
+def test_run_measures_in_rounds_drops_a_failing_peer_and_writes_the_figures(tmp_path, capsys):
+    p = harness.parser("toy", "A toy.", model=None, rounds=3)
+    args = harness.settle(p, p.parse_args(["--json", str(tmp_path / "toy.json")]))
+    told = []
+
+    def peer(i):
+        if i == 1:
+            raise RuntimeError("worker gone")
+        return 1.0
+
+    def measure(b):
+        assert b.args is args and "cpu_flags" in b.figures["system"]
+        by = b.rounds({"ours": lambda i: 2.0 + i, "peer": peer}, may_fail=("peer",),
+                      on_fail=lambda name, why: told.append((name, why)))
+        b.figures["medians"] = {k: harness.spread(v)["median"] for k, v in by.items()}
+        assert b.start("broken", lambda: 1 / 0) is None
+        with pytest.raises(ValueError):  # only the systems named may fail
+            b.rounds({"ours": lambda i: int("x")}, n=1)
+
+    def report(res):
+        return "\n".join(harness.heading("toy benchmark", res["system"]) + [f"ours {res['medians']['ours']:.1f}"])
+
+    assert harness.run(measure, report, args) == 0
+    assert told == [("peer", "failed in round 2: worker gone")]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "toy benchmark" and out[1].startswith("CPU: ") and "at end [" in out[2] and out[3] == "ours 3.0"
+    back = json.loads((tmp_path / "toy.json").read_text())
+    assert back["medians"] == {"ours": 3.0, "peer": 1.0} and back["skipped"] == {"broken": "failed: division by zero"}
+    assert back["system"]["loadavg_end"] is not None or back["system"]["loadavg"] is None

@@ -289,14 +289,16 @@ class Clock:
         print(f"[{self.elapsed():6.1f}s] {msg}", file=self.stream or sys.stderr, flush=True)
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence], first_width: Optional[int] = None) -> str:
-    """Columns of text: the first left-aligned, the rest right-aligned, each as wide as its widest cell."""
+def table(header: Sequence[str], rows: Iterable[Sequence], first_width: Optional[int] = None,
+          left: Iterable[int] = (0,)) -> str:
+    """Columns of text, each as wide as its widest cell: those in `left` (the first) left-aligned, the rest right."""
     cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[j]) for r in cells if j < len(r)) for j in range(len(header))]
     if first_width:
         widths[0] = max(widths[0], first_width)
+    left = set(left)
     return "\n".join(
-        " ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r)).rstrip() for r in cells)
+        " ".join(c.ljust(widths[j]) if j in left else c.rjust(widths[j]) for j, c in enumerate(r)).rstrip() for r in cells)
 
 
 def fmt(x: Optional[float], spec: str = ".1f") -> str:
