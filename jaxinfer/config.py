@@ -206,6 +206,11 @@ class EngineConfig:
     # "highest" (full float32). Static: programs of different precisions are different programs
     # (`jaxinfer.ops.backend.KernelChoice.matmul_precision`). The native CPU kernels are exact either way.
     matmul_precision: str = "default"
+    # The machine's peaks for each step's physical floor (`jaxinfer.engine.roofline`), per device:
+    # read bandwidth in GB/s and float32 (or the weights' dtype) TFLOP/s. 0: measured once per
+    # machine on CPU; unknown on accelerators (no floor reported). Not part of what programs key on.
+    peak_bandwidth_gbps: float = field(default=0.0, repr=False)
+    peak_tflops: float = field(default=0.0, repr=False)
     # set by `resolved`: dtype was "auto" (the load line says why it chose); not part of what programs key on
     dtype_auto: bool = field(default=False, repr=False, compare=False)
 
@@ -230,6 +235,11 @@ class EngineConfig:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}.")
+        for nm in ("peak_bandwidth_gbps", "peak_tflops"):
+            v = getattr(self, nm)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"{nm} must be a finite number >= 0 (0: measure on CPU, unknown elsewhere), "
+                                 f"got {v!r}.")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}."

@@ -30,6 +30,9 @@ class RequestMetrics:
     finished_time: Optional[float] = None
     decode_steps: int = 0
     output_tokens: int = 0
+    # each step program the request had rows in, timed against its physical floor
+    # (`jaxinfer.engine.roofline`): (kind "prefill" | "decode", the step's tokens, measured s, floor s)
+    steps: list = field(default_factory=list)
 
     # -- derived -------------------------------------------------------------
 
@@ -82,6 +85,7 @@ class RequestMetrics:
             "itl_p99_s": percentile(itl, 99),
             "itl_max_s": max(itl) if itl else None,
             "e2e_s": self.e2e_s,
+            **roofline_summary(self.steps),
         }
 
     def to_dict(self) -> dict:
@@ -118,4 +122,114 @@ def format_trace(s: dict, where: str = "") -> str:
         f"p99 {ms(s.get('itl_p99_s'))}, max {ms(s.get('itl_max_s'))}",
         f"output tokens     {out}" + (f" ({out / e2e:.1f} tok/s end to end)" if e2e else ""),
         f"total             {ms(e2e)}" + (f" ({where})" if where else ""),
-    ])
+    ] + roofline_trace_lines(s))
+
+
+# -- each step against its physical floor (`jaxinfer.engine.roofline`) ------------------------------
+
+ROOFLINE_KINDS = ("prefill", "decode")
+# upper bounds of the `floor / measured` histogram (Prometheus ``step_roofline_fraction``)
+ROOFLINE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def roofline_summary(steps: list) -> dict:
+    """`RequestMetrics.steps` summed by kind: ``{kind}_step_s`` (measured) and ``{kind}_floor_s``
+    totals, ``{kind}_roofline`` (floor / measured over them), the number of steps, and the prefill
+    chunks one by one as ``prefill_step_list`` [(tokens, measured s, floor s)]. Empty without steps."""
+    out: dict = {}
+    for kind in ROOFLINE_KINDS:
+        mine = [st for st in steps if st[0] == kind and st[2]]
+        if not mine:
+            continue
+        measured, floor = sum(st[2] for st in mine), sum(st[3] for st in mine)
+        out[f"{kind}_step_s"] = measured
+        out[f"{kind}_floor_s"] = floor
+        out[f"{kind}_roofline"] = floor / measured
+        out[f"{kind}_roofline_steps"] = len(mine)
+        out[f"{kind}_roofline_min"] = min(st[3] / st[2] for st in mine)
+        if kind == "prefill":
+            out["prefill_step_list"] = [(st[1], st[2], st[3]) for st in mine]
+    return out
+
+
+def roofline_trace_lines(s: dict) -> list:
+    """The trace's lines for each step against its floor (none where the summary has no steps)."""
+    lines = []
+    for tokens, measured, floor in s.get("prefill_step_list") or ():
+        lines.append(f"prefill step      {tokens} tok: {measured * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms "
+                     f"({floor / measured:.2f} of it)")
+    n = s.get("decode_roofline_steps")
+    if n:
+        m, f = s["decode_step_s"], s["decode_floor_s"]
+        lines.append(f"decode steps      mean {m / n * 1e3:.1f} ms, floor {f / n * 1e3:.1f} ms "
+                     f"({s['decode_roofline']:.2f} of it; worst step {s['decode_roofline_min']:.2f})")
+    if lines:
+        lines.insert(0, "── steps vs their physical floor (floor / measured: 1 = the machine's limit) ──")
+    return lines
+
+
+class RooflineHistogram:
+    """Floor / measured of each step program of one kind: cumulative counts over `ROOFLINE_BUCKETS`
+    (Prometheus' layout), and the measured and floor seconds summed."""
+
+    def __init__(self):
+        self.counts = [0] * len(ROOFLINE_BUCKETS)  # per bucket, not cumulative
+        self.over = 0  # above the last bucket (a floor the step beat: should not happen)
+        self.count = 0
+        self.sum = 0.0  # of the fractions
+        self.measured_s = 0.0
+        self.floor_s = 0.0
+
+    def observe(self, measured_s: float, floor_s: float) -> None:
+        frac = floor_s / measured_s
+        for i, le in enumerate(ROOFLINE_BUCKETS):
+            if frac <= le:
+                self.counts[i] += 1
+                break
+        else:
+            self.over += 1
+        self.count += 1
+        self.sum += frac
+        self.measured_s += measured_s
+        self.floor_s += floor_s
+
+    @property
+    def fraction(self) -> Optional[float]:
+        """Floor over measured time of every step observed (time-weighted); None before any."""
+        return self.floor_s / self.measured_s if self.measured_s else None
+
+    def buckets(self) -> list:
+        """[(upper bound as text, cumulative count)], "+Inf" last."""
+        out, total = [], 0
+        for le, c in zip(ROOFLINE_BUCKETS, self.counts):
+            total += c
+            out.append((repr(float(le)), total))
+        out.append(("+Inf", total + self.over))
+        return out
+
+
+class RooflineCollector:
+    """A Prometheus collector of ``<prefix>step_roofline_fraction{kind}``, the floor / measured of
+    each step program, read from ``histograms()`` ({kind: `RooflineHistogram`}) at scrape time.
+    Register it on a server's registry: ``registry.register(RooflineCollector(lambda:
+    engine.stats.roofline, prefix, label_names, label_values))``."""
+
+    def __init__(self, histograms, prefix: str = "jaxinfer:", label_names=(), label_values=()):
+        self._histograms = histograms
+        self._prefix = prefix
+        self._names = list(label_names)
+        self._values = list(label_values)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import HistogramMetricFamily
+
+        fam = HistogramMetricFamily(
+            self._prefix + "step_roofline_fraction",
+            "Each step program's physical floor over its measured device time (1 = the machine's limit).",
+            labels=self._names + ["kind"])
+        for kind, h in sorted((self._histograms() or {}).items()):
+            fam.add_metric(self._values + [kind], h.buckets(), h.sum)
+        yield fam

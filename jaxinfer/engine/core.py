@@ -38,6 +38,7 @@ from jaxinfer.outputs import Logprob, StreamDelta
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.programs import ProgramKey
 from jaxinfer.engine.request import Request, TokenRef
+from jaxinfer.engine.roofline import EngineRoofline
 from jaxinfer.engine.runner import ModelRunner, read_output
 from jaxinfer.engine.scheduler import Scheduler
 
@@ -148,6 +149,8 @@ class Engine:
         self.scheduler = Scheduler(self.ecfg, self.allocator, max_num_batched_tokens=budget, policy=policy,
                                    kv_window=runner.cfg.kv_window)
         self.stats = EngineStats(self)
+        # each step program's physical floor and measured time; None where the peaks are unknown
+        self.roofline = EngineRoofline.for_runner(runner, self.stats.on_step_timed)
         self.log_stats_interval = log_stats_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -307,6 +310,8 @@ class Engine:
         n_before = len(self._pending)
         if sched.prefill:
             out = self.runner.prefill(sched.prefill)
+            if self.roofline is not None:
+                self.roofline.prefill(sched.prefill, out.tokens, self.runner.dispatched_at)
             rows, scored = [], []
             for i, c in enumerate(sched.prefill):
                 r = c.request
@@ -327,6 +332,8 @@ class Engine:
                 self._pending.append((rows, out, scored))
         if sched.decode:
             out = self.runner.decode(sched.decode)
+            if self.roofline is not None:
+                self.roofline.decode(sched.decode, out.tokens, self.runner.dispatched_at)
             for i, r in enumerate(sched.decode):
                 r.num_computed += 1
                 r.num_sampled += 1
@@ -356,6 +363,8 @@ class Engine:
         results = read_output(out, reqs, [i for _, i in rows])
         now = time.perf_counter()
         self.stats.wait_s += now - t0
+        if self.roofline is not None:  # the steps timed so far, onto their requests before any finishes
+            self.roofline.settle(out.tokens)
         for (r, _), (tok, lp) in zip(rows, results):
             if r.finished:
                 continue  # drawn in the step after it stopped, or aborted meanwhile

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from jaxinfer.metrics import ROOFLINE_KINDS, RooflineHistogram
+
 
 class EngineStats:
     def __init__(self, engine):
@@ -24,7 +26,20 @@ class EngineStats:
         self.grammar_syncs = 0  # steps that read the previous step's tokens first (a constrained row ran)
         self.finished: dict = {}
         self.recent: deque = deque(maxlen=4096)  # summaries of finished requests
+        # each step program against its physical floor (`jaxinfer.engine.roofline`), by kind
+        self.roofline: dict = {k: RooflineHistogram() for k in ROOFLINE_KINDS}
         self._mark = (time.perf_counter(), 0, 0)
+        self._roofline_mark: dict = {}  # kind -> (measured s, floor s) at the last line
+
+    def on_step_timed(self, t) -> None:
+        """One dispatched program timed (`jaxinfer.engine.roofline.StepTiming`): into the kind's
+        histogram, and onto each unfinished request that had rows in it."""
+        if not t.measured_s:
+            return
+        self.roofline.setdefault(t.kind, RooflineHistogram()).observe(t.measured_s, t.floor_s)
+        for r in t.requests:
+            if not r.finished:
+                r.metrics.steps.append((t.kind, t.tokens, t.measured_s, t.floor_s))
 
     def on_finished(self, r) -> None:
         self.recent.append(r.metrics.summary() | {"finish_reason": r.finish_reason})
@@ -50,7 +65,19 @@ class EngineStats:
             "mask_s": e.runner.mask_s,  # host time computing structured-output masks
             "mask_rows": e.runner.mask_rows,
             "finished": dict(self.finished),
+            # floor / measured of every step of the kind since start, its measured and floor seconds
+            "roofline": {k: {"fraction": h.fraction, "steps": h.count, "measured_s": h.measured_s,
+                             "floor_s": h.floor_s} for k, h in self.roofline.items() if h.count},
         }
+
+    def _roofline_since_mark(self) -> str:
+        parts = []
+        for kind, h in self.roofline.items():
+            m0, f0 = self._roofline_mark.get(kind, (0.0, 0.0))
+            self._roofline_mark[kind] = (h.measured_s, h.floor_s)
+            if h.measured_s > m0:
+                parts.append(f"{kind} {(h.floor_s - f0) / (h.measured_s - m0):.2f}")
+        return f", Step floor/measured: {', '.join(parts)}" if parts else ""
 
     def line(self) -> str:
         """One log line; throughputs are averaged since the previous call."""
@@ -65,4 +92,5 @@ class EngineStats:
             f"Running: {s['running']} reqs, Waiting: {s['waiting']} reqs, "
             f"KV cache usage: {100 * s['kv_usage']:.1f}%, "
             f"Prefix cache hit rate: {100 * s['prefix_hit_rate']:.1f}%"
+            + self._roofline_since_mark()
         )

@@ -79,6 +79,7 @@ class ModelRunner:
         self.mask_s = 0.0  # host time building the metadata of steps with constrained rows (the masks)
         self.mask_rows = 0  # constrained rows masked
         self.params_updates = 0  # weights swapped in since loading (`swap_params`)
+        self.dispatched_at = 0.0  # perf_counter just before the last step program was called (its timing starts here)
 
     # -- padded inputs ---------------------------------------------------
 
@@ -201,6 +202,7 @@ class ModelRunner:
         """Dispatch the program ``key`` on the host inputs; the leader of several processes
         first publishes them, so every process runs the same step."""
         prog = self.programs.get(key)
+        self.dispatched_at = time.perf_counter()
         if self.plans is None:
             out, self.kv_cache, self.sampler_state = prog(self.params, self.kv_cache, self.sampler_state, *host_args)
         else:  # everything that can fail comes before the plan goes out
