@@ -197,3 +197,19 @@ def test_floor_appears_in_trace_stats_line_and_prometheus(served):
     assert f'jaxinfer:step_roofline_fraction_count{{kind="decode",model_name="tiny"}} {float(n)}' in text
     assert f'jaxinfer:step_roofline_fraction_bucket{{kind="prefill",le="1.0",model_name="tiny"}} ' \
            f'{float(hist["prefill"].count)}' in text
+
+
+def test_bench_summary_reports_the_fraction_for_prefill_and_decode(served):
+    from jaxinfer.tools import serving
+
+    llm, _, _ = served
+    workload = serving.synthetic_workload(4, (6, 20), (3, 6), TINY.vocab_size, seed=1)
+    cfg = serving.BenchConfig(request_rate=float("inf"), max_concurrency=2, warmup_requests=0, seed=0,
+                              progress=False)
+    s = serving.summarize(serving.run_benchmark(serving.LibraryBackend(llm), workload, cfg), {"backend": "library"})
+    for kind in ("prefill", "decode"):
+        r = s["engine"][f"{kind}_step_roofline"]
+        assert 0 < r["fraction"] <= 1 and r["steps"] >= 1 and r["mean_floor_ms"] <= r["mean_step_ms"]
+    assert s["engine"]["decode_step_roofline"]["steps"] >= max(r.output_len for r in workload) - 1
+    table = serving.format_table(s)
+    assert "Prefill step floor/measured:" in table and "Decode step floor/measured:" in table

@@ -291,6 +291,9 @@ class LibraryBackend(Backend):
             "prefix_queries": e.allocator.queries,
             "prefix_hits": e.allocator.hits,
             "engine_steps": e.stats.steps,
+            # each step program against its physical floor (`jaxinfer.engine.roofline`), by kind
+            **{f"roofline_{k}_{f}": getattr(h, f) for k, h in e.stats.roofline.items()
+               for f in ("count", "measured_s", "floor_s")},
         }
 
     def gauges(self) -> dict:
@@ -990,6 +993,12 @@ def summarize(bench: BenchmarkResult, info: Optional[dict] = None) -> dict:
         engine["peak_running"] = bench.peaks["running"]
     if "waiting" in bench.peaks:
         engine["peak_waiting"] = bench.peaks["waiting"]
+    for kind in ("prefill", "decode"):  # floor / measured time of the run's steps of each kind
+        n, measured = c.get(f"roofline_{kind}_count", 0), c.get(f"roofline_{kind}_measured_s", 0.0)
+        if n and measured > 0:
+            floor = c[f"roofline_{kind}_floor_s"]
+            engine[f"{kind}_step_roofline"] = {"fraction": floor / measured, "steps": n,
+                                               "mean_step_ms": 1e3 * measured / n, "mean_floor_ms": 1e3 * floor / n}
     failed = [r for r in bench.results if not r.ok]
     server = [r.server for r in ok if r.server]
     extra: dict[str, Any] = {}
@@ -1095,6 +1104,11 @@ def format_table(s: dict) -> str:
             row("Peak waiting requests:", e["peak_waiting"])
         if "engine_steps" in e:
             row("Engine steps:", e["engine_steps"])
+        for kind in ("prefill", "decode"):
+            r = e.get(f"{kind}_step_roofline")
+            if r:
+                row(f"{kind.capitalize()} step floor/measured:", r["fraction"])
+                row(f"  mean {kind} step / floor (ms):", f"{r['mean_step_ms']:.1f}/{r['mean_floor_ms']:.1f}")
     rows.append("=" * width)
     if s["errors"]:
         rows.append("errors: " + "; ".join(s["errors"]))
