@@ -140,3 +140,44 @@ def test_the_kernels_compile_without_warnings(source, flags):
     assert not {"-w"} & set(cmd) and {"-Wall", "-Wextra"} <= set(cmd)
     out = subprocess.run([*cmd[:-2], "-fsyntax-only"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr[-3000:]
+
+
+def test_matmul_precision_is_checked_and_carried_by_the_choice():
+    from jaxinfer.config import EngineConfig
+
+    with pytest.raises(ValueError, match="matmul_precision must be one of default, highest, got 'high'"):
+        EngineConfig(matmul_precision="high")
+    with pytest.raises(ValueError, match="matmul_precision"):
+        KernelChoice("cuda", matmul_precision="fast")
+    high = KernelChoice("cuda").with_precision("highest")
+    assert high != KernelChoice("cuda") and hash(high) != hash(KernelChoice("cuda"))
+    assert KernelChoice("cuda").with_precision("default") == KernelChoice("cuda")  # default: the choice as it was
+    assert "highest" in str(high) and "precision" not in str(KernelChoice("cuda"))
+
+
+def _dot_precisions(choice):
+    import re
+
+    return re.findall(r"dot_general.*?precision = \[(\w+), \w+\]", _prefill_hlo(choice))
+
+
+def test_the_step_traces_its_products_at_the_choices_precision():
+    """Pure JAX: every product of the prefill (projections, attention einsums, LM head) says HIGHEST under
+    "highest"; under "default" none does, exactly the program of a choice made before the field."""
+    pure = KernelChoice.pure_jax("cpu")
+    default, high = _dot_precisions(pure), _dot_precisions(pure.with_precision("highest"))
+    assert default and set(default) == {"DEFAULT"}
+    assert len(high) == len(default) and set(high) == {"HIGHEST"}
+
+
+def test_programs_of_another_precision_have_another_key(tiny_llm):
+    runner = tiny_llm.engine.runner
+    table = runner.programs
+    assert table.kernels.matmul_precision == runner.ecfg.matmul_precision == "default"
+    saved = runner.ecfg
+    try:
+        runner.ecfg = saved.replace(matmul_precision="highest")
+        high = ProgramTable(runner, kernels=table.kernels)
+    finally:
+        runner.ecfg = saved
+    assert high.kernels == table.kernels.with_precision("highest") and high.fingerprint != table.fingerprint

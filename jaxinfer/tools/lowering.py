@@ -186,6 +186,7 @@ class Op:
     attrs: str  # the op's text without string contents (attributes, callee, precision ...)
     loc: str = ""  # its location alias (``#loc12``) when lowered with debug info
     carried: tuple[str, ...] = ()  # a while's loop-carried names, one per operand
+    yields: tuple[str, ...] = ()  # what a while's body returns for them, in order
 
     def where(self, locs: Optional[dict] = None) -> str:
         place = f"line {self.line} in @{self.func}"
@@ -343,18 +344,36 @@ def parse(text: str) -> Module:
             sig_text = rhs + " " + closing.strip()
         head = _split_top(rhs, " : ")[0] if not generic else rhs.split("({")[0]
         carried: tuple[str, ...] = ()
+        yields: tuple[str, ...] = ()
         if name == "stablehlo.while":
             pairs = re.findall(r"(%[\w.$\-]+) = (%[\w.$\-]+(?:#\d+)?)", head)
             carried = tuple(p[0] for p in pairs)
             operands = tuple(p[1] for p in pairs)
+            yields = _while_yields(lines, i)
         else:
             operands = tuple(_NAME.findall(head))
         in_types, out_types = _signature(sig_text)
         if name == "stablehlo.while" and not out_types:
             out_types = _types(_split_top(rhs, " : ")[-1])
-        ops.append(Op(func, start + 1, name, _results(lhs), operands, out_types, in_types, head, loc, carried))
+        ops.append(Op(func, start + 1, name, _results(lhs), operands, out_types, in_types, head, loc, carried,
+                      yields))
         i += 1
     return Module(tuple(ops), args, returns, {k: _readable_loc(v, locs) for k, v in locs.items()})
+
+
+def _while_yields(lines: list[str], i: int) -> tuple[str, ...]:
+    """The names a pretty-printed while (its header on line ``i``) returns from its body ("} do {" ... return)."""
+    ind = _indent(lines[i])
+    j = i + 1
+    while j < len(lines) and not (_indent(lines[j]) == ind and lines[j].strip().startswith("} do {")):
+        j += 1
+    for k in range(j + 1, len(lines)):
+        if _indent(lines[k]) <= ind:
+            break
+        text = lines[k].strip()
+        if _indent(lines[k]) == ind + 2 and text.startswith("stablehlo.return"):
+            return tuple(_NAME.findall(_split_top(_STRING.sub('""', text), " : ")[0]))
+    return ()
 
 
 def _indent(line: str) -> int:
@@ -401,23 +420,30 @@ def _layer_sized(t: Optional[TensorType], cache_shape: Sequence[int]) -> bool:
 
 # in-place updates of the cache: they write the new tokens' slots into the (donated) buffer
 IN_PLACE = ("stablehlo.scatter", "stablehlo.dynamic_update_slice")
+# ops that hand their operand on as it is (an ordering fence, not a copy)
+PASS_THROUGH = ("stablehlo.optimization_barrier",)
 
 
 def full_cache_ops(text, cache_shape: Sequence[int]) -> list[str]:
     """Ops whose result is a whole cache layer (``cache_shape``: [num_pages, page_size, 2 * KVH, head_dim])
     or a view of its size, other than an in-place update of the cache (a scatter or dynamic-update-slice
-    into it, a custom call that aliases it as its output) and calls (the callee's ops are checked)."""
+    into it, a custom call that aliases it as its output), an optimization barrier (it hands its operand
+    on), a loop that only reads it (a while whose body returns that carried value unchanged: a loop
+    that updates the cache it carries is a copy per step) and calls (the callee's ops are checked)."""
     mod = _module(text)
     out = []
     for op in mod.ops:
-        big = [t for t in op.result_types if _layer_sized(t, cache_shape)]
+        big = [i for i, t in enumerate(op.result_types) if _layer_sized(t, cache_shape)]
         if not big:
             continue
-        if op.name in IN_PLACE or op.name in ("func.call", "call"):
+        if op.name in IN_PLACE or op.name in PASS_THROUGH or op.name in ("func.call", "call"):
             continue
         if op.name == "stablehlo.custom_call" and "output_operand_aliases" in op.attrs:
             continue
-        out.append(f"{op.name} -> {big[0]} at {op.where(mod.locs)}")
+        if op.name == "stablehlo.while" and op.yields and all(
+                i < len(op.yields) and op.yields[i] == op.carried[i] for i in big):
+            continue
+        out.append(f"{op.name} -> {op.result_types[big[0]]} at {op.where(mod.locs)}")
     return out
 
 
