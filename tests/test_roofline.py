@@ -160,7 +160,8 @@ def served():
     given = llm.engine.roofline.peaks
     outs = llm.generate([list(range(1, 30)), list(range(5, 12))], jaxinfer.SamplingParams(max_tokens=6,
                                                                                           temperature=0.0))
-    return llm, outs, given
+    yield llm, outs, given
+    llm.close()
 
 
 def test_every_step_takes_at_least_its_floor(served):
@@ -213,3 +214,11 @@ def test_bench_summary_reports_the_fraction_for_prefill_and_decode(served):
     assert s["engine"]["decode_step_roofline"]["steps"] >= max(r.output_len for r in workload) - 1
     table = serving.format_table(s)
     assert "Prefill step floor/measured:" in table and "Decode step floor/measured:" in table
+
+
+def test_closing_the_engine_stops_its_step_clock(served):  # last: it closes the module's engine
+    llm = served[0]
+    thread = llm.engine.roofline.clock._thread
+    assert thread is not None and thread.is_alive()
+    llm.close()
+    assert not thread.is_alive()

@@ -255,6 +255,8 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.roofline is not None:
+            self.roofline.clock.close(timeout)
 
     # -- the engine thread -----------------------------------------------------------
 

@@ -402,6 +402,7 @@ class StepTiming:
     dispatched: float  # perf_counter just before the program was called
     requests: list  # the requests with a row in it
     measured_s: Optional[float] = None  # None: its output never became ready (a failed step)
+    upper_s: Optional[float] = None  # ready minus dispatch: never less than its device time (it may have queued)
 
     @property
     def fraction(self) -> Optional[float]:
@@ -415,10 +416,8 @@ class StepClock:
     """Times dispatched programs without blocking the host: a watcher thread waits on each
     program's output in dispatch order and stamps when it is ready. A program runs once its inputs
     are (the previous program's donated cache), so its device time is its ready time minus the
-    later of its dispatch and the previous program's ready time. The thread exits when idle and
-    starts again with the next program."""
-
-    IDLE_EXIT_S = 2.0
+    later of its dispatch and the previous program's ready time. The thread starts with the first
+    program and lives until `close` (the engine's shutdown), like the engine's own thread."""
 
     def __init__(self):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -440,20 +439,25 @@ class StepClock:
                 self._thread.start()
         return seq
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the watcher once it has timed what was submitted (a later `submit` starts it again)."""
+        with self._cv:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._q.put(None)
+            thread.join(timeout)
+
     def _watch(self) -> None:
         while True:
-            try:
-                seq, timing, output = self._q.get(timeout=self.IDLE_EXIT_S)
-            except queue.Empty:
-                with self._cv:
-                    if self._q.empty():
-                        self._thread = None
-                        return
-                continue
+            item = self._q.get()
+            if item is None:
+                return
+            seq, timing, output = item
             try:
                 jax.block_until_ready(output)
                 ready = time.perf_counter()
                 timing.measured_s = ready - max(timing.dispatched, self._last_ready)
+                timing.upper_s = ready - timing.dispatched
                 self._last_ready = ready
             except Exception:  # noqa: BLE001 - a failed step is reported by the engine, not here
                 timing.measured_s = None
@@ -500,9 +504,13 @@ class EngineRoofline:
         return cls(CostModel(runner.model_cfg, runner.params, runner.ecfg.cache_dtype), peaks, sink)
 
     def _timed(self, t: StepTiming) -> None:
-        """A program timed: if it beat its floor, the probes under-measured the machine (a busy host
+        """A program timed. One that seems to beat its floor is first taken at its upper bound (ready
+        minus dispatch: a watcher that woke late for the program before can shorten the other
+        estimate). If even that beats the floor, the probes under-measured the machine (a busy host
         when they ran): the peak that bound the floor rises to what the step showed, so every floor
         from then on is a lower bound again, and this step's fraction is 1."""
+        if t.measured_s and t.measured_s < t.floor_s:
+            t.measured_s = t.upper_s
         if t.measured_s and t.measured_s < t.floor_s:
             p = self.peaks
             if p.bandwidth_gbps > 0 and t.cost.bytes / (p.bandwidth_gbps * 1e9) >= t.floor_s:
@@ -511,7 +519,7 @@ class EngineRoofline:
             else:
                 self.peaks = dataclasses.replace(p, flops_gflops=t.cost.flops / t.measured_s / 1e9,
                                                  flops_method=f"a {t.kind} step")
-            t.floor_s = floor_seconds(t.cost, self.peaks)
+            t.floor_s = min(floor_seconds(t.cost, self.peaks), t.measured_s)
             if self.peaks.key:  # measured ones: the next start begins from the raised peak
                 store_peaks(self.peaks)
         self.sink(t)
