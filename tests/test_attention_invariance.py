@@ -94,14 +94,14 @@ class World:
 def kernel_path(d, window, share=True):
     scale = d**-0.5
 
+    call = attention.cpu_kernel_call(share=share)
+
     def attend(q, k, v, cache, meta):
         b, t, h, d = q.shape
-        return jax.ffi.ffi_call(
-            attention.CPU_TARGET,
-            (jax.ShapeDtypeStruct((b, t, h, d), jnp.float32), jax.ShapeDtypeStruct(cache.shape, cache.dtype)),
-            input_output_aliases={3: 1},
-        )(q, k, v, cache, meta.page_table, meta.positions, scale=np.float32(scale), window=np.int64(window),
-          share=share)
+        kvh = k.shape[2]
+        out, cache = call(q.reshape(b * t, h, d), k.reshape(b * t, kvh, d), v.reshape(b * t, kvh, d), cache,
+                          meta.ragged(), scale, window)
+        return out.reshape(b, t, h, d), cache
 
     return jax.jit(attend)
 

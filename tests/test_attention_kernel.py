@@ -74,11 +74,21 @@ def test_kernel_sliding_window_edges(window):
     check_kernel_against_gather(4, 1, 4, 2, 32, 16, "float32", window)
 
 
+def rows_on_kernel(q, k, v, cache, meta, scale, window, call=None):
+    """[B, T] rows through the kernel, as `paged_attention` feeds it: B requests of T tokens."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    call = call or (lambda *a: attention._cpu_attention(*a, scale, window))
+    out, cache = call(q.reshape(b * t, h, d), k.reshape(b * t, kvh, d), v.reshape(b * t, kvh, d), cache,
+                      meta.ragged())
+    return out.reshape(b, t, h, d), cache
+
+
 def check_kernel_against_gather(b, t, h, kvh, d, page_size, cache_dtype, window):
     rng = np.random.default_rng(b * 1000 + t)
     q, k, v, cache, meta, positions = make_case(rng, b, t, h, kvh, d, page_size, jnp.dtype(cache_dtype))
     scale = d**-0.5
-    out_k, cache_k = jax.jit(lambda *a: attention._cpu_attention(*a, scale, window))(q, k, v, cache, meta)
+    out_k, cache_k = jax.jit(lambda *a: rows_on_kernel(*a, scale, window))(q, k, v, cache, meta)
     out_r, cache_r = jax.jit(lambda *a: attention.gather_attention(*a, scale=scale, window=window))(
         q, k, v, cache, meta)
     # page 0 is the dummy page the pure-JAX path sends padding tokens to; the kernel skips them
@@ -114,7 +124,7 @@ def test_position_past_the_page_table_is_an_error():
     capacity = meta.page_table.shape[1] * cache.shape[1]
     bad = AttentionMetadata(jnp.full_like(meta.positions, capacity), meta.slots, meta.page_table, meta.kv_lens)
     with pytest.raises(Exception, match="past the pages given"):
-        jax.block_until_ready(jax.jit(lambda *a: attention._cpu_attention(*a, 0.125, 0))(q, k, v, cache, bad))
+        jax.block_until_ready(jax.jit(lambda *a: rows_on_kernel(*a, 0.125, 0))(q, k, v, cache, bad))
 
 
 FALLBACK_PROBE = """
@@ -164,15 +174,9 @@ def test_other_builds_match_the_gather_path(name, flags):
     rng = np.random.default_rng(5)
     q, k, v, cache, meta, positions = make_case(rng, 3, 8, 8, 2, 64, 16, jnp.float32)
 
-    def call(*a):
-        out, c = jax.ffi.ffi_call(
-            names[attention.CPU_TARGET],
-            (jax.ShapeDtypeStruct(a[0].shape, jnp.float32), jax.ShapeDtypeStruct(a[3].shape, a[3].dtype)),
-            input_output_aliases={3: 1},
-        )(*a[:4], a[4].page_table, a[4].positions, scale=np.float32(0.125), window=np.int64(0), share=True)
-        return out, c
-
-    out_k, cache_k = jax.jit(call)(q, k, v, cache, meta)
+    variant = attention.cpu_kernel_call(names[attention.CPU_TARGET])
+    out_k, cache_k = jax.jit(lambda *a: rows_on_kernel(*a, 0.125, 0, lambda *r: variant(*r, 0.125, 0)))(
+        q, k, v, cache, meta)
     out_r, cache_r = jax.jit(lambda *a: attention.gather_attention(*a, scale=0.125))(q, k, v, cache, meta)
     assert np.array_equal(np.asarray(cache_k)[1:], np.asarray(cache_r)[1:])
     real = positions >= 0

@@ -2,8 +2,10 @@
 
 Every check builds a padded batch (decode rows, prefill chunks from position 0, chunks that
 continue a cached context, rows that end exactly at and one past a page boundary, padding
-rows, an all-padding batch), runs `tpu_ragged_attention` and `gather_attention` on the
-same inputs, and compares the real tokens' outputs and the returned caches.
+rows, an all-padding batch), runs it through `tpu_ragged_attention` (the rows packed into the
+ragged layout first, as `paged_attention` does on TPU) and `gather_attention` on the same
+inputs, and compares the real tokens' outputs and the returned caches. A ragged batch built
+directly (the ragged step's layout) goes to the adapter as it is.
 
 This JAX cannot interpret the Pallas kernel on CPU (see `interpreter_failure`), so:
 
@@ -26,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops.gather_attention import AttentionMetadata, gather_attention as _gather_attention
+from jaxinfer.ops.gather_attention import AttentionMetadata, RaggedMetadata, gather_attention as _gather_attention
+from jaxinfer.ops.gather_attention import ragged_gather_attention
 from jaxinfer.ops.attention_pallas import (
     from_ragged,
+    kernel_sequences,
     pallas_tpu_kernel,
-    ragged_layout,
+    rows_as_ragged,
+    to_ragged,
     tpu_kernel_fits,
     tpu_ragged_attention,
 )
@@ -125,9 +130,17 @@ CASES = {
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}
 
 
+def rows_through_adapter(q, k, v, cache, meta, scale, window, **kw):
+    """[B, T] rows through the adapter as `paged_attention` sends them on TPU: packed first."""
+    ragged, index = rows_as_ragged(meta)
+    out, cache = tpu_ragged_attention(to_ragged(q, index), to_ragged(k, index), to_ragged(v, index), cache, ragged,
+                                      scale, window, **kw)
+    return from_ragged(out, index), cache
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "window"))
 def adapter_with_reference(q, k, v, cache, meta, scale, window):
-    return tpu_ragged_attention(q, k, v, cache, meta, scale, window, kernel=ragged_reference)
+    return rows_through_adapter(q, k, v, cache, meta, scale, window, kernel=ragged_reference)
 
 
 gather = jax.jit(_gather_attention, static_argnames=("scale", "window"))
@@ -183,22 +196,67 @@ def test_padding_rows_anywhere_go_after_real_rows():
     num_seqs would unbalance the kernel's prefetch), tokens packed in row order."""
     positions = jnp.array([[-1, -1, -1], [7, 8, -1], [-1, -1, -1], [0, 1, 2]], jnp.int32)
     table = jnp.array([[0, 0, 0], [5, 6, 7], [0, 0, 0], [9, 0, 0]], jnp.int32)
-    lay = jax.jit(ragged_layout)(positions, table)
-    np.testing.assert_array_equal(lay.token_index, [[12, 12, 12], [0, 1, 12], [12, 12, 12], [2, 3, 4]])
-    np.testing.assert_array_equal(lay.num_seqs, [2])
-    np.testing.assert_array_equal(lay.cu_q_lens[:3], [0, 2, 5])
-    np.testing.assert_array_equal(lay.kv_lens[:2], [9, 3])
-    np.testing.assert_array_equal(lay.page_indices[:2], [[5, 6, 7], [9, 0, 0]])
-    np.testing.assert_array_equal(lay.kv_lens[2:], [0, 0])
+    meta = AttentionMetadata(positions, positions * 10, table, jnp.zeros((4,), jnp.int32))
+    ragged, index = jax.jit(rows_as_ragged)(meta)
+    cu_q_lens, kv_lens, num_seqs = jax.jit(kernel_sequences)(ragged)
+    np.testing.assert_array_equal(index, [[12, 12, 12], [0, 1, 12], [12, 12, 12], [2, 3, 4]])
+    np.testing.assert_array_equal(ragged.positions[:6], [7, 8, 0, 1, 2, -1])
+    np.testing.assert_array_equal(ragged.slots[:5], [70, 80, 0, 10, 20])
+    np.testing.assert_array_equal(num_seqs, [2])
+    np.testing.assert_array_equal(cu_q_lens[:3], [0, 2, 5])
+    np.testing.assert_array_equal(kv_lens[:2], [9, 3])
+    np.testing.assert_array_equal(ragged.page_table[:2], [[5, 6, 7], [9, 0, 0]])
+    np.testing.assert_array_equal(kv_lens[2:], [0, 0])
 
 
 def test_all_padding_batch_runs_one_dummy_sequence():
-    lay = jax.jit(ragged_layout)(jnp.full((2, 3), -1, jnp.int32), jnp.zeros((2, 4), jnp.int32))
-    np.testing.assert_array_equal(lay.num_seqs, [1])
-    np.testing.assert_array_equal(lay.cu_q_lens, [0, 1, 1])
-    np.testing.assert_array_equal(lay.kv_lens, [1, 0])
-    out = jax.jit(from_ragged)(jnp.full((6, 2), jnp.nan), lay.token_index)  # the dummy's output is dropped
+    meta = AttentionMetadata(jnp.full((2, 3), -1, jnp.int32), jnp.zeros((2, 3), jnp.int32),
+                             jnp.zeros((2, 4), jnp.int32), jnp.zeros((2,), jnp.int32))
+    ragged, index = jax.jit(rows_as_ragged)(meta)
+    cu_q_lens, kv_lens, num_seqs = jax.jit(kernel_sequences)(ragged)
+    np.testing.assert_array_equal(num_seqs, [1])
+    np.testing.assert_array_equal(cu_q_lens, [0, 1, 1])
+    np.testing.assert_array_equal(kv_lens, [1, 0])
+    out = jax.jit(from_ragged)(jnp.full((6, 2), jnp.nan), index)  # the dummy's output is dropped
     np.testing.assert_array_equal(out, np.zeros((2, 3, 2)))
+
+
+def test_a_ragged_batch_goes_to_the_kernel_as_it_is():
+    """The ragged step's layout (decode rows and chunks back to back, empty requests after them,
+    padding tokens at the end) is the kernel's: cu_q_lens = query_start, kv_lens and the page
+    table as given, and the outputs equal the pure-JAX path's."""
+    rng = np.random.default_rng(7)
+    kvh, h, num_pages = 2, 4, 20
+    cache = jnp.asarray(rng.standard_normal((num_pages, PAGE, 2 * kvh, D), np.float32))
+    table = rng.permutation(np.arange(1, num_pages)).astype(np.int32)[:16].reshape(4, 4)
+    table[3] = 0  # an empty (padding) request
+    segments = [(5, 1), (0, 6), (9, 4)]  # (first position, tokens): a decode row, a prefill, a continued chunk
+    n = 16
+    positions = np.full((n,), -1, np.int32)
+    slots = np.zeros((n,), np.int32)
+    query_start, at = [0], 0
+    for r, (first, count) in enumerate(segments):
+        positions[at:at + count] = np.arange(first, first + count)
+        slots[at:at + count] = slots_for(table[r], positions[at:at + count], PAGE)
+        at += count
+        query_start.append(at)
+    query_start.append(at)
+    kv_lens = np.array([f + c for f, c in segments] + [0], np.int32)
+    meta = RaggedMetadata(*map(jnp.asarray, (positions, slots, np.array(query_start, np.int32), table, kv_lens)))
+    cu_q_lens, got_kv, num_seqs = kernel_sequences(meta)
+    np.testing.assert_array_equal(cu_q_lens, query_start)
+    np.testing.assert_array_equal(got_kv, kv_lens)
+    np.testing.assert_array_equal(num_seqs, [3])
+    q = jnp.asarray(rng.standard_normal((n, h, D), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((n, kvh, D), np.float32)) for _ in range(2))
+    for window in (0, 3):
+        out, new_cache = jax.jit(functools.partial(tpu_ragged_attention, scale=D**-0.5, window=window,
+                                                   kernel=ragged_reference))(q, k, v, cache, meta)
+        want, want_cache = jax.jit(functools.partial(ragged_gather_attention, scale=D**-0.5, window=window))(
+            q, k, v, cache, meta)
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+        assert not np.any(np.asarray(out)[positions < 0])
+        np.testing.assert_array_equal(np.asarray(new_cache)[1:], np.asarray(want_cache)[1:])
 
 
 def test_stand_in_matches_the_kernels_own_reference():
@@ -231,7 +289,7 @@ def test_gradients_are_the_gather_paths():
     def loss(attend, q, k, v):
         return attend(q, k, v, cache, meta, D**-0.5, 0)[0].sum()
 
-    adapter = functools.partial(tpu_ragged_attention, kernel=ragged_reference)
+    adapter = functools.partial(rows_through_adapter, kernel=ragged_reference)
     got = jax.jit(jax.grad(functools.partial(loss, adapter), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(functools.partial(loss, _gather_attention), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(got, want):
@@ -249,9 +307,15 @@ def abstract_tpu(device_kind="TPU v5 lite"):
         yield
 
 
-def abstract_args(b, t, h, kvh, d, dtype, num_pages=9, pages_per_row=4, page_size=PAGE):
+def abstract_args(b, t, h, kvh, d, dtype, num_pages=9, pages_per_row=4, page_size=PAGE, ragged=False):
+    """Shapes of a [B, T] step, or (``ragged``) of the same tokens as a ragged step of B requests."""
     s = jax.ShapeDtypeStruct
     i32 = jnp.int32
+    if ragged:
+        n = b * t
+        meta = RaggedMetadata(s((n,), i32), s((n,), i32), s((b + 1,), i32), s((b, pages_per_row), i32), s((b,), i32))
+        return s((n, h, d), dtype), s((n, kvh, d), dtype), s((n, kvh, d), dtype), s(
+            (num_pages, page_size, 2 * kvh, d), dtype), meta
     meta = AttentionMetadata(s((b, t), i32), s((b, t), i32), s((b, pages_per_row), i32), s((b,), i32))
     return (
         s((b, t, h, d), dtype),
@@ -284,7 +348,7 @@ def test_fits_is_exactly_what_the_kernel_takes(h, kvh, d, dtype, fits):
     to a TPU program, the rejected ones raise while tracing."""
     assert tpu_kernel_fits(h, kvh, d, PAGE, dtype) == fits
     f = jax.jit(functools.partial(tpu_ragged_attention, scale=0.1, window=0))
-    args = abstract_args(2, 3, h, kvh, d, jnp.dtype(dtype))
+    args = abstract_args(2, 3, h, kvh, d, jnp.dtype(dtype), ragged=True)
     if fits:
         with abstract_tpu():
             assert "tpu_custom_call" in f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
@@ -307,7 +371,8 @@ def test_real_kernel_lowers_to_a_tpu_program(b, t, h, kvh, dtype, window):
     """The adapter with the real kernel traces and lowers to Mosaic (a tpu_custom_call)."""
     f = jax.jit(functools.partial(tpu_ragged_attention, scale=D**-0.5, window=window), donate_argnums=3)
     with abstract_tpu():
-        text = f.trace(*abstract_args(b, t, h, kvh, D, jnp.dtype(dtype))).lower(lowering_platforms=("tpu",)).as_text()
+        text = f.trace(*abstract_args(b, t, h, kvh, D, jnp.dtype(dtype), ragged=True)).lower(
+            lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
 
 
@@ -341,7 +406,7 @@ def test_tpu_branch_traces_on_a_cpu_host_under_platform_dependent():
     def step(q, k, v, cache, meta):
         return jax.lax.platform_dependent(
             q, k, v, cache, meta,
-            tpu=functools.partial(tpu_ragged_attention, scale=scale, window=0),
+            tpu=functools.partial(rows_through_adapter, scale=scale, window=0),
             default=functools.partial(_gather_attention, scale=scale, window=0),
         )
 
@@ -388,7 +453,7 @@ def test_interpreted_kernel_matches_gather_path(case, window, dtype):
         pytest.skip(reason)
     rows, t, h, kvh = CASES[case]
     q, k, v, cache, meta = make_case(rows, t, h, kvh, jnp.dtype(dtype), seed=6)
-    out, new_cache = tpu_ragged_attention(q, k, v, cache, meta, D**-0.5, window, interpret=True)
+    out, new_cache = rows_through_adapter(q, k, v, cache, meta, D**-0.5, window, interpret=True)
     check_against_gather(out, new_cache, q, k, v, cache, meta, window)
 
 

@@ -1,10 +1,12 @@
-"""Attention over the paged KV cache: the one attention entry point.
+"""Attention over the paged KV cache: the one attention mechanism.
 
-`paged_attention` attends a chunk of queries over the pages named by the page
-table (the cached context plus the chunk's own keys/values) and writes the
-chunk's keys/values into their cache slots.
-It serves whole-prompt prefill, chunked prefill, prefix-cache hits and
-decode alike: a decode step is a chunk of length 1.
+`ragged_paged_attention` attends a ragged batch (`RaggedMetadata`: every token of every request in
+one flat list, with per-request offsets ``query_start``, page tables and lengths) over the pages
+named by each request's page table (its cached context plus the step's own keys/values), and writes
+the step's keys/values into their cache slots. A decode row is a request with one token, a prefill
+chunk (whole prompt, a continued chunk, after a prefix-cache hit) a request with many; both mix
+freely in one step. `paged_attention` is the same over ``[B, T]`` rows (`AttentionMetadata`): B
+requests of T tokens each, a reshape onto it.
 
 The pure-JAX path (`jaxinfer.ops.gather_attention`) runs everywhere. Its cost grows with
 the pages attended (``P``, a bucketed size), never with the cache's capacity.
@@ -55,28 +57,74 @@ Batch invariance (a query token's output bitwise the same whatever else is compu
   slower, so it was not kept. On GPU and TPU the same einsums and reduction go to cuBLAS/XLA's
   emitters and the MXU, whose orders also follow the shapes; not measured here.
 
-Compile keys: the kernel reads each row's real context length (it stops at
-the row's last position), so with it the page table is passed at its full
+Compile keys: the kernels read each request's real context length (they stop at
+its last position), so with them the page table is passed at its full
 width and pages attended are not a compile key
 (`jaxinfer.ops.backend.KernelChoice.reads_row_lengths`). The pure-JAX path
-gathers every page in the table, so it keeps page buckets.
+reads the table's page columns in blocks and skips the blocks past every token at run time, but
+its loop and gathers are sized by the table's width, so it keeps page buckets.
 """
 
 from __future__ import annotations
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.ops import backend, kernels, mesh
-from jaxinfer.ops.attention_pallas import tpu_ragged_attention
+from jaxinfer.ops.attention_pallas import from_ragged, rows_as_ragged, to_ragged, tpu_ragged_attention
 from jaxinfer.ops.backend import KernelChoice
-from jaxinfer.ops.gather_attention import AttentionMetadata, gather_attention
+from jaxinfer.ops.gather_attention import (
+    AttentionMetadata,
+    RaggedMetadata,
+    gather_attention,
+    ragged_gather_attention,
+)
 
-__all__ = ["AttentionMetadata", "gather_attention", "paged_attention", "prepare_cpu_kernel", "reads_row_lengths"]
+__all__ = ["AttentionMetadata", "RaggedMetadata", "gather_attention", "paged_attention", "prepare_cpu_kernel",
+           "ragged_gather_attention", "ragged_paged_attention", "reads_row_lengths"]
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_layer: jax.Array,
+    meta: RaggedMetadata,
+    scale: float,
+    window: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal grouped-query attention of a ragged batch over each request's pages.
+
+    q: [N, H, D]; k, v: [N, KVH, D]; cache_layer: [num_pages, page_size, 2*KVH, D].
+    A token at position p attends its own request's keys 0..p; ``window`` > 0: sliding-window
+    attention, keys p - window + 1 .. p (transformers' rule: ``q - k < window``).
+    Returns (out [N, H, D], updated cache_layer); padding tokens come out as zeros.
+    """
+    n, h, d = q.shape
+    r = meta.page_table.shape[0]
+    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != d:
+        raise ValueError(f"k and v must be [N, KVH, D] with N = {n} and D = {d}, got {k.shape} and {v.shape}")
+    if meta.positions.shape != (n,) or meta.slots.shape != (n,):
+        raise ValueError(f"positions and slots must be [N] = ({n},), got {meta.positions.shape} and "
+                         f"{meta.slots.shape}")
+    if meta.query_start.shape != (r + 1,) or meta.kv_lens.shape != (r,):
+        raise ValueError(f"query_start must be [R + 1] = ({r + 1},) and kv_lens [R] = ({r},) for a [{r}, P] "
+                         f"page table, got {meta.query_start.shape} and {meta.kv_lens.shape}")
+    if mesh.tp_size() > 1:
+        # XLA cannot partition a custom call or a Pallas kernel: each device attends its own
+        # heads over its own shard of the cache (the layout puts a KV head's queries with it).
+        heads = jax.sharding.PartitionSpec(None, mesh.TP_AXIS, None)  # [N, heads, D]
+        local = jax.shard_map(
+            functools.partial(_attend, scale=scale, window=window),
+            in_specs=(heads, heads, heads, mesh.CACHE_SPEC, jax.sharding.PartitionSpec()),
+            out_specs=(heads, mesh.CACHE_SPEC),
+            check_vma=False,
+        )
+        return local(q, k, v, cache_layer, meta)
+    return _attend(q, k, v, cache_layer, meta, scale, window)
 
 
 def paged_attention(
@@ -88,39 +136,39 @@ def paged_attention(
     scale: float,
     window: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Causal grouped-query attention of a chunk over its sequence's pages.
+    """`ragged_paged_attention` over ``[B, T]`` rows: each row a request of T tokens.
 
-    q: [B, T, H, D]; k, v: [B, T, KVH, D]; cache_layer: [num_pages, page_size, 2*KVH, D].
-    ``window`` > 0: sliding-window attention, a query at position p attends keys
-    p - window + 1 .. p (transformers' rule: ``q - k < window``); 0: every earlier key.
-    Returns (out [B, T, H, D], updated cache_layer).
+    q: [B, T, H, D]; k, v: [B, T, KVH, D]; meta: `AttentionMetadata` ([B, T] positions and slots,
+    -1 for padding). Returns (out [B, T, H, D], updated cache_layer).
     """
     b, t, h, d = q.shape
-    chex.assert_shape(meta.positions, (b, t))
-    chex.assert_shape(meta.slots, (b, t))
-    if mesh.tp_size() > 1:
-        # XLA cannot partition a custom call or a Pallas kernel: each device attends its own
-        # heads over its own shard of the cache (the layout puts a KV head's queries with it).
-        heads = mesh.CACHE_SPEC  # [B, T, heads, D] and the cache [pages, slot, 2 KVH, D] alike
-        local = jax.shard_map(
-            functools.partial(_attend, scale=scale, window=window),
-            in_specs=(heads, heads, heads, heads, jax.sharding.PartitionSpec()),
-            out_specs=(heads, heads),
-            check_vma=False,
-        )
-        return local(q, k, v, cache_layer, meta)
-    return _attend(q, k, v, cache_layer, meta, scale, window)
+    kvh = k.shape[2]
+    if meta.positions.shape != (b, t) or meta.slots.shape != (b, t):
+        raise ValueError(f"positions and slots must be [B, T] = {(b, t)}, got {meta.positions.shape} and "
+                         f"{meta.slots.shape}")
+    kernel = backend.current().attention_kernel(h // mesh.tp_size(), kvh // mesh.tp_size(), d, cache_layer.shape[1],
+                                                cache_layer.dtype)
+    if kernel == "tpu":
+        # The Pallas kernel places a request's queries by its length, so a row's padding tokens cannot
+        # sit inside its segment: the rows' real tokens are packed back to back first.
+        ragged, index = rows_as_ragged(meta)
+        out, cache_layer = ragged_paged_attention(to_ragged(q, index), to_ragged(k, index), to_ragged(v, index),
+                                                  cache_layer, ragged, scale, window)
+        return from_ragged(out, index), cache_layer
+    out, cache_layer = ragged_paged_attention(q.reshape(b * t, h, d), k.reshape(b * t, kvh, d),
+                                              v.reshape(b * t, kvh, d), cache_layer, meta.ragged(), scale, window)
+    return out.reshape(b, t, h, d), cache_layer
 
 
-def _attend(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, window: int):
+def _attend(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int):
     """Attention on one device's heads: the kernel the step's choice names for these shapes, else pure JAX."""
-    h, kvh, d = q.shape[2], k.shape[2], q.shape[3]
+    h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
     kernel = backend.current().attention_kernel(h, kvh, d, cache_layer.shape[1], cache_layer.dtype)
     if kernel == "cpu":
         return _cpu_attention(q, k, v, cache_layer, meta, scale, window)
     if kernel == "tpu":
         return tpu_ragged_attention(q, k, v, cache_layer, meta, scale=scale, window=window)
-    return gather_attention(q, k, v, cache_layer, meta, scale, window)
+    return ragged_gather_attention(q, k, v, cache_layer, meta, scale, window)
 
 
 CPU_SOURCE = kernels.PAGED_ATTENTION
@@ -148,24 +196,36 @@ def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dt
     return choice.reads_row_lengths(num_heads, num_kv_heads, head_dim, cache_dtype, page_size)
 
 
+def cpu_kernel_call(target: str = CPU_TARGET, share: bool = True):
+    """The native kernel's FFI call as ``fn(q, k, v, cache_layer, meta, scale, window) -> (out, cache)``
+    (``target``: another build's name, for tests and benchmarks; ``share``: split the work over XLA's
+    intra-op pool). q, k, v float32 [N, H or KVH, D]; it writes the step's keys/values in place."""
+
+    def call(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int):
+        n, h, d = q.shape
+        return jax.ffi.ffi_call(
+            target,
+            (jax.ShapeDtypeStruct((n, h, d), jnp.float32), jax.ShapeDtypeStruct(cache_layer.shape, cache_layer.dtype)),
+            input_output_aliases={3: 1},
+        )(q, k, v, cache_layer, meta.page_table, meta.positions, meta.query_start, scale=np.float32(scale),
+          window=np.int64(window), share=share)
+
+    return call
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
-def _cpu_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, window: int):
-    """CPU: the native kernel writes the chunk's keys/values into the cache in place, then attends.
+def _cpu_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int):
+    """CPU: the native kernel writes the step's keys/values into the cache in place, then attends.
 
     Derivatives (research code differentiating the model) are those of the pure-JAX path,
     which computes the same function.
     """
-    b, t, h, d = q.shape
     f32 = jnp.float32
-    out, cache_layer = jax.ffi.ffi_call(
-        CPU_TARGET,
-        (jax.ShapeDtypeStruct((b, t, h, d), f32), jax.ShapeDtypeStruct(cache_layer.shape, cache_layer.dtype)),
-        input_output_aliases={3: 1},
-    )(q.astype(f32), k.astype(f32), v.astype(f32), cache_layer, meta.page_table, meta.positions, scale=np.float32(scale),
-        window=np.int64(window), share=mesh.tp_size() == 1)
+    out, cache_layer = cpu_kernel_call(share=mesh.tp_size() == 1)(
+        q.astype(f32), k.astype(f32), v.astype(f32), cache_layer, meta, scale, window)
     return out.astype(q.dtype), cache_layer
 
 
 @_cpu_attention.defjvp
 def _cpu_attention_jvp(scale, window, primals, tangents):
-    return jax.jvp(functools.partial(gather_attention, scale=scale, window=window), primals, tangents)
+    return jax.jvp(functools.partial(ragged_gather_attention, scale=scale, window=window), primals, tangents)

@@ -1,9 +1,9 @@
 """Accelerator attention kernels behind the same contract as the pure-JAX path.
 
 Each adapter here is ``fn(q, k, v, cache_layer, meta, scale, window) -> (out, cache_layer)``
-exactly like `jaxinfer.ops.gather_attention.gather_attention`: q [B, T, H, D]; k, v [B, T, KVH, D];
+exactly like `jaxinfer.ops.gather_attention.ragged_gather_attention`: q [N, H, D]; k, v [N, KVH, D];
 cache_layer [num_pages, page_size, 2*KVH, D] (K at even, V at odd head indices, page 0 a
-dummy); meta an `AttentionMetadata`. The chunk's keys/values are written to ``meta.slots``
+dummy); meta a `RaggedMetadata`. The step's keys/values are written to ``meta.slots``
 first (`kv_cache.write_kv`) and then attended with the cached context.
 
 TPU: `jax.experimental.pallas.ops.tpu.ragged_paged_attention`
@@ -29,22 +29,27 @@ the causal mask follows from that, and ``sliding_window`` masks keys with
 ``q_pos - window >= k_pos``: the same rule as ours (``q - k < window``). The kernel stops at
 each sequence's ``kv_len``, so, like the CPU kernel, it does not need page-table buckets.
 
-How the adapter maps our metadata (`ragged_layout`):
+Our ragged layout is the kernel's, so the adapter (`tpu_ragged_attention`) passes it as it is:
+``cu_q_lens`` = ``meta.query_start``, ``kv_lens`` = ``meta.kv_lens``, ``page_indices`` =
+``meta.page_table``, ``sm_scale`` = scale, ``sliding_window`` = window or None, and
+``num_seqs`` = the requests with tokens. What the layout must be for it (the ragged step builds it
+so; `RaggedMetadata`):
 
-* q_len of row b = its real tokens (``positions >= 0``); they are packed in row order, each
-  row's after the previous row's (a q-sized scatter in, a gather out; padding tokens get
-  zeros). Rows must be what the runner builds: each row's real tokens at consecutive
-  positions ``start .. start + n - 1``.
-* kv_len of row b = its last position + 1 (``meta.kv_lens`` is that by construction; the
-  adapter derives it from ``positions`` so a padding row is 0 whatever it says).
-* Real rows become sequences 0..n-1 in their order, padding rows go after them and
-  ``num_seqs`` counts only real rows. This is required, not cosmetic: the kernel prefetches
-  the next sequence's first key block while it finishes a sequence, and a sequence with no
-  keys never waits for that copy, so an empty sequence inside ``num_seqs`` would shift the
-  double buffer and feed the next sequence stale keys. When every row is padding, one dummy
-  sequence (one query, one key, the first page of its table) keeps the pipeline balanced.
-* ``page_indices`` = ``meta.page_table`` in that sequence order; ``sm_scale`` = scale;
-  ``sliding_window`` = window or None.
+* a request's tokens are its real ones, at consecutive positions ending at ``kv_len - 1``
+  (padding tokens only after ``query_start[R]``);
+* requests with tokens come first, empty (padding) requests after them. This is required, not
+  cosmetic: the kernel prefetches the next sequence's first key block while it finishes a
+  sequence, and a sequence with no keys never waits for that copy, so an empty sequence inside
+  ``num_seqs`` would shift the double buffer and feed the next sequence stale keys. When every
+  request is empty, one dummy sequence (one query, one key, the first page of its table) keeps
+  the pipeline balanced.
+
+Padding tokens (``positions < 0``) come out as zeros whatever the kernel left there.
+
+``[B, T]`` rows (`jaxinfer.ops.attention.paged_attention`, the library's prefill and decode
+steps) keep a row's padding tokens inside its T, so on TPU they are first packed into that
+layout (`rows_as_ragged`: real rows first, their real tokens back to back; a q-sized gather in
+and out, `to_ragged` / `from_ragged`).
 * Block sizes: on a TPU the kernel's tuned table; anywhere else (interpret mode, or tracing
   the TPU branch of ``lax.platform_dependent`` on a GPU host, where the kernel's own lookup
   raises ``NotImplementedError('TPU version must be 4 or higher.')``) explicit ones.
@@ -119,12 +124,12 @@ kernel's layout) or a GPU-specific cache layout in `kv_cache.cache_specs` (and i
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.gather_attention import AttentionMetadata, gather_attention
+from jaxinfer.ops.gather_attention import AttentionMetadata, RaggedMetadata, ragged_gather_attention
 from jaxinfer.ops.kv_cache import write_kv
 
 TPU_LANES = 128  # the kernel's softmax statistics are this wide; head_dim must be a multiple
@@ -154,30 +159,16 @@ def tpu_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int, page_size:
     return tiles in (1, 2, 4, 8) or tiles % 8 == 0
 
 
-class RaggedLayout(NamedTuple):
-    """Our padded ``[B, T]`` chunk as the kernel's ragged token list (all int32).
+def rows_as_ragged(meta: AttentionMetadata) -> tuple[RaggedMetadata, jax.Array]:
+    """``[B, T]`` rows as the kernel's ragged layout: (the `RaggedMetadata`, token_index [B, T]).
 
-    token_index:  [B, T]   where each query goes in the flat ``[B*T]`` token list; padding
-                           tokens get ``B*T`` (out of range: dropped in, zeros out).
-    kv_lens:      [B]      keys per kernel sequence (real rows first, then padding rows: 0).
-    page_indices: [B, P]   the page table in kernel sequence order.
-    cu_q_lens:    [B + 1]  token offsets of the kernel sequences.
-    num_seqs:     [1]      real rows (at least 1: a dummy sequence when there is none).
+    Real rows (with a real token) become requests 0..n-1 in their order and padding rows go
+    after them; each row's real tokens are packed back to back in row order. ``token_index`` is
+    where each row token goes in the flat ``[B*T]`` list (padding tokens: ``B*T``, out of range).
+    Each row's real tokens must sit at consecutive positions (the runner's rows do); their count
+    is the row's query length and its last position + 1 its kv length.
     """
-
-    token_index: jax.Array
-    kv_lens: jax.Array
-    page_indices: jax.Array
-    cu_q_lens: jax.Array
-    num_seqs: jax.Array
-
-
-def ragged_layout(positions: jax.Array, page_table: jax.Array) -> RaggedLayout:
-    """Map ``positions [B, T]`` (-1: padding) and ``page_table [B, P]`` to the kernel's layout.
-
-    Each row's real tokens must sit at consecutive positions (the runner's rows do); their
-    count is the row's q_len and its last position + 1 its kv_len.
-    """
+    positions = meta.positions
     b, t = positions.shape
     i32 = jnp.int32
     valid = positions >= 0
@@ -186,22 +177,17 @@ def ragged_layout(positions: jax.Array, page_table: jax.Array) -> RaggedLayout:
     starts = jnp.cumsum(q_lens, dtype=i32) - q_lens  # each row's first flat token
     rank = jnp.cumsum(valid, axis=1, dtype=i32) - 1  # a real token's index within its row
     token_index = jnp.where(valid, starts[:, None] + rank, b * t).astype(i32)
-    # Real rows first, in their order (their flat tokens are already in that order).
-    order = jnp.argsort(q_lens == 0, stable=True)
-    num_real = (q_lens > 0).sum(dtype=i32)
-    seq_q = q_lens[order]
-    seq_kv = kv_lens[order]
-    none = num_real == 0  # all padding: one dummy sequence (one query, one key)
-    seq_q = seq_q.at[0].set(jnp.where(none, 1, seq_q[0]))
-    seq_kv = seq_kv.at[0].set(jnp.where(none, 1, seq_kv[0]))
-    cu_q_lens = jnp.concatenate([jnp.zeros((1,), i32), jnp.cumsum(seq_q, dtype=i32)])
-    return RaggedLayout(
-        token_index=token_index,
-        kv_lens=seq_kv,
-        page_indices=page_table[order].astype(i32),
-        cu_q_lens=cu_q_lens,
-        num_seqs=jnp.maximum(num_real, 1).reshape(1),
+    order = jnp.argsort(q_lens == 0, stable=True)  # real rows first, in their order
+    flat = jnp.full((b * t,), -1, i32).at[token_index.reshape(-1)].set(positions.reshape(-1), mode="drop")
+    slots = jnp.zeros((b * t,), i32).at[token_index.reshape(-1)].set(meta.slots.reshape(-1), mode="drop")
+    ragged = RaggedMetadata(
+        positions=flat,
+        slots=slots,
+        query_start=jnp.concatenate([jnp.zeros((1,), i32), jnp.cumsum(q_lens[order], dtype=i32)]),
+        page_table=meta.page_table[order].astype(i32),
+        kv_lens=kv_lens[order],
     )
+    return ragged, token_index
 
 
 def to_ragged(x: jax.Array, token_index: jax.Array) -> jax.Array:
@@ -212,16 +198,26 @@ def to_ragged(x: jax.Array, token_index: jax.Array) -> jax.Array:
 
 
 def from_ragged(y: jax.Array, token_index: jax.Array) -> jax.Array:
-    """[N, ...] -> [B, T, ...]: each real token's row of ``y``; padding tokens get zeros.
-
-    Rows of ``y`` past the real tokens are whatever the kernel left there (uninitialised
-    scratch, NaN in interpret mode), so they are selected away, never multiplied.
-    """
+    """[N, ...] -> [B, T, ...]: each real token's row of ``y``; padding tokens get zeros."""
     b, t = token_index.shape
     n = y.shape[0]
     picked = y[jnp.clip(token_index, 0, n - 1)]  # [B, T, ...]
     valid = (token_index < min(n, b * t)).reshape((b, t) + (1,) * (y.ndim - 1))
     return jnp.where(valid, picked, jnp.zeros((), y.dtype))
+
+
+def kernel_sequences(meta: RaggedMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(cu_q_lens [R + 1], kv_lens [R], num_seqs [1]) for the kernel: the metadata's own, with
+    ``num_seqs`` the requests with tokens (they come first), and, when there is none, one dummy
+    sequence of one query and one key (the kernel's pipeline needs a sequence to run)."""
+    i32 = jnp.int32
+    qs = meta.query_start.astype(i32)
+    real = (qs[1:] > qs[:-1]).sum(dtype=i32)
+    none = real == 0
+    dummy_cu = jnp.minimum(jnp.arange(qs.shape[0], dtype=i32), 1)  # [0, 1, 1, ...]
+    cu_q_lens = jnp.where(none, dummy_cu, qs)
+    kv_lens = meta.kv_lens.astype(i32).at[0].set(jnp.where(none, 1, meta.kv_lens[0]))
+    return cu_q_lens, kv_lens, jnp.maximum(real, 1).reshape(1)
 
 
 def _on_tpu() -> bool:
@@ -275,7 +271,7 @@ def tpu_ragged_attention(
     k: jax.Array,
     v: jax.Array,
     cache_layer: jax.Array,
-    meta: "AttentionMetadata",
+    meta: RaggedMetadata,
     scale: float,
     window: int = 0,
     *,
@@ -285,27 +281,24 @@ def tpu_ragged_attention(
     vmem_limit_bytes: Optional[int] = None,
     kernel: Optional[Callable] = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """TPU attention over the paged cache with Pallas ragged paged attention.
+    """TPU attention over the paged cache with Pallas ragged paged attention, fed our ragged layout.
 
-    Same contract as `gather_attention`; the shapes must pass `tpu_kernel_fits`. Writes
-    the chunk's keys/values to ``meta.slots``, then attends (``meta.kv_lens`` is not read:
-    each row's kv length is its last position + 1). ``interpret`` runs the kernel in TPU
-    interpret mode (CPU); the block sizes default as in `pallas_tpu_kernel`. ``kernel``
-    replaces the Pallas call by any function with its signature and keywords ``sm_scale``,
-    ``sliding_window`` (the tests pass a pure-JAX stand-in). Differentiating it
-    differentiates the pure-JAX path (the Pallas kernel has no derivative rule).
-    Returns (out [B, T, H, D], updated cache_layer).
+    Same contract as `ragged_gather_attention`, with the layout rules in the module docstring; the
+    shapes must pass `tpu_kernel_fits`. Writes the step's keys/values to ``meta.slots``, then
+    attends. ``interpret`` runs the kernel in TPU interpret mode (CPU); the block sizes default as
+    in `pallas_tpu_kernel`. ``kernel`` replaces the Pallas call by any function with its signature
+    and keywords ``sm_scale``, ``sliding_window`` (the tests pass a pure-JAX stand-in).
+    Differentiating it differentiates the pure-JAX path (the Pallas kernel has no derivative rule).
+    Returns (out [N, H, D], updated cache_layer).
     """
-    b, t, h, d = q.shape
-    if meta.positions.shape != (b, t) or meta.slots.shape != (b, t):
-        raise ValueError(
-            f"positions and slots must be [B, T] = {(b, t)}, got {meta.positions.shape} and {meta.slots.shape}"
-        )
+    n, h, d = q.shape
+    if meta.positions.shape != (n,) or meta.slots.shape != (n,):
+        raise ValueError(f"positions and slots must be [N] = ({n},), got {meta.positions.shape} and {meta.slots.shape}")
     if kernel is None:
         kernel = pallas_tpu_kernel(
             page_size=cache_layer.shape[1],
             pages_per_seq=meta.page_table.shape[1],
-            num_tokens=b * t,
+            num_tokens=n,
             interpret=interpret,
             num_kv_pages_per_block=num_kv_pages_per_block,
             num_queries_per_block=num_queries_per_block,
@@ -315,27 +308,25 @@ def tpu_ragged_attention(
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7))
-def _ragged_attention(q, k, v, cache_layer, meta, scale: float, window: int, kernel: Callable):
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    cache_layer = write_kv(
-        cache_layer, k.reshape(b * t, kvh, d), v.reshape(b * t, kvh, d), meta.slots.reshape(-1)
-    )
-    lay = ragged_layout(meta.positions, meta.page_table)
+def _ragged_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int, kernel: Callable):
+    cache_layer = write_kv(cache_layer, k, v, meta.slots)
+    cu_q_lens, kv_lens, num_seqs = kernel_sequences(meta)
     out = kernel(
-        to_ragged(q, lay.token_index),
+        q,
         cache_layer,
-        lay.kv_lens,
-        lay.page_indices,
-        lay.cu_q_lens,
-        lay.num_seqs,
+        kv_lens,
+        meta.page_table.astype(jnp.int32),
+        cu_q_lens,
+        num_seqs,
         sm_scale=scale,
         sliding_window=window if window > 0 else None,
     )
-    return from_ragged(out, lay.token_index).astype(q.dtype), cache_layer
+    # Tokens past the real ones hold whatever the kernel left there (scratch; NaN in interpret
+    # mode): selected away, never multiplied.
+    real = (meta.positions >= 0)[:, None, None]
+    return jnp.where(real, out, jnp.zeros((), out.dtype)).astype(q.dtype), cache_layer
 
 
 @_ragged_attention.defjvp
 def _ragged_attention_jvp(scale, window, kernel, primals, tangents):
-    return jax.jvp(functools.partial(gather_attention, scale=scale, window=window), primals, tangents)
-
+    return jax.jvp(functools.partial(ragged_gather_attention, scale=scale, window=window), primals, tangents)

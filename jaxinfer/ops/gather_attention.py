@@ -1,10 +1,20 @@
 """The pure-JAX paged attention every platform can run, and the metadata every attention takes.
 
-`gather_attention` gathers the pages a chunk attends, overlays the chunk's own keys and values on
-the gathered copy, attends, and writes the chunk into its cache slots. It is the path where no
-kernel takes the shapes (`jaxinfer.ops.attention`), the derivative of the kernels (the CPU
-kernel's and the Pallas TPU one's, which compute the same function), and the contract the kernel
-adapters follow (`jaxinfer.ops.attention_pallas`). Both import it from here.
+`ragged_gather_attention` attends a *ragged* batch (`RaggedMetadata`: every token of every request
+in one flat list, with per-request offsets, page tables and lengths) over the paged cache. It is
+the path where no kernel takes the shapes (`jaxinfer.ops.attention`), the derivative of the kernels
+(the CPU kernel's and the Pallas TPU one's, which compute the same function), and the contract the
+kernel adapters follow (`jaxinfer.ops.attention_pallas`). `gather_attention` is the same function
+over ``[B, T]`` rows (`AttentionMetadata`), each row a request.
+
+How it reads the cache: the page columns of the table are read in blocks of a few columns (each
+token reads its own request's page of each column, ``page_table[request_of_token, j]``), with an
+online softmax across blocks; the step's own keys/values are laid over what was read (the cache
+still holds the old contents of their slots), and written into their slots after the read
+(`write_after_read`). No
+``[N, P * page_size, KVH, D]`` copy is ever made for a large step: the block is sized to a fixed
+budget of bytes, and blocks past every token's position (or before every token's window) are
+skipped at run time (`lax.cond`), so a wide page bucket costs little more than the context attended.
 """
 
 from __future__ import annotations
@@ -14,13 +24,41 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.kv_cache import gather_kv, write_kv
+from jaxinfer.ops.kv_cache import write_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedMetadata:
+    """A ragged step's attention inputs; all fields are data (none is a compile key).
+
+    positions:   [N]      int32  absolute position of each token; -1: a padding token (not written,
+                                 output zeros).
+    slots:       [N]      int32  flat cache slot its key/value is written to (padding: a slot of the
+                                 dummy page 0).
+    query_start: [R + 1]  int32  token offsets: request r owns tokens query_start[r] ..
+                                 query_start[r+1] - 1 (non-decreasing; a padding request has an empty
+                                 segment; tokens after query_start[R] are padding).
+    page_table:  [R, P]   int32  pages of each request, in order, padded with page 0.
+    kv_lens:     [R]      int32  valid keys of each request once this step's tokens are written.
+
+    A token at position p attends its own request's keys 0..p (with a window w > 0: p - w + 1 .. p).
+    A segment's real tokens are consecutive positions ending at kv_len - 1 (the Pallas TPU kernel
+    places them by that; the CPU kernel and the pure-JAX path go by ``positions``). For the TPU
+    kernel, requests with tokens come first and empty (padding) requests after them.
+    """
+
+    positions: jax.Array
+    slots: jax.Array
+    query_start: jax.Array
+    page_table: jax.Array
+    kv_lens: jax.Array
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step attention inputs; all fields are data (none is a compile key).
+    """Per-step attention inputs of ``[B, T]`` rows (each row a request); all fields are data.
 
     positions:  [B, T] int32  absolute position of each query token (-1 for padding).
     slots:      [B, T] int32  flat cache slot its key/value is written to
@@ -28,8 +66,7 @@ class AttentionMetadata:
     page_table: [B, P] int32  pages each row attends to, padded with page 0.
     kv_lens:    [B]    int32  valid keys per row once this chunk is written.
 
-    The CPU kernel needs only positions and page_table (it finds each slot from
-    them and skips padding tokens); the pure-JAX path uses all four.
+    `ragged` gives the same step as a `RaggedMetadata`: B requests of T tokens each.
     """
 
     positions: jax.Array
@@ -37,51 +74,130 @@ class AttentionMetadata:
     page_table: jax.Array
     kv_lens: jax.Array
 
+    def ragged(self) -> RaggedMetadata:
+        """The rows as a ragged batch: request b owns tokens b*T .. b*T + T - 1 (its padding tokens
+        keep position -1)."""
+        b, t = self.positions.shape
+        return RaggedMetadata(
+            positions=jnp.reshape(self.positions, (b * t,)),
+            slots=jnp.reshape(self.slots, (b * t,)),
+            query_start=jnp.arange(b + 1, dtype=jnp.int32) * t,
+            page_table=self.page_table,
+            kv_lens=self.kv_lens,
+        )
+
 
 NEG_INF = -1e30
+# Bytes of one block of page columns (the gathered keys and values of every token, and its scores).
+BLOCK_BYTES = 8 << 20
 
 
 def write_after_read(cache_layer, k, v, slots, read_value):
     """Write the new keys/values to the cache with a data dependency on the read.
 
     Without it the read and the in-place update are unordered and XLA copies the
-    whole layer first (measured: 30 full-cache copies per CPU decode step); reading
-    through the write instead makes XLA fuse the update into the gather, which
-    copies too. `read_value` is any element of what was read.
+    whole layer first. `read_value` is any element of what was read. k, v: [..., KVH, D];
+    slots: the same leading shape.
     """
-    b, t, kvh, d = k.shape
+    kvh, d = k.shape[-2:]
     after_read = jnp.nan_to_num(read_value.astype(jnp.float32)) * 0.0
     return write_kv(
         cache_layer,
-        (k + after_read.astype(k.dtype)).reshape(b * t, kvh, d),
-        (v + after_read.astype(v.dtype)).reshape(b * t, kvh, d),
+        (k + after_read.astype(k.dtype)).reshape(-1, kvh, d),
+        (v + after_read.astype(v.dtype)).reshape(-1, kvh, d),
         slots.reshape(-1),
     )
 
 
+def request_of_token(query_start: jax.Array, num_tokens: int) -> jax.Array:
+    """[N] int32: the request whose segment holds each token (tokens past every segment: the last
+    request; they are padding)."""
+    r = query_start.shape[0] - 1
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    return jnp.clip(jnp.searchsorted(query_start[1:], tok, side="right"), 0, r - 1).astype(jnp.int32)
+
+
+def columns_per_block(num_tokens: int, pages: int, page_size: int, num_heads: int, num_kv_heads: int,
+                      head_dim: int, cache_itemsize: int) -> int:
+    """Page columns read per block: as many as fit `BLOCK_BYTES` (at least one, at most all)."""
+    per_column = num_tokens * page_size * (2 * num_kv_heads * head_dim * cache_itemsize + 2 * num_heads * 4)
+    return max(1, min(pages, BLOCK_BYTES // max(per_column, 1)))
+
+
+def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int = 0):
+    """The pure-JAX path over a ragged batch: write the step's keys/values, then attend.
+
+    q: [N, H, D]; k, v: [N, KVH, D]; cache_layer: [num_pages, page_size, 2*KVH, D].
+    Returns (out [N, H, D], updated cache_layer); padding tokens come out as zeros.
+    """
+    n, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    ps = cache_layer.shape[1]
+    r, p = meta.page_table.shape
+    f32 = jnp.float32
+    tok = jnp.arange(n, dtype=jnp.int32)
+    in_segment = (tok >= meta.query_start[0]) & (tok < meta.query_start[r])
+    pos = jnp.where(in_segment, meta.positions, -1)  # [N]; -1: attends nothing
+    lo = jnp.maximum(pos - window + 1, 0) if window > 0 else jnp.zeros_like(pos)
+    req = request_of_token(meta.query_start, n)
+    # The step's own keys: token n's request's tokens sit at positions first .. (its real tokens are
+    # consecutive from the segment's first token), token query_start[r] + (key position - first).
+    seg_start = meta.query_start[req]  # [N]
+    seg_first = meta.positions[jnp.clip(seg_start, 0, n - 1)]  # [N]
+    cols = columns_per_block(n, p, ps, h, kvh, d, cache_layer.dtype.itemsize)
+    nblocks = -(-p // cols)
+    table = meta.page_table[req]  # [N, P] int32
+    table = jnp.pad(table, ((0, 0), (0, nblocks * cols - p)))
+    table = table.reshape(n, nblocks, cols).transpose(1, 0, 2)  # [blocks, N, cols]
+    span = cols * ps
+    qg = q.reshape(n, kvh, g, d)
+    kv_new = jnp.stack([k, v], axis=2).astype(cache_layer.dtype)  # [N, KVH, 2, D], as the cache holds it
+    last = jnp.max(pos)  # keys at or past last + 1 are no token's
+    first = jnp.min(jnp.where(pos >= 0, lo, jnp.iinfo(jnp.int32).max))
+
+    def attend_block(carry, start, pages):
+        m, l, acc = carry
+        kv = cache_layer[pages].reshape(n, span, kvh, 2, d)  # [N, span, KVH, 2, D]
+        key_pos = start + jnp.arange(span, dtype=jnp.int32)
+        own = (key_pos[None, :] >= seg_first[:, None]) & (key_pos[None, :] <= pos[:, None])  # [N, span]
+        src = jnp.clip(seg_start[:, None] + key_pos[None, :] - seg_first[:, None], 0, n - 1)
+        mine = kv_new[src]  # [N, span, KVH, 2, D]
+        kv = jnp.where(own[:, :, None, None, None], mine, kv)
+        keys, values = kv[..., 0, :].astype(q.dtype), kv[..., 1, :].astype(q.dtype)
+        s = jnp.einsum("nkgd,nskd->nkgs", qg, keys, preferred_element_type=f32) * scale
+        valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= lo[:, None])  # [N, span]
+        valid = valid[:, None, None, :]
+        s = jnp.where(valid, s, NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        w = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+        c = jnp.exp(m - m_new)
+        l = l * c + w.sum(axis=-1)
+        acc = acc * c[..., None] + jnp.einsum("nkgs,nskd->nkgd", w.astype(q.dtype), values,
+                                              preferred_element_type=f32)
+        return m_new, l, acc
+
+    def step(carry, xs):
+        i, pages = xs
+        start = i * span
+        needed = (start <= last) & (start + span > first)
+        return jax.lax.cond(needed, lambda c: attend_block(c, start, pages), lambda c: c, carry), None
+
+    carry = (jnp.full((n, kvh, g), NEG_INF, f32), jnp.zeros((n, kvh, g), f32), jnp.zeros((n, kvh, g, d), f32))
+    if nblocks == 1:
+        m, l, acc = attend_block(carry, 0, table[0])
+    else:
+        (m, l, acc), _ = jax.lax.scan(step, carry, (jnp.arange(nblocks, dtype=jnp.int32), table))
+    out = acc * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[..., None]
+    cache_layer = write_after_read(cache_layer, k, v, meta.slots, acc[0, 0, 0, 0])
+    return out.reshape(n, h, d).astype(q.dtype), cache_layer
+
+
 def gather_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, window: int = 0):
-    """The pure-JAX path: gather the attended pages, overlay the chunk, attend, write the chunk."""
+    """`ragged_gather_attention` over ``[B, T]`` rows: q [B, T, H, D]; k, v [B, T, KVH, D]."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
-    # Gather the context, then overlay the chunk's own keys/values on the gathered copy.
-    keys, values = gather_kv(cache_layer, meta.page_table)  # [B, S, KVH, D]
-    s = keys.shape[1]
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    at = jnp.where(meta.positions >= 0, meta.positions, s)  # padding tokens (position -1) are dropped
-    keys = keys.at[rows, at].set(k.astype(keys.dtype), mode="drop")
-    values = values.at[rows, at].set(v.astype(values.dtype), mode="drop")
-    cache_layer = write_after_read(cache_layer, k, v, meta.slots, keys[0, 0, 0, 0])
-    g = h // kvh
-    qg = q.reshape(b, t, kvh, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = scores * scale
-    key_pos = jnp.arange(s, dtype=jnp.int32)
-    valid = (key_pos[None, None, :] <= meta.positions[:, :, None]) & (
-        key_pos[None, None, :] < meta.kv_lens[:, None, None]
-    )  # [B, T, S]
-    if window:
-        valid = valid & (key_pos[None, None, :] > meta.positions[:, :, None] - window)
-    scores = jnp.where(valid[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(q.dtype))
+    out, cache_layer = ragged_gather_attention(
+        q.reshape(b * t, h, d), k.reshape(b * t, kvh, d), v.reshape(b * t, kvh, d), cache_layer, meta.ragged(),
+        scale, window)
     return out.reshape(b, t, h, d), cache_layer

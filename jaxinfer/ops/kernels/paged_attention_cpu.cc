@@ -2,31 +2,37 @@
 //
 // XLA lowers the page gather of the pure-JAX path to an element-by-element copy, and that
 // gather, with the masked softmax over the gathered copy, was most of a batched CPU step.
-// This kernel reads each sequence's pages where they lie, in page-sized blocks, with an
+// This kernel reads each request's pages where they lie, in page-sized blocks, with an
 // online softmax, so the context is read once and never copied.
 //
+// The batch is ragged (jaxinfer/ops/gather_attention.py, RaggedMetadata): every token of every
+// request in one flat list, request r owning tokens query_start[r] .. query_start[r+1]-1. A
+// decode row is a request with one token, a prefill chunk a request with many.
+//
 // Layout (see jaxinfer/ops/kv_cache.py): cache [num_pages, page_size, 2*KVH, D] with K at even and
-// V at odd head indices. The kernel first writes the chunk's own keys/values into their slots
+// V at odd head indices. The kernel first writes the step's own keys/values into their slots
 // (the cache is an input aliased to an output, so the write is in place), then attends.
 //
-//   q          [B, T, H, D]    float32   queries (RoPE applied)
-//   k, v       [B, T, KVH, D]  float32   the chunk's keys (RoPE applied) and values
-//   cache      [P, S, 2*KVH, D]          float32 or bfloat16 (rounded to nearest even)
-//   page_table [B, NP]         int32     pages of each row, in order
-//   positions  [B, T]          int32     position of each token; -1: padding (not written,
-//                                        output zeros)
-//   out        [B, T, H, D]    float32;  cache_out: the cache, updated (aliases `cache`)
+//   q           [N, H, D]        float32   queries (RoPE applied)
+//   k, v        [N, KVH, D]      float32   the tokens' keys (RoPE applied) and values
+//   cache       [P, S, 2*KVH, D]           float32 or bfloat16 (rounded to nearest even)
+//   page_table  [R, NP]          int32     pages of each request, in order
+//   positions   [N]              int32     position of each token; -1: padding (not written,
+//                                          output zeros)
+//   query_start [R + 1]          int32     token offsets of the requests (non-decreasing; tokens
+//                                          outside every segment are padding: output zeros)
+//   out         [N, H, D]        float32;  cache_out: the cache, updated (aliases `cache`)
 //
-// Query token at position p attends keys 0..p of its row (causal; grouped-query heads share
+// A token at position p attends keys 0..p of its request (causal; grouped-query heads share
 // their kv head); with the `window` attribute w > 0, only keys p-w+1..p (sliding window: the
-// blocks before a row's window are never read, so those pages may be gone). Work items are (row,
-// kv head, tile of query tokens), shared with XLA's intra-op thread pool; a decode step is a tile
-// of one token. Keys and values are read from the cache a vector (16 elements of head_dim) at a
+// blocks before a token's window are never read, so those pages may be gone). Work items are
+// (request, kv head, tile of that request's query tokens), shared with XLA's intra-op thread
+// pool; a decode row is a tile of one token. Keys and values are read from the cache a vector (16 elements of head_dim) at a
 // time, converted from bfloat16 on the fly.
 //
 // One order per output element, whatever else is computed with it. A query row's output is
 // bitwise the same in a decode step, anywhere in a prefill chunk of any size, beside any other
-// rows, sequences or padding, and whichever thread runs it: every row is computed on its own
+// rows, requests or padding, and whichever thread runs it: every row is computed on its own
 // by the one routine (`attend_rows`), and nothing in it depends on the other rows of its item:
 //   * keys come in blocks fixed by absolute position (every kBlock positions from 0, split at
 //     page boundaries), never by where a chunk or window starts;
@@ -48,6 +54,7 @@
 #include <memory>
 #include <new>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -169,9 +176,11 @@ struct Problem {
   const void* cache;
   const int32_t* page_table;
   const int32_t* positions;
+  const int32_t* query_start;
+  const int64_t* items;  // per work item (before the kv head): request * 2^32 + first token
   float* out;
-  int64_t batch, tokens, heads, kv_heads, head_dim, page_size, num_pages, pages_per_row;
-  int64_t group, tile_tokens, tiles;
+  int64_t tokens, requests, heads, kv_heads, head_dim, page_size, num_pages, pages_per_row;
+  int64_t group, tile_tokens, num_items;
   int64_t window;  // 0: full causal attention; w > 0: keys within w positions, self included
   float scale;
 };
@@ -240,23 +249,22 @@ inline void add_values2(vf* acc0, const float* w0, vf* acc1, const float* w1, co
   }
 }
 
-// A work item: query rows (tokens t0 .. t0 + nt - 1 of row b, x the kv head's grouped heads; a
-// decode step is one token). Every row is computed on its own, in the same order whatever the
+// A work item: query rows (tokens t0 .. t0 + nt - 1 of request b, x the kv head's grouped heads;
+// a decode row is one token). Every row is computed on its own, in the same order whatever the
 // other rows of the item are: its keys, in absolute blocks; per block its scores by `dot`, the
 // block max, exp, the halving-tree sum of the weights, one rescale; its values in key order.
 // Keys outside a row's range (causal, window) never touch its sums.
 template <typename T, int DV>
-void attend_rows(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
+void attend_rows(const Problem& p, int64_t b, int64_t t0, int64_t kvh) {
   constexpr int64_t d = DV * kLanes;
   const int64_t g = p.group;
-  const int64_t t0 = tile * p.tile_tokens;
-  const int64_t rows = std::min(p.tile_tokens, p.tokens - t0) * g;
+  const int64_t rows = std::min<int64_t>(p.tile_tokens, p.query_start[b + 1] - t0) * g;
   Scratch& sc = scratch();
   int64_t lo[kMaxRows], hi[kMaxRows];  // row r attends keys lo[r] <= pos < hi[r]
   float m[kMaxRows], l[kMaxRows];
   int64_t first = INT64_MAX, last = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t bt = b * p.tokens + t0 + r / g;
+    const int64_t bt = t0 + r / g;
     const int64_t pos = p.positions[bt];
     lo[r] = pos < 0 ? 0 : p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
     hi[r] = pos < 0 ? 0 : pos + 1;
@@ -329,7 +337,7 @@ void attend_rows(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* out = p.out + ((b * p.tokens + t0 + r / g) * p.heads + kvh * g + r % g) * d;
+    float* out = p.out + ((t0 + r / g) * p.heads + kvh * g + r % g) * d;
     const float inv = (hi[r] > lo[r] && l[r] > 0.0f) ? 1.0f / l[r] : 0.0f;
     for (int dv = 0; dv < DV; ++dv) {
       const vf o = sc.acc[r][dv] * inv;
@@ -341,8 +349,8 @@ void attend_rows(const Problem& p, int64_t b, int64_t tile, int64_t kvh) {
 template <typename T>
 void run_item(const Problem& p, int64_t item) {
   const int64_t kvh = item % p.kv_heads;
-  const int64_t rest = item / p.kv_heads;
-  const int64_t tile = rest % p.tiles, b = rest / p.tiles;
+  const int64_t packed = p.items[item / p.kv_heads];
+  const int64_t b = packed >> 32, tile = packed & 0xffffffffLL;  // tile: the item's first token
   switch (p.head_dim) {
     case 16:
       return attend_rows<T, 1>(p, b, tile, kvh);
@@ -357,22 +365,23 @@ void run_item(const Problem& p, int64_t item) {
   }
 }
 
-// Write the chunk's keys and values into their cache slots (padding tokens are skipped).
+// Write the step's keys and values into their cache slots (padding tokens are skipped).
 template <typename T>
-void write_chunk(const Problem& p, const float* k, const float* v, void* cache) {
+void write_tokens(const Problem& p, const float* k, const float* v, void* cache) {
   const int64_t d = p.head_dim, kvh = p.kv_heads;
-  for (int64_t bt = 0; bt < p.batch * p.tokens; ++bt) {
-    const int64_t pos = p.positions[bt];
-    if (pos < 0) continue;
-    const int64_t page = p.page_table[(bt / p.tokens) * p.pages_per_row + pos / p.page_size];
-    if (page < 0 || page >= p.num_pages) continue;
-    T* dst = static_cast<T*>(cache) + (page * p.page_size + pos % p.page_size) * 2 * kvh * d;
-    for (int64_t h = 0; h < kvh; ++h)
-      for (int64_t i = 0; i < d; ++i) {
-        from_float(k[(bt * kvh + h) * d + i], dst + (2 * h) * d + i);
-        from_float(v[(bt * kvh + h) * d + i], dst + (2 * h + 1) * d + i);
-      }
-  }
+  for (int64_t b = 0; b < p.requests; ++b)
+    for (int64_t bt = p.query_start[b]; bt < p.query_start[b + 1]; ++bt) {
+      const int64_t pos = p.positions[bt];
+      if (pos < 0) continue;
+      const int64_t page = p.page_table[b * p.pages_per_row + pos / p.page_size];
+      if (page < 0 || page >= p.num_pages) continue;
+      T* dst = static_cast<T*>(cache) + (page * p.page_size + pos % p.page_size) * 2 * kvh * d;
+      for (int64_t h = 0; h < kvh; ++h)
+        for (int64_t i = 0; i < d; ++i) {
+          from_float(k[(bt * kvh + h) * d + i], dst + (2 * h) * d + i);
+          from_float(v[(bt * kvh + h) * d + i], dst + (2 * h + 1) * d + i);
+        }
+    }
 }
 
 // Workers take items from a shared counter. A worker that starts after the work is gone
@@ -396,31 +405,32 @@ void run_items(const Problem& p, bool bf16, Progress& prog, int64_t total) {
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> positions, float scale, int64_t window, bool share,
-                          ffi::ResultBuffer<ffi::F32> out,
+                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> query_start, float scale,
+                          int64_t window, bool share, ffi::ResultBuffer<ffi::F32> out,
                           ffi::Result<ffi::AnyBuffer> cache) {
   const auto qd = q.dimensions();
   const auto cd = cache->dimensions();
   const auto kd = k.dimensions();
   const auto td = page_table.dimensions();
   const auto pd = positions.dimensions();
-  if (qd.size() != 4 || cd.size() != 4 || td.size() != 2 || pd.size() != 2)
-    return ffi::Error::InvalidArgument("paged attention: q must be [B,T,H,D], cache [P,S,2*KVH,D], "
-                                       "page_table [B,NP], positions [B,T]");
+  const auto sd = query_start.dimensions();
+  if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || pd.size() != 1 || sd.size() != 1)
+    return ffi::Error::InvalidArgument("paged attention: q must be [N,H,D], cache [P,S,2*KVH,D], "
+                                       "page_table [R,NP], positions [N], query_start [R+1]");
   Problem p;
-  p.batch = qd[0];
-  p.tokens = qd[1];
-  p.heads = qd[2];
-  p.head_dim = qd[3];
+  p.tokens = qd[0];
+  p.heads = qd[1];
+  p.head_dim = qd[2];
   p.num_pages = cd[0];
   p.page_size = cd[1];
   p.kv_heads = cd[2] / 2;
+  p.requests = td[0];
   p.pages_per_row = td[1];
   p.scale = scale;
   p.window = window;
   if (cd[3] != p.head_dim || cd[2] % 2 != 0 || p.kv_heads == 0 || p.heads % p.kv_heads != 0 ||
-      td[0] != p.batch || pd[0] != p.batch || pd[1] != p.tokens || kd.size() != 4 || kd[0] != p.batch ||
-      kd[1] != p.tokens || kd[2] != p.kv_heads || kd[3] != p.head_dim || v.element_count() != k.element_count())
+      pd[0] != p.tokens || sd[0] != p.requests + 1 || kd.size() != 3 || kd[0] != p.tokens ||
+      kd[1] != p.kv_heads || kd[2] != p.head_dim || v.element_count() != k.element_count())
     return ffi::Error::InvalidArgument("paged attention: shapes do not agree");
   if (cache->untyped_data() != cache_in.untyped_data())
     return ffi::Error::InvalidArgument("paged attention: the cache output must alias the cache input");
@@ -432,31 +442,51 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const bool bf16 = cache->element_type() == ffi::DataType::BF16;
   if (!bf16 && cache->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("paged attention: the cache must be float32 or bfloat16");
+  const int32_t* qs = query_start.typed_data();
+  if (qs[0] < 0 || qs[p.requests] > p.tokens)
+    return ffi::Error::InvalidArgument("paged attention: query_start must lie within 0 .. the token count");
+  for (int64_t b = 0; b < p.requests; ++b)
+    if (qs[b + 1] < qs[b]) return ffi::Error::InvalidArgument("paged attention: query_start must not decrease");
   const int64_t capacity = p.pages_per_row * p.page_size;
-  for (int64_t i = 0; i < p.batch * p.tokens; ++i)
+  for (int64_t i = qs[0]; i < qs[p.requests]; ++i)
     if (positions.typed_data()[i] >= capacity)
       return ffi::Error::InvalidArgument("paged attention: a position lies past the pages given");
-  p.tile_tokens = std::max<int64_t>(1, std::min<int64_t>(p.tokens, kTileRows / p.group));
-  p.tiles = (p.tokens + p.tile_tokens - 1) / p.tile_tokens;
+  p.tile_tokens = std::max<int64_t>(1, kTileRows / p.group);
   p.q = q.typed_data();
   p.cache = cache->untyped_data();
   p.page_table = page_table.typed_data();
   p.positions = positions.typed_data();
+  p.query_start = qs;
   p.out = out->typed_data();
 
-  if (bf16)
-    write_chunk<uint16_t>(p, k.typed_data(), v.typed_data(), cache->untyped_data());
-  else
-    write_chunk<float>(p, k.typed_data(), v.typed_data(), cache->untyped_data());
+  // Tokens outside every request's segment are padding: zeros out (segments' padding tokens
+  // come out as zeros from `attend_rows`, which gives them no keys).
+  const int64_t row = p.heads * p.head_dim;
+  std::memset(p.out, 0, sizeof(float) * qs[0] * row);
+  std::memset(p.out + qs[p.requests] * row, 0, sizeof(float) * (p.tokens - qs[p.requests]) * row);
 
-  const int64_t total = p.batch * p.tiles * p.kv_heads;
+  // Work items before the kv head: (request, first token of a tile of its segment).
+  auto items = std::make_shared<std::vector<int64_t>>();
+  items->reserve(p.requests + p.tokens / p.tile_tokens + 1);
+  for (int64_t b = 0; b < p.requests; ++b)
+    for (int64_t t = qs[b]; t < qs[b + 1]; t += p.tile_tokens) items->push_back((b << 32) | t);
+  p.items = items->data();
+  p.num_items = static_cast<int64_t>(items->size());
+
+  if (bf16)
+    write_tokens<uint16_t>(p, k.typed_data(), v.typed_data(), cache->untyped_data());
+  else
+    write_tokens<float>(p, k.typed_data(), v.typed_data(), cache->untyped_data());
+
+  const int64_t total = p.num_items * p.kv_heads;
   auto prog = std::make_shared<Progress>();
   // `share` false (a multi-device mesh, whose devices already keep every core busy, and whose
   // collectives block pool threads): the calling thread does every item itself.
   const int64_t helpers = share ? std::min<int64_t>(pool.num_threads(), total) - 1 : 0;
   for (int64_t i = 0; i < helpers; ++i) {
-    // `p` is copied; its pointers are used only while items remain, i.e. before we return.
-    pool.Schedule([prog, p, bf16, total] { run_items(p, bf16, *prog, total); });
+    // `p` is copied; its pointers (and `items`, kept alive by the lambda) are used only while
+    // items remain, i.e. before we return.
+    pool.Schedule([prog, items, p, bf16, total] { run_items(p, bf16, *prog, total); });
   }
   run_items(p, bf16, *prog, total);
   while (prog->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
@@ -474,6 +504,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
                                   .Arg<ffi::AnyBuffer>()         // cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window")  // 0: full causal attention
                                   .Attr<bool>("share")      // share the items with the intra-op pool
