@@ -222,3 +222,20 @@ def test_closing_the_engine_stops_its_step_clock(served):  # last: it closes the
     assert thread is not None and thread.is_alive()
     llm.close()
     assert not thread.is_alive()
+
+
+def test_a_mixture_of_experts_reads_and_multiplies_only_the_routed_experts(tied):
+    from jaxinfer.ops.spec import init_random, model_specs
+
+    cfg = dataclasses.replace(tied[0], architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, qk_norm=True)
+    params = init_random(model_specs(cfg), jax.random.key(0))
+    experts = sum(x.nbytes for x in jax.tree.leaves(params) if x.ndim == 3 and x.shape[0] == 8)
+    assert experts > 0
+    model = roofline.CostModel(cfg, params, np.float32)
+    cost = model.step([1], [0])
+    assert cost.weight_bytes == tree_bytes(params) - experts + experts * 2 // 8
+    # one more token adds 2 flops per weight it meets: the dense ones and 2 of the 8 experts' (and the LM head)
+    per_token = model.step([2], [0], logits_rows=0).flops - model.step([1], [0], logits_rows=0).flops
+    dense = sum(x.size for x in jax.tree.leaves(params) if not (x.ndim == 3 and x.shape[0] == 8)) - params.embed.size
+    assert per_token == 2 * (dense + (experts // 4) * 2 // 8) + 4 * H * D * L * 2
