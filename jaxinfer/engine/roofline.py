@@ -524,8 +524,11 @@ class EngineRoofline:
                 store_peaks(self.peaks)
         self.sink(t)
 
-    def _submit(self, kind: str, rows: list, context: list, logits: int, requests: list, output: Any,
+    def program(self, kind: str, rows: list, context: list, logits: int, requests: list, output: Any,
                 dispatched: float) -> None:
+        """Any dispatched step program (a ragged step's mix too): request i computes ``rows[i]`` tokens
+        after ``context[i]`` cached ones, ``logits`` positions need logits; ``output``: an array the
+        program returns (watched until ready); ``dispatched``: perf_counter just before the call."""
         cost = self.cost.step(rows, context, logits)
         timing = StepTiming(kind, int(sum(rows)), cost, floor_seconds(cost, self.peaks), dispatched, requests)
         self._seq[id(output)] = self.clock.submit(timing, output)
@@ -541,12 +544,12 @@ class EngineRoofline:
                 logits += c.length
             elif c.start + c.length >= r.prefill_target:
                 logits += 1
-        self._submit("prefill", [c.length for c in chunks], [c.start for c in chunks], logits,
+        self.program("prefill", [c.length for c in chunks], [c.start for c in chunks], logits,
                      [c.request for c in chunks], output, dispatched)
 
     def decode(self, reqs: Sequence[Any], output: Any, dispatched: float) -> None:
         """A decode program: one token per request after its ``num_computed`` cached ones."""
-        self._submit("decode", [1] * len(reqs), [r.num_computed for r in reqs], len(reqs), list(reqs),
+        self.program("decode", [1] * len(reqs), [r.num_computed for r in reqs], len(reqs), list(reqs),
                      output, dispatched)
 
     def settle(self, output: Any = None) -> None:
