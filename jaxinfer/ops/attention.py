@@ -8,15 +8,15 @@ chunk (whole prompt, a continued chunk, after a prefix-cache hit) a request with
 freely in one step. `paged_attention` is the same over ``[B, T]`` rows (`AttentionMetadata`): B
 requests of T tokens each, a reshape onto it.
 
-The pure-JAX path (`jaxinfer.ops.gather_attention`) runs everywhere. Its cost grows with
-the pages attended (``P``, a bucketed size), never with the cache's capacity.
-On CPU, XLA emits its page gather element by element rather than as block
-copies; that gather and the masked softmax over the gathered copy were the
-largest part of a batched decode step and a large part of a batched prefill
-(`python -m benchmarks.engine` shows the split). So on the CPU platform
-attention goes to a native kernel that reads the pages where they lie
-(`jaxinfer/ops/kernels/paged_attention_cpu.cc`), for decode and prefill chunks
-alike. Which path a program takes is the step's `jaxinfer.ops.backend.KernelChoice`
+The pure-JAX path (`jaxinfer.ops.gather_attention`) runs everywhere: work items of up to a
+tile of one request's tokens read that request's page columns a block at a time, with an online
+softmax. Its cost grows with the pages attended (``P``, a bucketed size; blocks past every token
+are skipped), never with the cache's capacity. On CPU, XLA emits its page gather element by
+element rather than as block copies; that gather and the masked softmax were the largest part of
+a batched decode step and a large part of a batched prefill (`python -m benchmarks.engine` shows
+the split). So on the CPU platform attention goes to a native kernel that reads the pages where
+they lie (`jaxinfer/ops/kernels/paged_attention_cpu.cc`), for decode rows and prefill chunks
+alike, in any mix. Which path a program takes is the step's `jaxinfer.ops.backend.KernelChoice`
 (decided once, after the kernels load), never the process's state while tracing:
 a program for a GPU or TPU never sees the CPU kernel.
 
@@ -43,15 +43,17 @@ KV-head axis: each device attends its own query heads over its own shard of the 
 
 Batch invariance (a query token's output bitwise the same whatever else is computed with it):
 
-- CPU kernel: yes. Decode steps and prefill tiles run one per-row routine with one order per
+- CPU kernel: yes. Decode rows and prefill tiles run one per-row routine with one order per
   output element (key blocks at absolute positions, a fixed tree for each q.k, the same softmax
   steps); a token gives the same bits in a decode step, anywhere in a chunk of any size, beside
-  any other rows, and on any thread (tests/test_attention_invariance.py).
-- Pure-JAX path on CPU (``JAXINFER_CPU_KERNELS=0``): no, measured op by op. The q.k einsum
-  changes its order of summation with the number of query rows in the chunk and with the keys
-  gathered (XLA's CPU dot goes to Eigen, whose matrix product picks a kernel by shape), and
-  ``jax.nn.softmax``'s sum over the keys changes order with the number of rows reduced (batch,
-  heads, chunk) and the keys gathered (the page bucket). The value einsum was invariant in the
+  any other requests, as a ragged step or as ``[B, T]`` rows, and on any thread
+  (tests/test_attention_invariance.py, tests/test_ragged_attention.py).
+- Pure-JAX path on CPU (``JAXINFER_CPU_KERNELS=0``): no, measured op by op (on the earlier
+  gather-everything form; the ragged form's tile and block sizes follow the step's shape too).
+  The q.k einsum changes its order of summation with the number of query rows and with the keys
+  gathered (XLA's CPU dot goes to Eigen, whose matrix product picks a kernel by shape), and the
+  softmax's sum over the keys changes order with the number of rows reduced and the keys
+  gathered. The value einsum was invariant in the
   cases tried. A rewrite in elementwise adds of one fixed tree was not invariant either (XLA fuses
   it differently per shape, and the fused loops contract multiply-adds differently) and was 2-10x
   slower, so it was not kept. On GPU and TPU the same einsums and reduction go to cuBLAS/XLA's

@@ -109,26 +109,51 @@ def write_after_read(cache_layer, k, v, slots, read_value):
     )
 
 
-def request_of_token(query_start: jax.Array, num_tokens: int) -> jax.Array:
-    """[N] int32: the request whose segment holds each token (tokens past every segment: the last
-    request; they are padding)."""
+def request_of_token(query_start: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The request whose segment holds each of ``tokens`` (int32 indices; past every segment: the last
+    request, whose they are not: they are padding)."""
     r = query_start.shape[0] - 1
-    tok = jnp.arange(num_tokens, dtype=jnp.int32)
-    return jnp.clip(jnp.searchsorted(query_start[1:], tok, side="right"), 0, r - 1).astype(jnp.int32)
+    return jnp.clip(jnp.searchsorted(query_start[1:], tokens, side="right"), 0, r - 1).astype(jnp.int32)
 
 
-def columns_per_block(num_tokens: int, pages: int, page_size: int, num_heads: int, num_kv_heads: int,
+def tile_tokens(num_tokens: int, num_requests: int) -> int:
+    """Query tokens per work item: about half a request's share of the step (a power of two, 1 to 128),
+    so decode rows go one token an item and long chunks share each page read among many tokens."""
+    share = max(1, num_tokens // (2 * max(num_requests, 1)))
+    return min(128, 1 << (share.bit_length() - 1))
+
+
+def work_items(query_start: jax.Array, num_tokens: int, tile: int) -> tuple[jax.Array, jax.Array, int]:
+    """The step's tokens cut into items, each up to ``tile`` consecutive tokens of one request: cuts at
+    every multiple of ``tile`` and at every request's start. Returns (start [I], end [I], I): the items
+    with tokens first, then empty ones (start = end = N); I is the most a step of this shape can need."""
+    r = query_start.shape[0] - 1
+    n_items = min(num_tokens, -(-num_tokens // tile) + r - 1)
+    cuts = jnp.sort(jnp.concatenate([jnp.arange(0, num_tokens, tile, dtype=jnp.int32),
+                                     jnp.clip(query_start, 0, num_tokens).astype(jnp.int32)]))
+    lo, hi = cuts[:-1], cuts[1:]
+    real = (hi > lo) & (lo >= query_start[0]) & (lo < query_start[r])
+    at = jnp.where(real, jnp.cumsum(real, dtype=jnp.int32) - 1, n_items)
+    start = jnp.full((n_items,), num_tokens, jnp.int32).at[at].set(lo, mode="drop")
+    end = jnp.full((n_items,), num_tokens, jnp.int32).at[at].set(hi, mode="drop")
+    return start, end, n_items
+
+
+def columns_per_block(items: int, tile: int, pages: int, page_size: int, num_heads: int, num_kv_heads: int,
                       head_dim: int, cache_itemsize: int) -> int:
     """Page columns read per block: as many as fit `BLOCK_BYTES` (at least one, at most all)."""
-    per_column = num_tokens * page_size * (2 * num_kv_heads * head_dim * cache_itemsize + 2 * num_heads * 4)
+    per_column = items * page_size * (2 * num_kv_heads * head_dim * cache_itemsize + 2 * num_heads * tile * 4)
     return max(1, min(pages, BLOCK_BYTES // max(per_column, 1)))
 
 
 def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int = 0):
-    """The pure-JAX path over a ragged batch: write the step's keys/values, then attend.
+    """The pure-JAX path over a ragged batch: attend, then write the step's keys/values.
 
     q: [N, H, D]; k, v: [N, KVH, D]; cache_layer: [num_pages, page_size, 2*KVH, D].
     Returns (out [N, H, D], updated cache_layer); padding tokens come out as zeros.
+
+    Work items are (request, up to `tile_tokens` of its consecutive tokens) (`work_items`); each
+    reads its request's pages a block of columns at a time, with an online softmax.
     """
     n, h, d = q.shape
     kvh = k.shape[1]
@@ -136,61 +161,68 @@ def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: f
     ps = cache_layer.shape[1]
     r, p = meta.page_table.shape
     f32 = jnp.float32
-    tok = jnp.arange(n, dtype=jnp.int32)
-    in_segment = (tok >= meta.query_start[0]) & (tok < meta.query_start[r])
-    pos = jnp.where(in_segment, meta.positions, -1)  # [N]; -1: attends nothing
+    tile = tile_tokens(n, r)
+    start, end, ni = work_items(meta.query_start, n, tile)
+    tok = start[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [I, tile]
+    real = tok < end[:, None]
+    tok = jnp.where(real, tok, n)  # n: out of range (dropped on the way out)
+    at = jnp.minimum(tok, n - 1)
+    pos = jnp.where(real, meta.positions[at], -1)  # [I, tile]; -1: attends nothing
     lo = jnp.maximum(pos - window + 1, 0) if window > 0 else jnp.zeros_like(pos)
-    req = request_of_token(meta.query_start, n)
-    # The step's own keys: token n's request's tokens sit at positions first .. (its real tokens are
-    # consecutive from the segment's first token), token query_start[r] + (key position - first).
-    seg_start = meta.query_start[req]  # [N]
-    seg_first = meta.positions[jnp.clip(seg_start, 0, n - 1)]  # [N]
-    cols = columns_per_block(n, p, ps, h, kvh, d, cache_layer.dtype.itemsize)
+    req = request_of_token(meta.query_start, jnp.minimum(start, n - 1))  # [I]
+    # The step's own keys, laid over what is read: the request's tokens sit at consecutive positions
+    # from its segment's first token, token query_start[r] + (key position - first position).
+    seg_start = meta.query_start[req]  # [I]
+    seg_first = meta.positions[jnp.clip(seg_start, 0, n - 1)]  # [I]
+    seg_last = jnp.max(pos, axis=1)  # [I]: the item's last position (no key after it is attended)
+    cols = columns_per_block(ni, tile, p, ps, h, kvh, d, cache_layer.dtype.itemsize)
     nblocks = -(-p // cols)
-    table = meta.page_table[req]  # [N, P] int32
+    table = meta.page_table[req]  # [I, P] int32
     table = jnp.pad(table, ((0, 0), (0, nblocks * cols - p)))
-    table = table.reshape(n, nblocks, cols).transpose(1, 0, 2)  # [blocks, N, cols]
+    table = table.reshape(ni, nblocks, cols).transpose(1, 0, 2)  # [blocks, I, cols]
     span = cols * ps
-    qg = q.reshape(n, kvh, g, d)
+    qg = q[at].reshape(ni, tile, kvh, g, d)
     kv_new = jnp.stack([k, v], axis=2).astype(cache_layer.dtype)  # [N, KVH, 2, D], as the cache holds it
-    last = jnp.max(pos)  # keys at or past last + 1 are no token's
+    last = jnp.max(pos)  # keys past it are no token's
     first = jnp.min(jnp.where(pos >= 0, lo, jnp.iinfo(jnp.int32).max))
 
-    def attend_block(carry, start, pages):
+    def attend_block(carry, block_start, pages):
         m, l, acc = carry
-        kv = cache_layer[pages].reshape(n, span, kvh, 2, d)  # [N, span, KVH, 2, D]
-        key_pos = start + jnp.arange(span, dtype=jnp.int32)
-        own = (key_pos[None, :] >= seg_first[:, None]) & (key_pos[None, :] <= pos[:, None])  # [N, span]
+        kv = cache_layer[pages].reshape(ni, span, kvh, 2, d)  # [I, span, KVH, 2, D]
+        key_pos = block_start + jnp.arange(span, dtype=jnp.int32)
+        own = (key_pos[None, :] >= seg_first[:, None]) & (key_pos[None, :] <= seg_last[:, None])  # [I, span]
         src = jnp.clip(seg_start[:, None] + key_pos[None, :] - seg_first[:, None], 0, n - 1)
-        mine = kv_new[src]  # [N, span, KVH, 2, D]
-        kv = jnp.where(own[:, :, None, None, None], mine, kv)
+        kv = jnp.where(own[:, :, None, None, None], kv_new[src], kv)
         keys, values = kv[..., 0, :].astype(q.dtype), kv[..., 1, :].astype(q.dtype)
-        s = jnp.einsum("nkgd,nskd->nkgs", qg, keys, preferred_element_type=f32) * scale
-        valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= lo[:, None])  # [N, span]
-        valid = valid[:, None, None, :]
+        s = jnp.einsum("itkgd,iskd->ikgts", qg, keys, preferred_element_type=f32) * scale
+        valid = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] >= lo[:, :, None])
+        valid = valid[:, None, None, :, :]  # [I, 1, 1, tile, span]
         s = jnp.where(valid, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=-1))
         w = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
         c = jnp.exp(m - m_new)
         l = l * c + w.sum(axis=-1)
-        acc = acc * c[..., None] + jnp.einsum("nkgs,nskd->nkgd", w.astype(q.dtype), values,
+        acc = acc * c[..., None] + jnp.einsum("ikgts,iskd->ikgtd", w.astype(q.dtype), values,
                                               preferred_element_type=f32)
         return m_new, l, acc
 
     def step(carry, xs):
         i, pages = xs
-        start = i * span
-        needed = (start <= last) & (start + span > first)
-        return jax.lax.cond(needed, lambda c: attend_block(c, start, pages), lambda c: c, carry), None
+        block_start = i * span
+        needed = (block_start <= last) & (block_start + span > first)
+        return jax.lax.cond(needed, lambda c: attend_block(c, block_start, pages), lambda c: c, carry), None
 
-    carry = (jnp.full((n, kvh, g), NEG_INF, f32), jnp.zeros((n, kvh, g), f32), jnp.zeros((n, kvh, g, d), f32))
+    stats = (ni, kvh, g, tile)
+    carry = (jnp.full(stats, NEG_INF, f32), jnp.zeros(stats, f32), jnp.zeros(stats + (d,), f32))
     if nblocks == 1:
         m, l, acc = attend_block(carry, 0, table[0])
     else:
         (m, l, acc), _ = jax.lax.scan(step, carry, (jnp.arange(nblocks, dtype=jnp.int32), table))
-    out = acc * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[..., None]
-    cache_layer = write_after_read(cache_layer, k, v, meta.slots, acc[0, 0, 0, 0])
-    return out.reshape(n, h, d).astype(q.dtype), cache_layer
+    out = acc * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[..., None]  # [I, KVH, g, tile, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(ni * tile, h, d).astype(q.dtype)
+    out = jnp.zeros((n, h, d), q.dtype).at[tok.reshape(-1)].set(out, mode="drop")
+    cache_layer = write_after_read(cache_layer, k, v, meta.slots, acc[0, 0, 0, 0, 0])
+    return out, cache_layer
 
 
 def gather_attention(q, k, v, cache_layer, meta: AttentionMetadata, scale: float, window: int = 0):
