@@ -10,6 +10,10 @@ and ``logits(params, cfg, hidden)``. What differs between families is data in
 `ModelConfig`, so the contract functions are the decoder's.
 
 ``ModelConfig.architecture`` names the family of a loaded model (a key of `FAMILIES`).
+
+The parameter tree is typed (`jaxinfer.models.weights_table`): `Params` (``embed``, ``final_norm``,
+``lm_head``, ``layers``) of `Layer` blocks (``attention``: `Attention`, ``norms``: `Norms`, ``mlp``:
+`DenseMLP` or `RoutedMLP`), re-exported here.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ import jax
 
 from jaxinfer.models import gemma3, llama, mixtral, qwen
 from jaxinfer.models.weights_table import ALL as WEIGHTS
+from jaxinfer.models.weights_table import Attention, DenseMLP, Layer, Norms, Params, RoutedMLP
 from jaxinfer.ops.spec import is_spec, register_family
+
+__all__ = ["Attention", "DenseMLP", "FAMILIES", "Layer", "Norms", "Params", "RoutedMLP", "active_params",
+           "config_from_hf", "describe", "get_family", "num_params"]
 
 _MODULES = (llama, qwen, gemma3, mixtral)
 

@@ -34,16 +34,16 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import activation, matmul, split_gate_up
-from jaxinfer.models.weights_table import MOE
+from jaxinfer.models.weights_table import MOE, RoutedMLP
 from jaxinfer.ops import invariant
-from jaxinfer.ops.spec import ArraySpec
+
 
 MAX_BLOCK_ROWS = 64
 
 
-def param_specs(cfg: ModelConfig, dtype: Any) -> dict[str, ArraySpec]:
-    """A routed layer's leaves (the weights table's `jaxinfer.models.weights_table.MOE`)."""
-    return {d.name: d.spec(cfg, dtype) for d in MOE}
+def param_specs(cfg: ModelConfig, dtype: Any) -> RoutedMLP:
+    """A routed layer's leaves as specs (the weights table's `jaxinfer.models.weights_table.MOE`)."""
+    return RoutedMLP(**{d.name: d.spec(cfg, dtype) for d in MOE})
 
 
 def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -68,13 +68,13 @@ def block_rows(slots: int, num_experts: int) -> int:
     return 1 << (target.bit_length() - 1)
 
 
-def routed_mlp(p: dict[str, jax.Array], cfg: ModelConfig, h: jax.Array) -> jax.Array:
+def routed_mlp(p: RoutedMLP, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """h: [..., hidden] -> the routed experts' output [..., hidden] float32."""
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
     n, e, k = x.shape[0], cfg.num_experts, cfg.num_experts_per_tok
     # the router logits in the weights' dtype, as transformers has them, then a float32 softmax
-    router_logits = matmul(x, p["router"]).astype(p["router"].dtype).astype(jnp.float32)
+    router_logits = matmul(x, p.router).astype(p.router.dtype).astype(jnp.float32)
     weights, experts = route(router_logits, k, cfg.norm_topk_prob)
 
     s = n * k
@@ -95,11 +95,11 @@ def routed_mlp(p: dict[str, jax.Array], cfg: ModelConfig, h: jax.Array) -> jax.A
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), e - 1)
 
     xs = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token_of_row].reshape(nb, bt, d)
-    wgu = p["w_gate_up"][block_expert]  # [nb, d, 2i]: each block's expert
+    wgu = p.w_gate_up[block_expert]  # [nb, d, 2i]: each block's expert
     y = jnp.einsum("btd,bdo->bto", xs.astype(wgu.dtype), wgu, preferred_element_type=jnp.float32)
     gate, up = split_gate_up(cfg, y)
     a = activation(cfg, gate) * up
-    wd = p["w_down"][block_expert]
+    wd = p.w_down[block_expert]
     out = jnp.einsum("bti,bid->btd", a.astype(wd.dtype), wd, preferred_element_type=jnp.float32)
     per_slot = out.reshape(nb * bt, d)[row_of_slot].reshape(n, k, d)
     weighted = per_slot * weights[..., None]

@@ -3,13 +3,12 @@
 - `forward(params, cfg, tokens, kv_cache, attn)`: hidden states, updating the paged cache;
 - `logits(params, cfg, hidden)`: the LM head.
 
-The parameter tree is the weights table's (`jaxinfer.models.weights_table`); the parts are the
+The parameter tree is the weights table's typed `Params` of `Layer` blocks
+(`jaxinfer.models.weights_table`); the parts are the
 decoder's (`jaxinfer.models.decoder`) and the routed experts `jaxinfer.models.moe`'s.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,40 +16,44 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import moe
 from jaxinfer.models.decoder import activation, apply_rope, layer_ropes, matmul, rms_norm, split_gate_up, split_qkv
+from jaxinfer.models.weights_table import Attention, DenseMLP, Layer, Norms, Params
 from jaxinfer.ops.attention import AttentionMetadata, paged_attention
 from jaxinfer.ops.quant import is_quantized
 
-Params = dict[str, Any]
+def dense_mlp(p: DenseMLP, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    gate, up = split_gate_up(cfg, matmul(h, p.w_gate_up))
+    return matmul(activation(cfg, gate) * up, p.w_down)
 
 
-def dense_mlp(p: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    gate, up = split_gate_up(cfg, matmul(h, p["w_gate_up"]))
-    return matmul(activation(cfg, gate) * up, p["w_down"])
-
-
-def _layer(p: Params, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn: AttentionMetadata, rope):
-    b, t, _ = x.shape
+def attention(p: Attention, cfg: ModelConfig, li: int, h: jax.Array, cache_layer, attn: AttentionMetadata, rope):
+    """The attention block on normed inputs h [B, T, hidden]: (its output before the residual, the cache)."""
+    b, t, _ = h.shape
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
-    h = rms_norm(x, p["attn_norm"], eps, off)
-    qkv = matmul(h, p["wqkv"])
+    qkv = matmul(h, p.wqkv)
     if cfg.attention_bias:
-        qkv = qkv + p["bqkv"].astype(jnp.float32)
+        qkv = qkv + p.bqkv.astype(jnp.float32)
     q, k, v = split_qkv(cfg, qkv)
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], eps, off)
-        k = rms_norm(k, p["k_norm"], eps, off)
+        q = rms_norm(q, p.q_norm, eps, off)
+        k = rms_norm(k, p.k_norm, eps, off)
     inv_freq, rope_scale = rope
     q = apply_rope(q, attn.positions, inv_freq, rope_scale)
     k = apply_rope(k, attn.positions, inv_freq, rope_scale)
     o, cache_layer = paged_attention(q, k, v, cache_layer, attn, scale=cfg.attn_scale, window=cfg.layer_window(li))
-    a = matmul(o.reshape(b, t, cfg.q_size), p["wo"])
+    return matmul(o.reshape(b, t, cfg.q_size), p.wo), cache_layer
+
+
+def _layer(p: Layer, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn: AttentionMetadata, rope):
+    eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
+    n: Norms = p.norms
+    a, cache_layer = attention(p.attention, cfg, li, rms_norm(x, n.attn_norm, eps, off), cache_layer, attn, rope)
     if cfg.sandwich_norms:
-        a = rms_norm(a, p["attn_out_norm"], eps, off)
+        a = rms_norm(a, n.attn_out_norm, eps, off)
     x = x + a
-    h = rms_norm(x, p["mlp_norm"], eps, off)
-    m = moe.routed_mlp(p, cfg, h) if cfg.is_moe_layer(li) else dense_mlp(p, cfg, h)
+    h = rms_norm(x, n.mlp_norm, eps, off)
+    m = moe.routed_mlp(p.mlp, cfg, h) if cfg.is_moe_layer(li) else dense_mlp(p.mlp, cfg, h)
     if cfg.sandwich_norms:
-        m = rms_norm(m, p["mlp_out_norm"], eps, off)
+        m = rms_norm(m, n.mlp_out_norm, eps, off)
     return x + m, cache_layer
 
 
@@ -61,7 +64,7 @@ def forward(
 
     The residual stream is float32 whatever the weights' dtype.
     """
-    embed = params["embed"]
+    embed = params.embed
     if is_quantized(embed):
         x = embed.lookup(tokens, jnp.float32)
     else:
@@ -71,18 +74,18 @@ def forward(
         x = x * jnp.asarray(cfg.embed_scale, scale_dtype).astype(jnp.float32)
     ropes = [(jnp.asarray(f), s) for f, s in layer_ropes(cfg)]
     new_cache = []
-    for li, (p, cache_layer) in enumerate(zip(params["layers"], kv_cache)):
+    for li, (p, cache_layer) in enumerate(zip(params.layers, kv_cache)):
         x, cache_layer = _layer(p, cfg, li, x, cache_layer, attn, ropes[li])
         new_cache.append(cache_layer)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset), new_cache
+    return rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.norm_weight_offset), new_cache
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """hidden: [..., hidden_size] -> float32 logits [..., vocab]."""
     if cfg.tie_word_embeddings:
-        out = matmul(hidden, params["embed"], w_contract=1)
+        out = matmul(hidden, params.embed, w_contract=1)
     else:
-        head = params["lm_head"]  # quantized: [vocab, hidden] (jaxinfer.ops.quant)
+        head = params.lm_head  # quantized: [vocab, hidden] (jaxinfer.ops.quant)
         out = matmul(hidden, head, w_contract=1 if is_quantized(head) else 0)
     out = out.astype(jnp.float32)
     if cfg.final_logit_softcap:

@@ -17,23 +17,29 @@ Derived here: the parameter specs (`param_specs`), the Hugging Face tensors a ch
 (`gguf_names`). Derived elsewhere from the specs' rules: the tensor-parallel relayouts
 (`jaxinfer.ops.mesh`) and the quantized tree (`jaxinfer.ops.quant.quantize_specs`,
 `quantize_params`). A new weight is one `WeightDesc` in one table (and its use in the forward pass).
+
+The parameter tree is typed: one frozen dataclass per table, made from it (`Attention`, `Norms`,
+`DenseMLP`, `RoutedMLP`: a field per weight the table names, None where the config has no such
+weight), a `Layer` of three of them (``attention``, ``norms``, ``mlp``), and the model's `Params`
+(``embed``, ``final_norm``, ``lm_head`` (None when tied), ``layers``). All are JAX pytrees; the
+forward pass reads ``layer.attention.wqkv``, and a leaf's path names its block and weight
+(``params.layers[3].mlp.w_down``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.ops import quant
 from jaxinfer.ops.spec import Source, WeightDesc
-
-Params = dict[str, Any]
-
 
 def _q(cfg: ModelConfig) -> int:
     return cfg.q_size
@@ -122,6 +128,65 @@ LAYER_KINDS = {"attention": ATTENTION, "norms": NORMS, "dense_mlp": DENSE_MLP, "
 ALL: tuple[WeightDesc, ...] = ATTENTION + NORMS + DENSE_MLP + MOE + MODEL
 
 
+# ---------------------------------------------------------------------------
+# the typed parameter tree: one pytree type per table
+
+
+def _block_type(name: str, table: tuple[WeightDesc, ...], what: str) -> type:
+    """A frozen dataclass pytree with one field per weight ``table`` names (None: not in this model)."""
+    names = list(dict.fromkeys(d.name for d in table))
+    cls = dataclasses.make_dataclass(name, [(n, Any, dataclasses.field(default=None)) for n in names], frozen=True)
+    cls.__module__ = __name__  # so it pickles and prints as this module's (make_dataclass takes module= from 3.12)
+    cls.__doc__ = f"{what}: {', '.join(names)} (a leaf each; None where the config has no such weight)."
+    return jax.tree_util.register_dataclass(cls)
+
+
+Attention = _block_type("Attention", ATTENTION, "A layer's attention weights (the `ATTENTION` table)")
+Norms = _block_type("Norms", NORMS, "A layer's norms (the `NORMS` table)")
+DenseMLP = _block_type("DenseMLP", DENSE_MLP, "A dense layer's gated MLP (the `DENSE_MLP` table)")
+RoutedMLP = _block_type("RoutedMLP", MOE, "A routed layer's router and stacked experts (the `MOE` table)")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One decoder layer's weights: its attention, its norms, and its MLP (dense or routed)."""
+
+    attention: Any
+    norms: Any
+    mlp: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """A model's parameter tree (the `MODEL` table's weights and the layers). ``lm_head`` is None
+    when the head is tied to the embeddings. Leaves are arrays, `jaxinfer.ops.spec.ArraySpec` (a spec
+    tree) or `jaxinfer.ops.quant.QuantizedWeight`; `dataclasses.replace` makes a changed copy."""
+
+    embed: Any
+    final_norm: Any
+    layers: list
+    lm_head: Any = None
+
+
+Block = Union[Attention, Norms, DenseMLP, RoutedMLP]
+
+
+def build_tree(cfg: ModelConfig, leaf: Callable[[WeightDesc, str], Any]) -> Params:
+    """The parameter tree of ``cfg`` with ``leaf(desc, hf_prefix)`` at each weight it holds."""
+
+    def block(cls: type, table: tuple[WeightDesc, ...], prefix: str) -> Any:
+        return cls(**{d.name: leaf(d, prefix) for d in table if d.present(cfg)})
+
+    def layer(li: int) -> Layer:
+        p = _prefix(li)
+        mlp = block(RoutedMLP, MOE, p) if cfg.is_moe_layer(li) else block(DenseMLP, DENSE_MLP, p)
+        return Layer(block(Attention, ATTENTION, p), block(Norms, NORMS, p), mlp)
+
+    return Params(**{d.name: leaf(d, "") for d in model_descs(cfg)}, layers=[layer(li) for li in range(cfg.num_layers)])
+
+
 def layer_descs(cfg: ModelConfig, li: int) -> list[WeightDesc]:
     """The weights layer ``li`` of ``cfg`` holds, in canonical order."""
     mlp = MOE if cfg.is_moe_layer(li) else DENSE_MLP
@@ -142,8 +207,7 @@ def _prefix(li: int) -> str:
 
 def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     """The parameter tree of ``cfg`` as `jaxinfer.ops.spec.ArraySpec` leaves (quantized by ``cfg.quant``)."""
-    specs: Params = {d.name: d.spec(cfg, dtype) for d in model_descs(cfg)}
-    specs["layers"] = [{d.name: d.spec(cfg, dtype) for d in layer_descs(cfg, li)} for li in range(cfg.num_layers)]
+    specs = build_tree(cfg, lambda d, _: d.spec(cfg, dtype))
     return quant.quantize_specs(specs, cfg.quant) if cfg.quant else specs
 
 
@@ -222,9 +286,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
         w = quant.as_float(w)
         return put(w if d.kind == "embed" else w.T)
 
-    params: Params = {d.name: leaf(d, "") for d in model_descs(cfg)}
-    params["layers"] = [{d.name: leaf(d, _prefix(li)) for d in layer_descs(cfg, li)} for li in range(cfg.num_layers)]
-    return params
+    return build_tree(cfg, leaf)
 
 
 # ---------------------------------------------------------------------------

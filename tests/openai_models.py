@@ -11,6 +11,7 @@ BPE whose added tokens are the script's pieces, each used once, so the chain of 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jax.numpy as jnp
 import numpy as np
@@ -91,11 +92,13 @@ def forced_llm(path) -> "jaxinfer.LLM":
     for slot, (cur, nxt) in enumerate(zip(chain, chain[1:])):
         embed[cur, slot] = 1.0
         head[slot, nxt] = 10.0
-    params = dict(params, embed=jnp.asarray(embed), lm_head=jnp.asarray(head), final_norm=jnp.ones((h,)))
-    params["layers"] = [
-        dict(layer, wo=jnp.zeros_like(layer["wo"]), w_down=jnp.zeros_like(layer["w_down"]))
-        for layer in params["layers"]
+    layers = [
+        replace(layer, attention=replace(layer.attention, wo=jnp.zeros_like(layer.attention.wo)),
+                mlp=replace(layer.mlp, w_down=jnp.zeros_like(layer.mlp.w_down)))
+        for layer in params.layers
     ]
+    params = replace(params, embed=jnp.asarray(embed), lm_head=jnp.asarray(head), final_norm=jnp.ones((h,)),
+                     layers=layers)
     return jaxinfer.LLM.from_params(TINY, params, tokenizer=tok, engine_config=TOOLS_ENGINE, name="tiny-tools")
 
 

@@ -30,6 +30,7 @@ from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models import config_from_hf, get_family, moe
 from jaxinfer.models.hf_config import UnsupportedFeature
+from jaxinfer.ops.spec import is_spec
 
 FAMILY_DIR = Path(__file__).parent / "fixtures" / "families"
 FAMILIES = sorted(p.name for p in FAMILY_DIR.iterdir() if (p / "reference.npz").is_file()) if FAMILY_DIR.is_dir() else []
@@ -229,7 +230,7 @@ def test_gemma3_refuses_attention_softcapping():
 
 def _dense_experts_reference(p, cfg, h):
     """Every expert on every token, weighted by the top-k routing (mask elsewhere): the plain formula."""
-    logits = h @ np.asarray(p["router"], np.float64)
+    logits = h @ np.asarray(p.router, np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     top = np.argsort(-probs, axis=-1, kind="stable")[:, : cfg.num_experts_per_tok]
@@ -237,7 +238,7 @@ def _dense_experts_reference(p, cfg, h):
     if cfg.norm_topk_prob:
         w /= w.sum(-1, keepdims=True)
     out = np.zeros_like(h)
-    wgu, wd = np.asarray(p["w_gate_up"], np.float64), np.asarray(p["w_down"], np.float64)
+    wgu, wd = np.asarray(p.w_gate_up, np.float64), np.asarray(p.w_down, np.float64)
     for e in range(cfg.num_experts):
         gate, up = np.split(h @ wgu[e], 2, axis=-1)
         y = (gate / (1 + np.exp(-gate)) * up) @ wd[e]
@@ -252,8 +253,8 @@ def test_routed_experts_match_the_dense_formula(tokens, normalize):
                       num_kv_heads=1, head_dim=16, architecture="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=24, norm_topk_prob=normalize)
     rng = np.random.default_rng(tokens)
-    p = {k: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32) * 0.3)
-         for k, s in moe.param_specs(cfg, jnp.float32).items()}
+    p = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32) * 0.3),
+                     moe.param_specs(cfg, jnp.float32), is_leaf=is_spec)
     h = rng.standard_normal((tokens, 32)).astype(np.float32)
     got = np.asarray(jax.jit(lambda p, h: moe.routed_mlp(p, cfg, h))(p, jnp.asarray(h)))
     np.testing.assert_allclose(got, _dense_experts_reference(p, cfg, h.astype(np.float64)), rtol=1e-4, atol=1e-4)

@@ -7,6 +7,7 @@ matters (bit-identical parameters and tokenizer through the cache).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -535,14 +536,15 @@ def test_save_model_with_a_tokenizer(tmp_path, cache_root, sp_model):
 
 def test_save_model_checks_the_tree_against_the_family_specs(tmp_path):
     params = tiny_params()
-    bad = jax.tree.map(lambda x: x, params)
-    bad["layers"][1]["w_down"] = bad["layers"][1]["w_down"][:, :10]
-    with pytest.raises(ValueError, match=r"\['layers'\]\[1\]\['w_down'\]"):
+    layers = list(params.layers)
+    layers[1] = dataclasses.replace(layers[1], mlp=dataclasses.replace(layers[1].mlp, w_down=layers[1].mlp.w_down[:, :10]))
+    bad = dataclasses.replace(params, layers=layers)
+    with pytest.raises(ValueError, match=r"\.layers\[1\]\.mlp\.w_down"):
         jaxinfer.save_model(tmp_path / "bad", TINY_512, bad)
-    missing = {k: v for k, v in params.items() if k != "lm_head"}
+    missing = dataclasses.replace(params, lm_head=None)
     with pytest.raises(ValueError, match="structure"):
         jaxinfer.save_model(tmp_path / "bad", TINY_512, missing)
-    mixed = dict(params, final_norm=params["final_norm"].astype(jnp.bfloat16))
+    mixed = dataclasses.replace(params, final_norm=params.final_norm.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="mix dtypes"):
         jaxinfer.save_model(tmp_path / "bad", TINY_512, mixed)
     assert not (tmp_path / "bad").exists()

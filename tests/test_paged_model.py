@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,7 +171,7 @@ def test_forward_is_a_pure_function_research_code_can_differentiate(params):
     g = jax.grad(loss)(params)
     leaves = jax.tree.leaves(g)
     assert all(bool(jnp.isfinite(x).all()) for x in leaves)
-    assert float(jnp.abs(g["layers"][0]["wqkv"]).sum()) > 0
+    assert float(jnp.abs(g.layers[0].attention.wqkv).sum()) > 0
 
 
 def test_parameter_spec_tree_derives_shapes_and_shardings():
@@ -179,12 +181,12 @@ def test_parameter_spec_tree_derives_shapes_and_shardings():
     params = tiny_params()
     spec.check_tree(specs, params)
     abstract = spec.abstract(specs)
-    assert abstract["layers"][1]["wqkv"].shape == (TINY.hidden_size, TINY.q_size + 2 * TINY.kv_size)
+    assert abstract.layers[1].attention.wqkv.shape == (TINY.hidden_size, TINY.q_size + 2 * TINY.kv_size)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
     sh = spec.shardings(specs, mesh, {"mlp": "model", "qkv": "model", "heads": "model"})
-    assert sh["layers"][0]["w_gate_up"].spec == jax.sharding.PartitionSpec(None, "model")
+    assert sh.layers[0].mlp.w_gate_up.spec == jax.sharding.PartitionSpec(None, "model")
     placed = jax.device_put(params, sh)
-    assert placed["layers"][0]["w_down"].sharding.spec == jax.sharding.PartitionSpec("model", None)
-    bad = dict(params, final_norm=jnp.zeros((3,)))
+    assert placed.layers[0].mlp.w_down.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    bad = dataclasses.replace(params, final_norm=jnp.zeros((3,)))
     with pytest.raises(ValueError, match=r"final_norm.*\(3,\)"):
         spec.check_tree(specs, bad)

@@ -28,7 +28,7 @@ def smollm2_bf16():
 
 def test_bfloat16_weights_stay_close_to_the_float32_reference(smollm2_bf16, reference):
     ref, logits = reference
-    assert smollm2_bf16.runner.params["layers"][0]["wqkv"].dtype == jnp.bfloat16
+    assert smollm2_bf16.runner.params.layers[0].attention.wqkv.dtype == jnp.bfloat16
     for case in ref["generation"]:
         ids = case["prompt_ids"]
         cache = fresh_cache(smollm2_bf16, kv_cache_dtype="float32")
@@ -58,7 +58,7 @@ def test_quantized_weights_against_the_float32_reference(smollm2_quantized, refe
     mode, llm = smollm2_quantized
     ref, logits = reference
     assert llm.model_config.quant.startswith(mode)
-    assert llm.runner.params["layers"][0]["wqkv"].bits == (4 if mode == "int4" else 8)
+    assert llm.runner.params.layers[0].attention.wqkv.bits == (4 if mode == "int4" else 8)
     agree = []
     for case in ref["generation"]:
         if case["name"] == "long":  # 1,159 tokens: 20 s of prefill on two cores, for one more top-1

@@ -3,6 +3,7 @@ the function of their dequantized weights."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,8 @@ def dequantized_tree(params):
         return jnp.asarray(quant.dequantize_host(jax.tree.map(np.asarray, x))) if quant.is_quantized(x) else x
 
     out = jax.tree.map(f, params, is_leaf=quant.is_quantized)
-    if quant.is_quantized(params.get("lm_head")):  # stored [vocab, hidden] when quantized
-        out["lm_head"] = out["lm_head"].T
+    if quant.is_quantized(params.lm_head):  # stored [vocab, hidden] when quantized
+        out = dataclasses.replace(out, lm_head=out.lm_head.T)
     return out
 
 
@@ -75,8 +76,8 @@ def test_gguf_blocks_decode_as_gguf_does(kind):
 def test_quantized_model_computes_its_dequantized_weights(mode):
     cfg, params = quant.quantize_params(tiny_params(), TINY, mode)
     assert cfg.quant == quant.default_scheme(mode)
-    assert params["lm_head"].bits == 8  # the head stays 8-bit under int4
-    assert params["layers"][0]["wqkv"].bits == (8 if mode == "int8" else 4)
+    assert params.lm_head.bits == 8  # the head stays 8-bit under int4
+    assert params.layers[0].attention.wqkv.bits == (8 if mode == "int8" else 4)
     specs = decoder.param_specs(cfg)
     check_tree(specs, params)
     assert jax.tree.structure(abstract(specs)) == jax.tree.structure(jax.tree.map(lambda x: 0, params))

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -35,6 +36,13 @@ GREEDY = jaxinfer.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def tokens(llm, prompts=PROMPTS, sp=GREEDY) -> list:
     """One prompt at a time: a lone request always runs the same programs."""
     return [llm.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+
+
+def in_layer(params, li: int, block: str, **leaves):
+    """``params`` with leaves of block ``block`` of layer ``li`` replaced."""
+    layers = list(params.layers)
+    layers[li] = replace(layers[li], **{block: replace(getattr(layers[li], block), **leaves)})
+    return replace(params, layers=layers)
 
 
 def host_leaves(tree) -> list:
@@ -126,22 +134,23 @@ def test_numpy_and_other_dtypes_are_cast_to_the_engines(llm, weights, fresh_b):
 @pytest.mark.parametrize(
     "change, words",
     [
-        (lambda t: t["layers"][1].__setitem__("wo", t["layers"][1]["wo"][:, :-1]),
-         ["params['layers'][1]['wo']", "(64, 63) float32", "(64, 64)"]),
-        (lambda t: t["layers"][0].pop("w_down"), ["params['layers'][0]['w_down'] is missing"]),
-        (lambda t: t.__setitem__("extra_bias", np.zeros(3, np.float32)), ["params['extra_bias']", "not a parameter"]),
-        (lambda t: t.__setitem__("final_norm", np.ones(64, np.int32)), ["params['final_norm']", "int32", "floating"]),
-        (lambda t: t.__setitem__("layers", t["layers"][:1]), ["params['layers'][1]", "missing"]),
+        (lambda t: in_layer(t, 1, "attention", wo=t.layers[1].attention.wo[:, :-1]),
+         ["params.layers[1].attention.wo", "(64, 63) float32", "(64, 64)"]),
+        (lambda t: in_layer(t, 0, "mlp", w_down=None), ["params.layers[0].mlp.w_down is missing"]),
+        (lambda t: in_layer(t, 0, "attention", bqkv=np.zeros(3, np.float32)),
+         ["params.layers[0].attention.bqkv", "not a parameter"]),
+        (lambda t: replace(t, final_norm=np.ones(64, np.int32)), ["params.final_norm", "int32", "floating"]),
+        (lambda t: replace(t, layers=t.layers[:1]), ["params.layers[1]", "missing"]),
+        (lambda t: {"embed": t.embed, "final_norm": t.final_norm, "lm_head": t.lm_head, "layers": t.layers},
+         ["params: a dict", "jaxinfer.models.weights_table.Params"]),
     ],
-    ids=["shape", "missing", "extra", "dtype", "layers"],
+    ids=["shape", "missing", "extra", "dtype", "layers", "a-dict"],
 )
 def test_a_bad_tree_is_refused_by_name_and_the_engine_goes_on(llm, weights, change, words):
     a, b = weights
     llm.update_params(a)
     want = tokens(llm, PROMPTS[:1])
-    bad = jax.tree.map(lambda x: x, b)
-    bad["layers"] = [dict(x) for x in bad["layers"]]
-    change(bad)
+    bad = change(b)
     with pytest.raises(ValueError) as e:
         llm.update_params(bad)
     for w in words:

@@ -4,6 +4,7 @@ the GGUF names, the tensor-parallel relayouts and the quantization rules derived
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -34,13 +35,25 @@ def config(family: str):
 def leaf_sources(cfg) -> dict[str, list[str]]:
     """{leaf path: the canonical HF tensors the table says it is made of}."""
     out = {}
+    block = {id(d): name for name, table in (("attention", T.ATTENTION), ("norms", T.NORMS), ("mlp", T.DENSE_MLP),
+                                             ("mlp", T.MOE)) for d in table}
     for d in T.model_descs(cfg):
-        out[f"['{d.name}']"] = d.hf_names("")
+        out[f".{d.name}"] = d.hf_names("")
     for li in range(cfg.num_layers):
         for d in T.layer_descs(cfg, li):
             experts = range(cfg.num_experts) if d.kind == "experts" else [None]
-            out[f"['layers'][{li}]['{d.name}']"] = [n for e in experts for n in d.hf_names(f"model.layers.{li}.", e)]
+            out[f".layers[{li}].{block[id(d)]}.{d.name}"] = [
+                n for e in experts for n in d.hf_names(f"model.layers.{li}.", e)]
     return out
+
+
+def test_the_tree_types_have_a_field_per_table_weight_and_no_weight_is_named_like_a_quantized_field():
+    for cls, table in ((T.Attention, T.ATTENTION), (T.Norms, T.NORMS), (T.DenseMLP, T.DENSE_MLP),
+                       (T.RoutedMLP, T.MOE)):
+        assert [f.name for f in dataclasses.fields(cls)] == list(dict.fromkeys(d.name for d in table))
+    assert {f.name for f in dataclasses.fields(T.Params)} - {"layers"} == {d.name for d in T.MODEL}
+    # `jaxinfer.ops.mesh` tells a quantized weight's fields from weights by these names
+    assert not {d.name for d in T.ALL} & {f.name for f in dataclasses.fields(quant.QuantizedWeight)}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -64,9 +77,9 @@ def test_hf_tensors_convert_to_the_specs_shapes(cfg):
     params = T.params_from_hf(tensors, cfg)
     check_tree(T.param_specs(cfg), params)
     # a fused leaf is its sources side by side: q | k | v columns, gate | up
-    layer = params["layers"][0]
+    attention = params.layers[0].attention
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
-    np.testing.assert_array_equal(layer["wqkv"][:, : q.shape[0]], q.T)
+    np.testing.assert_array_equal(attention.wqkv[:, : q.shape[0]], q.T)
 
 
 def test_every_hf_tensor_has_one_gguf_name_that_maps_back(cfg):

@@ -59,7 +59,8 @@ __all__ = [
 
 # Bump when the directory layout, the manifest or a family's parameter tree changes:
 # cache entries of another version are rebuilt, converted directories are refused.
-FORMAT_VERSION = 1
+# 2: the typed parameter tree (`jaxinfer.models.Params` of `Layer` blocks; 1 was nested dicts).
+FORMAT_VERSION = 2
 FORMAT_NAME = "jaxinfer-model"
 MANIFEST = CONVERTED_MANIFEST
 PARAMS_DIR = "params"

@@ -502,6 +502,10 @@ def check_param_tree(params: Any, specs: Any) -> Any:
     """``params`` checked against the canonical ``specs`` (`canonical_specs`) and rebuilt in their
     structure (a tuple where the model has a list is accepted); raises one ValueError naming the
     first leaf that differs: a leaf missing or extra, its shape, or a dtype that is not floating."""
+    if type(params) is not type(specs):
+        raise ValueError(f"params: a {type(params).__name__}, the model's tree is a {type(specs).__module__}."
+                         f"{type(specs).__qualname__} (of Layer blocks: attention, norms, mlp); "
+                         f"jaxinfer.LLM.params is one, jax.tree.map keeps its type")
     want, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     got = jax.tree_util.tree_flatten_with_path(params)[0]
     want_paths = [_path_text(p) for p, _ in want]
@@ -550,7 +554,7 @@ def stored_tree(params: Any, targets: list) -> Any:
     for (path, x), t in zip(flat, targets, strict=True):
         if quant.is_quantized(t):
             w = _host(x, path, np.float32)
-            if str(getattr(path[-1], "key", "")) == "lm_head":
+            if getattr(path[-1], "name", None) == "lm_head":
                 w = w.T
             out.append(quant.quantize(w, quant.Scheme(t.bits, t.group, t.offset is not None), axis=t.axis))
         elif np.dtype(x.dtype) == np.dtype(t) and isinstance(x, jax.Array):

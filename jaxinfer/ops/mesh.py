@@ -255,18 +255,28 @@ def load_shardings(cfg: ModelConfig, layout: TPLayout, mesh: Mesh, dtype: Any = 
     maps = _relayouts(cfg, layout)
 
     def pick(path, spec, sharding):
-        rank = 2 if isinstance(path[-1], jax.tree_util.GetAttrKey) else len(spec.shape)
+        rank = 2 if _in_quantized(path) else len(spec.shape)
         return sharding if (_leaf_name(path), rank) not in maps else None
 
     return jax.tree_util.tree_map_with_path(pick, specs, final, is_leaf=is_spec)
 
 
+_QUANTIZED_FIELDS = frozenset(f.name for f in dataclasses.fields(QuantizedWeight))
+
+
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", k)))
+
+
+def _in_quantized(path) -> bool:
+    """Whether ``path`` ends at a field of a `jaxinfer.ops.quant.QuantizedWeight` (no weight is named
+    like one of its fields: the weights table's test holds that)."""
+    return len(path) > 1 and _key_name(path[-1]) in _QUANTIZED_FIELDS
+
+
 def _leaf_name(path) -> str:
     """The parameter's name (a quantized weight's fields are named by their weight)."""
-    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    if len(names) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey):
-        return names[-2]
-    return names[-1]
+    return _key_name(path[-2] if _in_quantized(path) else path[-1])
 
 
 def _coarse(idx: np.ndarray, unit: int, what: str) -> np.ndarray:

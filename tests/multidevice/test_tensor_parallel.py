@@ -302,18 +302,18 @@ def test_parameters_and_kv_cache_are_split_as_the_rules_say():
     assert dict(four.mesh.shape) == {"dp": 1, "tp": tp}
 
     p = four.params
-    assert spec_of(p["embed"]) == ("tp", None)
-    assert spec_of(p["lm_head"]) == (None, "tp")
-    assert spec_of(p["final_norm"]) == (None,)
-    for layer in p["layers"]:
-        assert spec_of(layer["wqkv"]) == (None, "tp")
-        assert spec_of(layer["wo"]) == ("tp", None)
-        assert spec_of(layer["w_gate_up"]) == (None, "tp")
-        assert spec_of(layer["w_down"]) == ("tp", None)
-        for norm in ("attn_norm", "mlp_norm"):
-            assert spec_of(layer[norm]) == (None,) and layer[norm].sharding.is_fully_replicated
+    assert spec_of(p.embed) == ("tp", None)
+    assert spec_of(p.lm_head) == (None, "tp")
+    assert spec_of(p.final_norm) == (None,)
+    for layer in p.layers:
+        assert spec_of(layer.attention.wqkv) == (None, "tp")
+        assert spec_of(layer.attention.wo) == ("tp", None)
+        assert spec_of(layer.mlp.w_gate_up) == (None, "tp")
+        assert spec_of(layer.mlp.w_down) == ("tp", None)
+        for norm in (layer.norms.attn_norm, layer.norms.mlp_norm):
+            assert spec_of(norm) == (None,) and norm.sharding.is_fully_replicated
         qkv_per_device = (EVEN.q_size + 2 * EVEN.kv_size) // tp
-        assert layer["wqkv"].addressable_shards[0].data.shape == (EVEN.hidden_size, qkv_per_device)
+        assert layer.attention.wqkv.addressable_shards[0].data.shape == (EVEN.hidden_size, qkv_per_device)
     for layer in four.kv_cache:
         assert layer.sharding.spec == mesh.CACHE_SPEC == P(None, None, "tp", None)
         assert layer.addressable_shards[0].data.shape[2] == 2 * EVEN.num_kv_heads // tp
@@ -331,9 +331,9 @@ def test_parameters_and_kv_cache_are_split_as_the_rules_say():
     cache_total = sum(x.nbytes for x in one.kv_cache)
     assert set(mesh.per_device_bytes(four.kv_cache).values()) == {cache_total // tp}
     # the layout moved wqkv's columns shard-major: shard s holds its heads' [q | k | v]
-    host = params["layers"][0]["wqkv"]
+    host = params.layers[0].attention.wqkv
     d, nq, nkv = EVEN.head_dim, EVEN.num_heads // tp, EVEN.num_kv_heads // tp
-    for sh in p["layers"][0]["wqkv"].addressable_shards:
+    for sh in p.layers[0].attention.wqkv.addressable_shards:
         s = sh.index[1].start // (host.shape[1] // tp)
         q0, k0, v0 = s * nq * d, EVEN.q_size + s * nkv * d, EVEN.q_size + EVEN.kv_size + s * nkv * d
         want = np.concatenate([host[:, q0 : q0 + nq * d], host[:, k0 : k0 + nkv * d], host[:, v0 : v0 + nkv * d]], 1)
@@ -350,11 +350,11 @@ def test_padded_model_shards_what_divides_and_replicates_what_does_not():
     for a, b in zip(jax.tree.leaves(four.params), jax.tree.leaves(from_host)):
         assert a.sharding == b.sharding and np.array_equal(np.asarray(a), np.asarray(b))
     p = four.params
-    assert spec_of(p["embed"]) == (None, None) and spec_of(p["lm_head"]) == (None, None)
-    layer = p["layers"][0]
-    assert spec_of(layer["wqkv"]) == (None, "tp") and spec_of(layer["wo"]) == ("tp", None)
-    assert spec_of(layer["w_down"]) == ("tp", None)
-    assert layer["w_down"].shape[0] == 52 and four.cfg.intermediate_size == 52
+    assert spec_of(p.embed) == (None, None) and spec_of(p.lm_head) == (None, None)
+    layer = p.layers[0]
+    assert spec_of(layer.attention.wqkv) == (None, "tp") and spec_of(layer.attention.wo) == ("tp", None)
+    assert spec_of(layer.mlp.w_down) == ("tp", None)
+    assert layer.mlp.w_down.shape[0] == 52 and four.cfg.intermediate_size == 52
     # KV heads replicated (3 over 4 shards: one each), so the cache has 4 KV heads, one per device
     assert four.cfg.num_kv_heads == 4 and four.kv_cache[0].shape[2] == 8
     assert {sh.data.shape[2] for sh in four.kv_cache[0].addressable_shards} == {2}
@@ -370,7 +370,7 @@ def test_compiled_step_is_partitioned_with_collectives(engines):
     assert progs
     for key, prog in progs.items():
         params_in = prog.input_shardings[0][0]
-        wqkv = params_in["layers"][0]["wqkv"]
+        wqkv = params_in.layers[0].attention.wqkv
         assert isinstance(wqkv, NamedSharding) and tuple(wqkv.spec)[:2] == (None, "tp"), key
         assert len(wqkv.device_set) == 4
         text = prog.as_text()
@@ -421,7 +421,7 @@ def test_smollm2_at_tp3_matches_transformers_logits(smollm2, smollm2_reference):
     "english" (its prompt + 7 greedy tokens in one pass), within test_parity's tolerance."""
     r = smollm2[3].runner
     assert r.layout.shards == 3 and r.cfg.num_kv_heads == 3 and r.cfg.num_heads == 9  # 1 KV head per device
-    assert spec_of(r.params["layers"][0]["wqkv"]) == (None, "tp")
+    assert spec_of(r.params.layers[0].attention.wqkv) == (None, "tp")
     ref, logits = smollm2_reference
     for case in ref["generation"]:
         if len(case["prompt_ids"]) > 64:
