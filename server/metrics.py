@@ -37,6 +37,8 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxinfer.metrics import RooflineCollector
+
 PREFIX = "jaxinfer:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = (
@@ -158,6 +160,8 @@ class ServerMetrics:
         for reason in REJECT_REASONS:
             self.rejected_total.labels(model_name, reason)
         self.registry.register(_EngineCollector(self))
+        self.registry.register(RooflineCollector(lambda: engine.stats.roofline, PREFIX, self.label_names,
+                                                 self.label_values))
 
     # -- feeding -------------------------------------------------------------
 

@@ -148,6 +148,13 @@ def test_scraped_counts_and_histograms_match_the_requests_sent(llm, slow_decode)
     assert value(m, "jaxinfer:prefix_cache_hits_total") <= value(m, "jaxinfer:prefix_cache_queries_total")
     assert value(m, "jaxinfer:num_preemptions_total") >= 0
 
+    # each step's floor over its measured time (`jaxinfer.engine.roofline`): a lower bound, so <= 1 per step
+    for kind in ("prefill", "decode"):
+        steps = value(m, "jaxinfer:step_roofline_fraction_count", kind=kind)
+        assert steps >= 1, kind
+        assert 0 < value(m, "jaxinfer:step_roofline_fraction_sum", kind=kind) <= steps, kind
+        assert value(m, "jaxinfer:step_roofline_fraction_bucket", kind=kind, le="1.0") == steps, kind
+
 
 def test_gauges_show_running_requests_and_servers_keep_separate_registries(llm, slow_decode):
     """Two servers on one engine: each counts only its own calls; admission refusals are counted by reason."""

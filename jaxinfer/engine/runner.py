@@ -70,7 +70,7 @@ class ModelRunner:
         self.one_step_in_flight = self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
         self.warmups_followed = 0  # a follower: warm-up plans of the leader it ran
         # the native kernels load here (progress lines, never inside a trace); every program is traced with this choice
-        self.kernels = backend.prepare()
+        self.kernels = backend.prepare(matmul_precision=engine_cfg.matmul_precision)
         if engine_cfg.batch_invariant:  # read while the steps are traced; on for the process from here
             invariant.set_mode(True)
         self.programs = ProgramTable(self)
