@@ -10,6 +10,8 @@ decoder's (`jaxinfer.models.decoder`) and the routed experts `jaxinfer.models.mo
 
 from __future__ import annotations
 
+from typing import Union
+
 import jax
 import jax.numpy as jnp
 
@@ -17,17 +19,25 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models import moe
 from jaxinfer.models.decoder import activation, apply_rope, layer_ropes, matmul, rms_norm, split_gate_up, split_qkv
 from jaxinfer.models.weights_table import Attention, DenseMLP, Layer, Norms, Params
-from jaxinfer.ops.attention import AttentionMetadata, paged_attention
+from jaxinfer.ops.attention import AttentionMetadata, RaggedMetadata, paged_attention, ragged_paged_attention
 from jaxinfer.ops.quant import is_quantized
+
+Metadata = Union[AttentionMetadata, RaggedMetadata]
+
 
 def dense_mlp(p: DenseMLP, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     gate, up = split_gate_up(cfg, matmul(h, p.w_gate_up))
     return matmul(activation(cfg, gate) * up, p.w_down)
 
 
-def attention(p: Attention, cfg: ModelConfig, li: int, h: jax.Array, cache_layer, attn: AttentionMetadata, rope):
-    """The attention block on normed inputs h [B, T, hidden]: (its output before the residual, the cache)."""
+def attention(p: Attention, cfg: ModelConfig, li: int, h: jax.Array, cache_layer, attn: Metadata, rope):
+    """The attention block on normed inputs h [B, T, hidden]: (its output before the residual, the cache).
+
+    ``attn``: `AttentionMetadata` for B rows of T tokens, or `RaggedMetadata` for one flat list of
+    requests' tokens (h [1, N, hidden]: a ragged step, `jaxinfer.engine.step.ragged_step`)."""
     b, t, _ = h.shape
+    ragged = isinstance(attn, RaggedMetadata)
+    positions = attn.positions[None] if ragged else attn.positions
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
     qkv = matmul(h, p.wqkv)
     if cfg.attention_bias:
@@ -37,13 +47,18 @@ def attention(p: Attention, cfg: ModelConfig, li: int, h: jax.Array, cache_layer
         q = rms_norm(q, p.q_norm, eps, off)
         k = rms_norm(k, p.k_norm, eps, off)
     inv_freq, rope_scale = rope
-    q = apply_rope(q, attn.positions, inv_freq, rope_scale)
-    k = apply_rope(k, attn.positions, inv_freq, rope_scale)
-    o, cache_layer = paged_attention(q, k, v, cache_layer, attn, scale=cfg.attn_scale, window=cfg.layer_window(li))
+    q = apply_rope(q, positions, inv_freq, rope_scale)
+    k = apply_rope(k, positions, inv_freq, rope_scale)
+    window = cfg.layer_window(li)
+    if ragged:
+        o, cache_layer = ragged_paged_attention(q[0], k[0], v[0], cache_layer, attn, scale=cfg.attn_scale, window=window)
+        o = o[None]
+    else:
+        o, cache_layer = paged_attention(q, k, v, cache_layer, attn, scale=cfg.attn_scale, window=window)
     return matmul(o.reshape(b, t, cfg.q_size), p.wo), cache_layer
 
 
-def _layer(p: Layer, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn: AttentionMetadata, rope):
+def _layer(p: Layer, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn: Metadata, rope):
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
     n: Norms = p.norms
     a, cache_layer = attention(p.attention, cfg, li, rms_norm(x, n.attn_norm, eps, off), cache_layer, attn, rope)
@@ -58,9 +73,11 @@ def _layer(p: Layer, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn:
 
 
 def forward(
-    params: Params, cfg: ModelConfig, tokens: jax.Array, kv_cache: list, attn: AttentionMetadata
+    params: Params, cfg: ModelConfig, tokens: jax.Array, kv_cache: list, attn: Metadata
 ) -> tuple[jax.Array, list]:
     """tokens: [B, T] int32 -> (hidden [B, T, hidden_size] float32, updated kv_cache).
+
+    With `RaggedMetadata`, tokens are [1, N]: every request's tokens in one flat list.
 
     The residual stream is float32 whatever the weights' dtype.
     """

@@ -39,10 +39,11 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import get_family
 from jaxinfer.ops import backend
-from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.attention import AttentionMetadata, RaggedMetadata
+from jaxinfer.ops.gather_attention import request_of_token
 from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.sampler import (
-    SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, sample, token_logprobs,
+    SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, record_tokens, sample, token_logprobs,
 )
 
 # Prompt logprobs make at most this many bytes of float32 logits at once, in blocks of at most
@@ -74,14 +75,25 @@ def prompt_logprobs(
     block without a row that asked is skipped.
     """
     b, t, d = hidden.shape
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    scored = sampling.want_prompt_logprobs[:, None] & (jnp.arange(t)[None, :] < last_index[:, None])
+    lp, ids, top, rank = scored_logprobs(params, cfg, hidden.reshape(b * t, d), targets.reshape(-1), scored.reshape(-1),
+                                         sampling.max_logprobs)
     n = sampling.max_logprobs
+    return lp.reshape(b, t), ids.reshape(b, t, n), top.reshape(b, t, n), rank.reshape(b, t)
+
+
+def scored_logprobs(
+    params: Any, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array, scored: jax.Array, n: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """hidden [M, D], targets [M], scored [M] -> (logprob of each target [M], top ids [M, n], top logprobs
+    [M, n], rank [M]) where ``scored``, zeros elsewhere: logits made `prompt_logprob_rows` rows at a time,
+    a block without a scored row skipped."""
+    rows, d = hidden.shape
     family = get_family(cfg.architecture)
-    rows = b * t
     r = min(prompt_logprob_rows(cfg.vocab_size), rows)
     nb = -(-rows // r)
     pad = nb * r - rows
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
-    scored = sampling.want_prompt_logprobs[:, None] & (jnp.arange(t)[None, :] < last_index[:, None])
 
     def blocks(x, *tail):
         return jnp.pad(x.reshape(rows, *tail), [(0, pad)] + [(0, 0)] * len(tail)).reshape(nb, r, *tail)
@@ -90,11 +102,14 @@ def prompt_logprobs(
         return (jnp.zeros((m,), jnp.float32), jnp.zeros((m, n), jnp.int32), jnp.zeros((m, n), jnp.float32),
                 jnp.zeros((m,), jnp.int32))
 
+    def scored_only(sc, outs):
+        return tuple(jnp.where(sc.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.zeros((), x.dtype)) for x in outs)
+
     def block(args):
         h, tg, sc = args
         return jax.lax.cond(
             jnp.any(sc),
-            lambda: token_logprobs(family.logits(params, cfg, h), tg, n, rank=True),
+            lambda: scored_only(sc, token_logprobs(family.logits(params, cfg, h), tg, n, rank=True)),
             lambda: zeros(r),
         )
 
@@ -103,8 +118,7 @@ def prompt_logprobs(
         m = nb * r
         return lp.reshape(m)[:rows], ids.reshape(m, n)[:rows], top.reshape(m, n)[:rows], rank.reshape(m)[:rows]
 
-    lp, ids, top, rank = jax.lax.cond(jnp.any(scored), every_block, lambda: zeros(rows))
-    return lp.reshape(b, t), ids.reshape(b, t, n), top.reshape(b, t, n), rank.reshape(b, t)
+    return jax.lax.cond(jnp.any(scored), every_block, lambda: zeros(rows))
 
 
 def _step_core(
@@ -141,6 +155,69 @@ def _step_body(params, kv_cache, sampler_state, tokens, attn, last_index, sampli
         lp, ids, top, rank = prompt_logprobs(params, cfg, hidden, tokens, last_index, sampling)
         out = dataclasses.replace(out, prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=top,
                                   prompt_rank=rank)
+    return out, kv_cache, sampler_state
+
+
+def _ragged_step(
+    params: Any,
+    kv_cache: list,
+    sampler_state: SamplerState,
+    tokens: jax.Array,
+    from_state: jax.Array,
+    attn: RaggedMetadata,
+    logits_index: jax.Array,
+    prompt_rows: jax.Array,
+    sampling: SamplingMetadata,
+    *,
+    cfg: ModelConfig,
+    kernels: Optional[KernelChoice] = None,
+) -> tuple[SamplerOutput, list, SamplerState]:
+    """One step over a ragged batch: every scheduled token of every request in one flat list, prefill
+    chunks and decode rows in one forward pass (the weights read once), padded only to a token count.
+
+    tokens: [N] int32; from_state: [N] bool, take the token instead from the one its request's slot drew
+    last (``sampler_state.last_tokens``: a decode row whose input is still on device);
+    attn: `RaggedMetadata` of R requests (request r owns tokens ``query_start[r]`` up to
+    ``query_start[r + 1]``); logits_index: [R] int32, the flat index of each request's last token, whose
+    logits draw its next token (sampling has R rows); prompt_rows: [R] bool, the request's tokens are
+    prompt (a prefill chunk: recorded for penalties, scored for prompt logprobs), not a decode row's input.
+
+    A request's results are bitwise those of the same tokens run as a `prefill` chunk or a
+    `decode_step` row where the products and attention are batch-invariant (the CPU kernels).
+    Prompt logprobs come back per token ([N]): token j of a prompt row scores token j + 1.
+    """
+    with backend.using(kernels) if kernels is not None else contextlib.nullcontext():
+        with backend.precision_scope(backend.current()):
+            return _ragged_body(params, kv_cache, sampler_state, tokens, from_state, attn, logits_index, prompt_rows,
+                                sampling, cfg)
+
+
+def _ragged_body(params, kv_cache, sampler_state, tokens, from_state, attn, logits_index, prompt_rows, sampling, cfg):
+    n = tokens.shape[0]
+    r = logits_index.shape[0]
+    chex.assert_shape((from_state, attn.positions), (n,))
+    chex.assert_shape((prompt_rows, attn.kv_lens), (r,))
+    req = request_of_token(attn.query_start, jnp.arange(n, dtype=jnp.int32))  # [N]
+    valid = (attn.positions >= 0) & (jnp.arange(n) < attn.query_start[r])
+    slots = jnp.where(valid, sampling.slot_ids[req], sampler_state.last_tokens.shape[0])
+    on_device = sampler_state.last_tokens.at[slots].get(mode="fill", fill_value=0)
+    tokens = jnp.where(from_state, on_device, tokens)
+    family = get_family(cfg.architecture)
+    hidden, kv_cache = family.forward(params, cfg, tokens[None], kv_cache, attn)
+    hidden = hidden[0]  # [N, D]
+    logits = family.logits(params, cfg, hidden[logits_index])
+    prompt = valid & prompt_rows[req]
+    sampler_state = jax.lax.cond(
+        sampling.any_penalties(),
+        lambda st: record_tokens(st, tokens, attn.positions, prompt, slots, sampling.prompt_lens[req]),
+        lambda st: st,
+        sampler_state,
+    )
+    out, sampler_state = sample(logits, sampling, sampler_state)
+    targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)])
+    scored = prompt & sampling.want_prompt_logprobs[req] & (jnp.arange(n) < logits_index[req])
+    lp, ids, top, rank = scored_logprobs(params, cfg, hidden, targets, scored, sampling.max_logprobs)
+    out = dataclasses.replace(out, prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=top, prompt_rank=rank)
     return out, kv_cache, sampler_state
 
 
@@ -226,6 +303,7 @@ class _Step:
 
 prefill = _Step(_prefill)
 decode_step = _Step(_decode_step)
+ragged_step = _Step(_ragged_step)
 
 
 def on_mesh(kind: str, cache_sharding: Any, replicated: Any):

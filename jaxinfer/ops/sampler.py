@@ -138,15 +138,27 @@ def record_prompt(
     tokens, positions, valid: [B, T]. Tokens before the row's prompt length count as
     prompt; later ones (a preempted request being recomputed) count as outputs again.
     """
+    rows = jnp.broadcast_to(md.slot_ids[:, None], tokens.shape)
+    prompt_lens = jnp.broadcast_to(md.prompt_lens[:, None], tokens.shape)
+    return record_tokens(state, tokens.reshape(-1), positions.reshape(-1), valid.reshape(-1), rows.reshape(-1),
+                         prompt_lens.reshape(-1))
+
+
+def record_tokens(state: SamplerState, tokens: jax.Array, positions: jax.Array, valid: jax.Array, slots: jax.Array,
+                  prompt_lens: jax.Array) -> SamplerState:
+    """Add tokens to their slots' histories; all [M], one entry per token (a flat list of any rows' tokens).
+
+    A slot with a valid token at position 0 (its prompt starts in this step) is reset first; a token
+    before its request's prompt length counts as prompt, a later one (a preempted request being
+    recomputed) as an output again. Slots out of range (padding) and invalid tokens are dropped."""
     num_slots = state.output_counts.shape[0]
-    slot_ids = md.slot_ids
-    reset = jnp.zeros((num_slots,), jnp.bool_).at[slot_ids].set(positions[:, 0] == 0, mode="drop")
+    starts = jnp.where(valid & (positions == 0), slots, num_slots)
+    reset = jnp.zeros((num_slots,), jnp.bool_).at[starts].set(True, mode="drop")
     counts = jnp.where(reset[:, None], 0, state.output_counts)
     mask = jnp.where(reset[:, None], False, state.prompt_mask)
-    rows = jnp.broadcast_to(slot_ids[:, None], tokens.shape)
-    is_prompt = positions < md.prompt_lens[:, None]
-    mask = mask.at[jnp.where(valid & is_prompt, rows, num_slots), tokens].set(True, mode="drop")
-    counts = counts.at[jnp.where(valid & ~is_prompt, rows, num_slots), tokens].add(1, mode="drop")
+    is_prompt = positions < prompt_lens
+    mask = mask.at[jnp.where(valid & is_prompt, slots, num_slots), tokens].set(True, mode="drop")
+    counts = counts.at[jnp.where(valid & ~is_prompt, slots, num_slots), tokens].add(1, mode="drop")
     return dataclasses.replace(state, output_counts=counts, prompt_mask=mask)
 
 
