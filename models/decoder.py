@@ -159,7 +159,7 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     XLA's product runs at the choice's precision (`KernelChoice.matmul_precision`: "default", the
     platform's fastest for float32, TF32 on NVIDIA GPUs; or "highest", full float32).
 
-    In batch-invariant mode (`jaxinfer.ops.invariant.active`) XLA's path runs the product as a loop
+    In batch-invariant mode (the choice's `KernelChoice.batch_invariant`) XLA's path runs the product as a loop
     of fixed-shape row tiles (`jaxinfer.ops.invariant.tiled_dot`), so a row's result does not
     depend on the step's other rows there either.
 
@@ -169,7 +169,7 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    choice = backend.current()  # the step's kernel choice and product precision
+    choice = backend.current()  # the step's kernel choice, product precision and batch-invariant mode
     if cpu_matmul.fits(rows, w, w_contract, choice):
         y = cpu_matmul.matmul(x.reshape(rows, k).astype(jnp.float32), w, w_contract)
         return y.reshape(*lead, y.shape[-1])
@@ -177,7 +177,7 @@ def matmul(x: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
         w = w.dequantize(jnp.float32)
     x2 = x.reshape(rows, k).astype(w.dtype)
     dims = (((1,), (w_contract,)), ((), ()))
-    if invariant.active():  # batch-invariant mode: one dot shape whatever the rows
+    if choice.batch_invariant:  # batch-invariant mode: one dot shape whatever the rows
         with backend.precision_scope(choice):
             y = invariant.tiled_dot(x2, w, dims)
         return y.reshape(*lead, y.shape[-1])

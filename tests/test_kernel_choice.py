@@ -17,7 +17,7 @@ from conftest import TINY, TINY_ENGINE, tiny_params
 from jaxinfer.engine import programs, step
 from jaxinfer.engine.programs import ProgramTable
 from jaxinfer.engine.sampling import RowSampling, build_metadata
-from jaxinfer.ops import attention, backend, cpu_matmul, kernels, kv_cache
+from jaxinfer.ops import attention, backend, cpu_matmul, invariant, kernels, kv_cache
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.sampler import init_sampler_state
@@ -181,3 +181,89 @@ def test_programs_of_another_precision_have_another_key(tiny_llm):
     finally:
         runner.ecfg = saved
     assert high.kernels == table.kernels.with_precision("highest") and high.fingerprint != table.fingerprint
+
+
+# -- batch-invariant mode: part of the choice, not of the process ------------------------------------------
+
+
+def test_batch_invariant_mode_is_a_field_of_the_choice(monkeypatch):
+    """Built once, read from the choice: the environment counts when a choice is built (`loaded`), not after."""
+    monkeypatch.delenv(invariant.ENV, raising=False)
+    before = KernelChoice.loaded()
+    assert not before.batch_invariant
+    on = before.with_batch_invariant(True)
+    assert on.batch_invariant and on != before and hash(on) != hash(before)
+    assert on.with_batch_invariant(None) is on and before.with_batch_invariant(False) is before
+    assert "batch-invariant" in str(on) and "batch-invariant" not in str(before)
+    with pytest.raises(TypeError, match="batch_invariant must be a bool"):
+        KernelChoice("cpu", batch_invariant="yes")
+    monkeypatch.setenv(invariant.ENV, "1")
+    assert KernelChoice.loaded().batch_invariant and not before.batch_invariant  # a choice made earlier keeps its mode
+    assert not backend.prepare(batch_invariant=False).batch_invariant  # the engine's config wins over the environment
+    assert backend.prepare().batch_invariant  # None: the environment's
+
+
+def test_device_code_reads_the_mode_from_the_choice_it_is_traced_with(monkeypatch):
+    monkeypatch.delenv(invariant.ENV, raising=False)
+    pure = KernelChoice.pure_jax("cpu")
+    with backend.using(pure.with_batch_invariant(True)):
+        assert invariant.active()
+        with backend.using(pure):
+            assert not invariant.active()
+    assert not invariant.active()  # outside a step: the host's choice, whose mode is the environment's (unset)
+    monkeypatch.setenv(invariant.ENV, "1")
+    assert invariant.active()
+    with backend.using(pure):  # a step's choice wins over the environment
+        assert not invariant.active()
+
+
+@pytest.fixture(scope="module")
+def two_engines():
+    """Two engines of the tiny model in this process on XLA's path (native kernels off while they decide), the
+    invariant one built first: in the old process-wide mode the second would have traced tiles too."""
+    import jaxinfer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXINFER_CPU_KERNELS", "0")
+        mp.delenv(invariant.ENV, raising=False)
+        inv = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE.replace(batch_invariant=True))
+        plain = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE.replace(batch_invariant=False))
+    yield inv, plain
+    inv.close()
+    plain.close()
+
+
+def _decode_product_rows(llm, batch: int = 2) -> set:
+    """The row counts of the hidden-state products (lhs [rows, hidden]) in the engine's decode program."""
+    import re
+
+    import jax
+
+    from jaxinfer.engine.programs import ProgramKey
+
+    runner, table = llm.engine.runner, llm.engine.runner.programs
+    fn, args = table._abstract_args(ProgramKey("decode", batch, 1, table.page_width(1)))
+    with jax.set_mesh(runner.mesh):
+        text = fn.lower(*args, cfg=runner.cfg, kernels=table.kernels).as_text()
+    return {int(m) for m in re.findall(rf"dot_general[^\n]*?: \(tensor<(\d+)x{TINY.hidden_size}x", text)}
+
+
+def test_two_engines_in_one_process_keep_their_own_mode(two_engines):
+    inv, plain = two_engines
+    a, b = inv.engine.runner.programs, plain.engine.runner.programs
+    assert (a.kernels.batch_invariant, b.kernels.batch_invariant) == (True, False)
+    assert not a.kernels.cpu_matmul and a.kernels.with_batch_invariant(False) == b.kernels  # the mode alone differs
+    assert a.fingerprint != b.fingerprint
+    # the invariant engine's decode multiplies fixed tiles of TILE_ROWS rows; the other its 2 rows, as XLA likes
+    assert _decode_product_rows(inv) == {invariant.TILE_ROWS}
+    assert _decode_product_rows(plain) == {2}
+
+
+def test_a_tpu_choice_names_its_generation_instead_of_the_trace_reading_the_device():
+    v6 = KernelChoice.for_platform("tpu", tpu_kind="TPU v6 lite")
+    assert v6.tpu_kind == "TPU v6 lite" and v6 != KernelChoice.for_platform("tpu") and "TPU v6 lite" in str(v6)
+    assert KernelChoice.loaded().tpu_kind == ""  # this host has no TPU
+    with pytest.raises(ValueError, match="tpu_kind must name a TPU device kind"):
+        KernelChoice("cuda", tpu_kind="TPU v6 lite")
+    with pytest.raises(ValueError, match="tpu_kind"):
+        KernelChoice("tpu", tpu_attention=True, tpu_kind="NVIDIA H100")

@@ -17,7 +17,8 @@ cache key covers everything the executables depend on: JAX and jaxlib
 versions, the device, the CPU's flags, the model and engine configs (and the
 values the trace reads from the model config's derived properties), the
 kernel choice (`jaxinfer.ops.backend.KernelChoice`, decided once when the
-table is made; it carries the engine config's matmul precision), the
+table is made; it carries the engine config's matmul precision and
+batch-invariant mode, so the key hashes the one value the trace reads), the
 parameter tree's shapes and dtypes, and the source of jaxinfer's device code
 (ops/, its C++ kernels, models/, engine/step.py; not the configs' or this
 module's code: editing a default there keeps the cache).
@@ -105,10 +106,12 @@ class ProgramTable:
         self.ecfg = runner.ecfg
         # Which kernels the programs call: ``kernels``, else the runner's decision, else decided once here
         # (`backend.prepare`: loads the host's kernels first), with XLA's float32 products at the engine
-        # config's precision (`EngineConfig.matmul_precision`). A static argument of every program, and
-        # part of the cache key: programs of another precision are other programs.
+        # config's precision (`EngineConfig.matmul_precision`) and in its batch-invariant mode
+        # (`EngineConfig.batch_invariant`; None leaves the choice's). A static argument of every program, and
+        # part of the cache key: programs of another precision or mode are other programs.
         choice = kernels or getattr(runner, "kernels", None) or backend.prepare()
-        self.kernels: backend.KernelChoice = choice.with_precision(self.ecfg.matmul_precision)
+        self.kernels: backend.KernelChoice = (choice.with_precision(self.ecfg.matmul_precision)
+                                              .with_batch_invariant(self.ecfg.batch_invariant))
         self._compiled: dict[ProgramKey, Any] = {}
         self.warmed_up = False
         self.compiled_late: list[ProgramKey] = []  # keys first reached after warm-up

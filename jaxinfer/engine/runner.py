@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.ops import backend, invariant
+from jaxinfer.ops import backend
 from jaxinfer.engine import distributed
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.engine.buckets import bucket_for, pages_needed
@@ -69,10 +69,10 @@ class ModelRunner:
         # steps in flight can starve each other: on a CPU mesh each step completes before the next.
         self.one_step_in_flight = self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
         self.warmups_followed = 0  # a follower: warm-up plans of the leader it ran
-        # the native kernels load here (progress lines, never inside a trace); every program is traced with this choice
-        self.kernels = backend.prepare(matmul_precision=engine_cfg.matmul_precision)
-        if engine_cfg.batch_invariant:  # read while the steps are traced; on for the process from here
-            invariant.set_mode(True)
+        # the native kernels load here (progress lines, never inside a trace); every program is traced with this
+        # choice, which carries this engine's product precision and batch-invariant mode (not the process's)
+        self.kernels = backend.prepare(matmul_precision=engine_cfg.matmul_precision,
+                                       batch_invariant=engine_cfg.batch_invariant)
         self.programs = ProgramTable(self)
         self._neutral_bias: dict = {}  # batch rows -> (bias_ids, bias_values) of no logit_bias, on device
         self._neutral_mask: dict = {}  # batch rows -> an all-ones allowed-token bitmask, on device

@@ -19,6 +19,16 @@ of the one static value the programs and their cache key take. `precision_scope`
 product traced inside a step (the attention's einsums included); `jaxinfer.models.decoder.matmul`
 also passes it to its own product explicitly.
 
+Batch-invariant mode (``batch_invariant``, the engine config's `EngineConfig.batch_invariant`) is part of
+the choice too: on the pure-JAX path it makes products fixed-shape row tiles and row sums fixed trees
+(`jaxinfer.ops.invariant`), which are other programs. Device code reads it from the step's choice
+(`jaxinfer.ops.invariant.active`), never from the process, so two engines in one process, one invariant
+and one not, trace and keep their own programs.
+
+The TPU the programs are for (``tpu_kind``, its device kind, e.g. ``"TPU v6 lite"``) is carried the same
+way: the Pallas kernel's block sizes follow the TPU generation, and a choice built on a CPU host for a TPU
+names the generation instead of the trace reading the devices.
+
 The platform's dtype for ``dtype="auto"`` (`dtype_choice`) is decided here too: it follows
 whether the native CPU matmul kernel can run.
 """
@@ -34,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import MATMUL_PRECISIONS, EngineConfig
-from jaxinfer.env import cpu_flags
+from jaxinfer.env import BATCH_INVARIANT, cpu_flags, is_set
 from jaxinfer.ops import kernels
 from jaxinfer.ops.attention_pallas import tpu_kernel_fits
 
@@ -56,6 +66,12 @@ class KernelChoice:
     matmul_precision: XLA's float32 products (dot_general, einsums) at the platform's "default" precision
                    (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs) or at "highest" (full float32). The
                    native CPU kernels compute float32 exactly either way.
+    batch_invariant: batch-invariant mode on the pure-JAX path (`jaxinfer.ops.invariant`): products as
+                   fixed-shape row tiles, row sums as fixed pairwise trees, so a row's numbers do not depend
+                   on the step's other rows. The native CPU kernels are invariant without it.
+    tpu_kind:      the device kind of the TPU the programs are for ("TPU v6 lite", "TPU v5p", "TPU7x"; ""
+                   when not known): the Pallas kernel's tuned block sizes follow it; without it the kernel
+                   takes explicit block sizes. Only on the tpu platform.
     """
 
     platform: str = "cpu"
@@ -64,6 +80,8 @@ class KernelChoice:
     tpu_attention: bool = False
     simd: str = ""
     matmul_precision: str = "default"
+    batch_invariant: bool = False
+    tpu_kind: str = ""
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
@@ -77,11 +95,22 @@ class KernelChoice:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.tpu_kind and (self.platform != "tpu" or "TPU" not in self.tpu_kind):
+            raise ValueError(f"tpu_kind must name a TPU device kind (e.g. 'TPU v6 lite') on the tpu platform, "
+                             f"got {self.tpu_kind!r} on {self.platform!r}")
 
     def with_precision(self, matmul_precision: str) -> "KernelChoice":
         """This choice with XLA's float32 products at ``matmul_precision`` ("default" | "highest")."""
         return self if matmul_precision == self.matmul_precision else dataclasses.replace(
             self, matmul_precision=matmul_precision)
+
+    def with_batch_invariant(self, batch_invariant: Optional[bool]) -> "KernelChoice":
+        """This choice in batch-invariant mode or not (`batch_invariant`); None keeps it as it is."""
+        if batch_invariant is None or bool(batch_invariant) == self.batch_invariant:
+            return self
+        return dataclasses.replace(self, batch_invariant=bool(batch_invariant))
 
     @property
     def lax_precision(self) -> Optional[jax.lax.Precision]:
@@ -90,15 +119,17 @@ class KernelChoice:
         return jax.lax.Precision.HIGHEST if self.matmul_precision == "highest" else None
 
     @classmethod
-    def for_platform(cls, platform: str, native_cpu_kernels: bool = True, simd: str = "") -> "KernelChoice":
+    def for_platform(cls, platform: str, native_cpu_kernels: bool = True, simd: str = "",
+                     tpu_kind: str = "") -> "KernelChoice":
         """The kernels of ``platform`` ("cpu", "cuda" or "gpu", "rocm", "tpu"), whatever this host is:
-        on cpu the native kernels unless ``native_cpu_kernels`` is False, on tpu the Pallas attention,
+        on cpu the native kernels unless ``native_cpu_kernels`` is False, on tpu the Pallas attention
+        (for the TPU ``tpu_kind`` names, e.g. "TPU v6 lite"; "" for the kernel's explicit block sizes),
         on GPUs the pure-JAX path. Nothing is built or loaded: a program traced with it calls the CPU
         kernels by name, so run it where they are loaded (`prepare`)."""
         platform = {"gpu": "cuda"}.get(platform, platform)
         cpu = platform == "cpu" and native_cpu_kernels
         return cls(platform, cpu_matmul=cpu, cpu_attention=cpu, tpu_attention=platform == "tpu",
-                   simd=simd if cpu else "")
+                   simd=simd if cpu else "", tpu_kind=tpu_kind)
 
     @classmethod
     def pure_jax(cls, platform: str = "cpu") -> "KernelChoice":
@@ -108,14 +139,18 @@ class KernelChoice:
     @classmethod
     def loaded(cls, platform: Optional[str] = None) -> "KernelChoice":
         """The host's choice now: ``platform`` (default: JAX's default backend) and, on cpu, the native
-        kernels that are loaded in this process (never builds; `prepare` loads them first)."""
+        kernels that are loaded in this process (never builds; `prepare` loads them first); on a TPU host
+        its device kind. Batch-invariant mode as ``$JAXINFER_BATCH_INVARIANT`` says now (an engine sets it
+        from its config: `prepare`). Read here, when the choice is built, never while a step is traced."""
         platform = platform or host_platform()
+        invariant = is_set(BATCH_INVARIANT)
         if platform != "cpu":
-            return cls.for_platform(platform)
+            kind = _host_tpu_kind() if platform == "tpu" else ""
+            return cls.for_platform(platform, tpu_kind=kind).with_batch_invariant(invariant)
         on = kernels.enabled()
         matmul = on and kernels.ready(kernels.MATMUL)
         return cls("cpu", cpu_matmul=matmul, cpu_attention=on and kernels.ready(kernels.PAGED_ATTENTION),
-                   simd=_matmul_isa() if matmul else "")
+                   simd=_matmul_isa() if matmul else "", batch_invariant=invariant)
 
     # -- what it means for a layer's shapes ----------------------------------------------
 
@@ -140,7 +175,9 @@ class KernelChoice:
                                 ("tpu attention", self.tpu_attention)) if on]
         simd = f" ({self.simd})" if self.simd else ""
         precision = f", {self.matmul_precision} precision" if self.matmul_precision != "default" else ""
-        return f"{self.platform}: {', '.join(used) or 'pure JAX'}{simd}{precision}"
+        mode = ", batch-invariant" if self.batch_invariant else ""
+        kind = f" [{self.tpu_kind}]" if self.tpu_kind else ""
+        return f"{self.platform}{kind}: {', '.join(used) or 'pure JAX'}{simd}{precision}{mode}"
 
 
 def cpu_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype) -> bool:
@@ -163,6 +200,14 @@ def host_platform() -> str:
     return backend
 
 
+def _host_tpu_kind() -> str:
+    """This host's TPU device kind ("TPU v6 lite", ...), "" when its first device is not a TPU."""
+    if jax.default_backend() != "tpu":
+        return ""
+    kind = jax.devices()[0].device_kind
+    return kind if "TPU" in kind else ""
+
+
 def _matmul_isa() -> str:
     lib = kernels.library(kernels.MATMUL)
     return "" if lib is None else kernels.matmul_isa(lib)
@@ -180,16 +225,18 @@ def start_build(platform: Optional[str] = None) -> None:
         kernels.build_in_background(kernels.MATMUL)
 
 
-def prepare(platform: Optional[str] = None, matmul_precision: str = "default") -> KernelChoice:
+def prepare(platform: Optional[str] = None, matmul_precision: str = "default",
+            batch_invariant: Optional[bool] = None) -> KernelChoice:
     """Load the platform's native kernels (building them once per machine, with a progress line each)
     and decide: the `KernelChoice` the engine's programs are traced with. Call it before tracing, never
     inside a trace. Idempotent; a failed build warns once and its kernel is not chosen. ``matmul_precision``:
-    XLA's float32 products (`KernelChoice.matmul_precision`)."""
+    XLA's float32 products (`KernelChoice.matmul_precision`); ``batch_invariant``: batch-invariant mode
+    (`KernelChoice.batch_invariant`; None: as ``$JAXINFER_BATCH_INVARIANT`` says)."""
     platform = platform or host_platform()
     if platform == "cpu":
         kernels.prepare(kernels.PAGED_ATTENTION)
         kernels.prepare(kernels.MATMUL)
-    return KernelChoice.loaded(platform).with_precision(matmul_precision)
+    return KernelChoice.loaded(platform).with_precision(matmul_precision).with_batch_invariant(batch_invariant)
 
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("jaxinfer_kernel_choice", default=None)

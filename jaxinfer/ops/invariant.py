@@ -28,12 +28,19 @@ The engine's answer has two parts:
   the same kernel as a product with a row of ones. Invariant in every precision, always.
 - **The pure-JAX path** (GPU, TPU, or ``JAXINFER_CPU_KERNELS=0``): XLA chooses the order, so it is
   invariant only in **batch-invariant mode** (`active`: ``JAXINFER_BATCH_INVARIANT=1``,
-  ``--batch-invariant``, or ``EngineConfig(batch_invariant=True)``), as vLLM's
+  ``--batch-invariant``, or ``EngineConfig(batch_invariant=True)``, all of which end up in the
+  step's `jaxinfer.ops.backend.KernelChoice`, its ``batch_invariant``), as vLLM's
   ``VLLM_BATCH_INVARIANT`` and SGLang's ``--enable-deterministic-inference`` offer: products run
   as a loop of fixed-shape ``[TILE_ROWS, K] @ W`` tiles (one dot shape whatever the step's rows,
   so XLA picks one algorithm; decode pads its rows to a tile) and row sums as a fixed pairwise
   tree of elementwise adds. It costs speed (each tile reads the weight again) and compile time
   (each tree is a chain of small fusions), which is why it is a mode there.
+
+The mode is static configuration, like the kernels: device code reads it from the kernel choice a
+step is traced with (`jaxinfer.ops.backend.current`), never from the process, so two engines in one
+process, one invariant and one not, trace different programs (their cache keys hash the choice).
+Research code tracing outside a step gets the host's choice, whose mode follows
+``$JAXINFER_BATCH_INVARIANT``, or names one: ``backend.using(KernelChoice.loaded().with_batch_invariant(True))``.
 """
 
 from __future__ import annotations
@@ -42,29 +49,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import env
-from jaxinfer.ops import cpu_matmul
+from jaxinfer.ops import backend, cpu_matmul
 
 ENV = env.BATCH_INVARIANT
 TILE_ROWS = 16  # rows of one product tile in batch-invariant mode (pure-JAX path)
 
-_forced = False
-
-
-def requested() -> bool:
-    """Whether the environment asks for batch-invariant mode (``JAXINFER_BATCH_INVARIANT=1``)."""
-    return env.is_set(ENV)
-
-
-def set_mode(on: bool) -> None:
-    """Turn batch-invariant mode on for this process's programs (the runner calls it from
-    `EngineConfig.batch_invariant`); it is read while a step is traced."""
-    global _forced
-    _forced = bool(on)
-
 
 def active() -> bool:
-    """Whether programs traced now take the batch-invariant forms on the pure-JAX path."""
-    return _forced or requested()
+    """Whether what is traced now takes the batch-invariant forms on the pure-JAX path: the kernel
+    choice's mode (`jaxinfer.ops.backend.KernelChoice.batch_invariant`; inside a step the step's)."""
+    return backend.current().batch_invariant
 
 
 # ---------------------------------------------------------------------------
