@@ -34,11 +34,10 @@ TYPES = ("F32", "BF16", "Q8_0", "Q4_1")
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("JAXINFER_BENCH_GGUF_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxinfer" / "bench-gguf"
+    """``JAXINFER_BENCH_GGUF_DIR``, else ``bench-gguf`` under jaxinfer's cache root (`jaxinfer.env.cache_root`)."""
+    from jaxinfer.env import cache_root
+
+    return Path(os.environ.get("JAXINFER_BENCH_GGUF_DIR") or Path(cache_root()) / "bench-gguf")
 
 
 def _file_type(gguf, name: str) -> int:

@@ -2,9 +2,9 @@
 
 Prints:
 
-* the CPU's SIMD flags, the kernel's SIMD path, and the memory bandwidth over 512 MiB: a
-  jitted float32 sum and a jitted matrix-vector product (bytes read; the floor below uses
-  the better of the two, as `benchmarks.core` does), a numpy copy (bytes read + written);
+* the CPU's SIMD flags, the kernel's SIMD path, and the machine's read bandwidth and flops as the
+  engine's roofline measures them (`jaxinfer.tools.harness.peaks`: the best of several read
+  methods and thread counts); the floor below is weight bytes / that bandwidth;
 * M = 1, one product at a time (one jitted call each, so a call's dispatch is
   in both columns; small weights stay in cache between calls): time, GB/s of weight bytes,
   and the fraction of the bandwidth floor (weight bytes / bandwidth) reached;
@@ -31,22 +31,21 @@ leaves are random integers and scales: the kernel's speed does not depend on the
     python -m benchmarks.matmul_kernel                  # everything (a few minutes)
     python -m benchmarks.matmul_kernel --quick          # fewer repeats, fewer row counts
     python -m benchmarks.matmul_kernel --no-single --head-rows --rows 1 128   # the chained model only
+    python -m benchmarks.matmul_kernel --quick --json matmul.json                # every figure as JSON too
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.ops import cpu_matmul
-from jaxinfer.tools.harness import machine_line
 from jaxinfer.ops.quant import QuantizedWeight
 from jaxinfer.stats import median
+from jaxinfer.tools.harness import Bench, heading, parser, peaks, peaks_line, run, settle, table, timings
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = {  # name: (K, N)
@@ -100,31 +99,9 @@ def xla_product(x, w, w_contract: int = 0):
 
 
 def timed(fn, repeats: int, calls: int = 1) -> tuple[float, float]:
-    """(median, best) seconds per call over ``repeats`` rounds of ``calls`` calls."""
-    fn()
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t) / calls)
-    return median(out), min(out)
-
-
-def bandwidth(mbytes: int = 512, repeats: int = 7) -> dict:
-    n = mbytes * 2**20 // 4
-    x = jnp.ones((n,), jnp.float32) * 0.5
-    total = jax.jit(jnp.sum)
-    t_sum = timed(lambda: total(x).block_until_ready(), repeats)[0]
-    cols = 4096
-    mat, vec = x.reshape(n // cols, cols), jnp.ones((cols,), jnp.float32)
-    mv = jax.jit(lambda a, b: a @ b)
-    t_mv = timed(lambda: mv(mat, vec).block_until_ready(), repeats)[0]
-    src = np.ones((n,), np.float32)
-    dst = np.empty_like(src)
-    t_cp = timed(lambda: np.copyto(dst, src), repeats)[0]
-    return {"jax_sum": n * 4 / t_sum / 1e9, "jax_matvec": n * 4 / t_mv / 1e9, "numpy_copy": 2 * n * 4 / t_cp / 1e9}
+    """(median, best) seconds per call over ``repeats`` rounds of ``calls`` calls, after two untimed calls."""
+    ts = timings(fn, repeats, warmup=2, calls=calls)
+    return median(ts), min(ts)
 
 
 def product(path: str, w_contract: int = 0):
@@ -133,12 +110,10 @@ def product(path: str, w_contract: int = 0):
     return lambda x, w: xla_product(x, w, w_contract)
 
 
-def single_products(rng, bw: float, repeats: int) -> None:
-    print("\nM = 1, one product per jitted call (hot caches for small weights; dispatch included).")
-    print("floor: the bandwidth floor's share of the time (1.0 = at the floor), median round / best round")
-    print(f"{'weight':<22} {'kind':<5} {'MB':>7} {'floor us':>9} | {'kernel us':>9} {'GB/s':>6} {'floor':>11} | "
-          f"{'XLA us':>9} {'GB/s':>6} {'floor':>11} | {'speed-up':>8}")
+def single_products(rng, bw: float, repeats: int) -> list:
+    """M = 1, one product per jitted call: each weight in each form, the kernel and XLA; a row each."""
     cases = [(name, k, n, 0) for name, (k, n) in SHAPES.items()] + [("lm_head", HIDDEN, VOCAB, 0)]
+    out = []
     for kind in KINDS:
         extra = {"f32": [("lm_head (tied, [V, H])", HIDDEN, VOCAB, 1)],
                  "bf16": [("lm_head (tied, [V, H])", HIDDEN, VOCAB, 1)],
@@ -147,50 +122,36 @@ def single_products(rng, bw: float, repeats: int) -> None:
             w = make_weight(rng, kind, k, n, transposed=wc == 1)
             x = jnp.asarray(rng.standard_normal((1, k), np.float32))
             b = nbytes(w)
-            floor = b / bw / 1e9
-            calls = max(1, min(200, int(2e-3 / max(floor, 1e-6))))
-            res = {}
+            calls = max(1, min(200, int(2e-3 / max(b / bw / 1e9, 1e-6))))
+            row = {"weight": name, "kind": kind, "bytes": b}
             for path in ("kernel", "xla"):
                 f = jax.jit(product(path, wc))
-                res[path] = timed(lambda: f(x, w).block_until_ready(), repeats, calls)
-            (kt, kb), (xt, xb) = res["kernel"], res["xla"]
-            print(f"{name:<22} {kind:<5} {b / 1e6:7.2f} {floor * 1e6:9.1f} | {kt * 1e6:9.1f} {b / kt / 1e9:6.1f} "
-                  f"{floor / kt:5.2f}/{floor / kb:5.2f} | {xt * 1e6:9.1f} {b / xt / 1e9:6.1f} "
-                  f"{floor / xt:5.2f}/{floor / xb:5.2f} | {xt / kt:7.2f}x")
+                row[f"{path}_s"], row[f"{path}_best_s"] = timed(lambda: f(x, w).block_until_ready(), repeats, calls)
+            out.append(row)
+    return out
 
 
-def head_layouts(rng, bw: float, repeats: int, rows: list, cache_mb: int = 300) -> None:
-    print(f"\nThe int8 LM head [{HIDDEN}, {VOCAB}], per-column scales, cold: each round calls every one of "
-          f"enough distinct copies to pass {cache_mb} MB")
-    print("us per product: median / best round; floor: the floor's share of the median / best round")
-    print(f"{'M':>3} {'MB':>6} {'floor us':>9} | {'[H, V] kernel':>17} {'floor':>11} | {'[V, H] kernel':>17} "
-          f"{'floor':>11} | {'[V, H] XLA':>17} {'floor':>11} | {'[V,H] vs [H,V]':>14} {'vs XLA':>7}")
+def head_layouts(rng, bw: float, repeats: int, rows: list, cache_mb: int = 300) -> dict:
+    """The int8 LM head cold, per M: [H, V] and [V, H] by the kernel, [V, H] by XLA (seconds per product)."""
     kn0 = make_weight(rng, "int8", HIDDEN, VOCAB)
     nk0 = make_weight(rng, "int8", HIDDEN, VOCAB, transposed=True)
     copies = max(2, -(-cache_mb * 2**20 // nbytes(nk0)))
     # copies: the same values in distinct buffers (what is timed is the read, not the values)
     kn = [kn0] + [jax.tree.map(lambda a: a + 0 if a.dtype == jnp.int8 else a * 1, kn0) for _ in range(copies - 1)]
     nk = [nk0] + [jax.tree.map(lambda a: a + 0 if a.dtype == jnp.int8 else a * 1, nk0) for _ in range(copies - 1)]
-    b = nbytes(nk0)
-    floor = b / bw / 1e9
     # XLA's time is its dequantized float32 copy (4x the bytes, written then read), cold or not:
     # two copies, one round (its rounds take many times the kernel's)
     paths = {"kn": (jax.jit(product("kernel", 0)), kn), "nk": (jax.jit(product("kernel", 1)), nk),
              "xla": (jax.jit(product("xla", 1)), nk[:2])}
+    res = {"bytes": nbytes(nk0), "cache_mb": cache_mb, "rows": []}
     for m in rows:
         x = jnp.asarray(rng.standard_normal((m, HIDDEN), np.float32))
-
-        def round_of(f, ws):
-            return lambda: [f(x, w).block_until_ready() for w in ws]
-
-        res = {}
+        row = {"m": m}
         for name, (f, ws) in paths.items():  # seconds per product
-            med, best = timed(round_of(f, ws), repeats if name != "xla" else 1)
-            res[name] = (med / len(ws), best / len(ws))
-        cols = " | ".join(f"{res[p][0] * 1e6:8.1f}/{res[p][1] * 1e6:8.1f} "
-                          f"{floor / res[p][0]:5.2f}/{floor / res[p][1]:5.2f}" for p in paths)
-        print(f"{m:3d} {b / 1e6:6.1f} {floor * 1e6:9.1f} | {cols} | {res['kn'][0] / res['nk'][0]:13.2f}x "
-              f"{res['xla'][0] / res['nk'][0]:6.2f}x")
+            med, best = timed(lambda: [f(x, w).block_until_ready() for w in ws], repeats if name != "xla" else 1)
+            row[name] = [med / len(ws), best / len(ws)]
+        res["rows"].append(row)
+    return res
 
 
 def model_weights(rng, kind: str) -> tuple[list, object, int]:
@@ -216,62 +177,107 @@ def model_step(path: str, head_contract: int):
     return jax.jit(step)
 
 
-def chained(rng, bw: float, repeats: int, rows: list, kinds=KINDS) -> None:
-    print(f"\nThe whole model chained in one jitted call: {LAYERS} layers x 4 products + the LM head, "
-          "distinct weights (cold caches)")
-    print("ms: median / best round; floor: the floor's share of the median / best round")
-    print(f"{'kind':<5} {'M':>3} {'MB':>7} {'floor ms':>9} | {'kernel ms':>15} {'floor':>11} | {'XLA ms':>15} "
-          f"{'floor':>11} | {'speed-up':>8} | {'GFLOP/s kernel':>14} {'XLA':>6}")
+def chained(rng, repeats: int, rows: list, kinds=KINDS) -> list:
+    """The whole model in one jitted call, per weight form and row count: the kernel and XLA; a row each."""
+    flops_per_row = 2 * (sum(k * n for k, n in SHAPES.values()) * LAYERS + HIDDEN * VOCAB)
+    out = []
     for kind in kinds:
         layers, lm_head, hc = model_weights(rng, kind)
         b = sum(nbytes(w) for lw in layers for w in lw.values()) + nbytes(lm_head)
-        flops_per_row = 2 * (sum(k * n for k, n in SHAPES.values()) * LAYERS + HIDDEN * VOCAB)
-        floor = b / bw / 1e9
         steps = {path: model_step(path, hc) for path in ("kernel", "xla")}
         for m in rows:
             h = jnp.asarray(rng.standard_normal((m, HIDDEN), np.float32))
             # prefill's rows: fewer rounds (a round is ~m times a decode step's work)
             reps = repeats if m <= 64 else max(3, repeats // 2)
-            res = {p: timed(lambda: f(h, layers, lm_head).block_until_ready(), reps)
-                   for p, f in steps.items()}
-            (kt, kb), (xt, xb) = res["kernel"], res["xla"]
-            print(f"{kind:<5} {m:3d} {b / 1e6:7.1f} {floor * 1e3:9.2f} | {kt * 1e3:7.2f}/{kb * 1e3:7.2f} "
-                  f"{floor / kt:5.2f}/{floor / kb:5.2f} | {xt * 1e3:7.2f}/{xb * 1e3:7.2f} "
-                  f"{floor / xt:5.2f}/{floor / xb:5.2f} | "
-                  f"{xt / kt:7.2f}x | {m * flops_per_row / kt / 1e9:14.1f} {m * flops_per_row / xt / 1e9:6.1f}")
+            row = {"kind": kind, "m": m, "bytes": b, "flops": m * flops_per_row}
+            for p, f in steps.items():
+                row[f"{p}_s"], row[f"{p}_best_s"] = timed(lambda: f(h, layers, lm_head).block_until_ready(), reps)
+            out.append(row)
+    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--rows", type=int, nargs="*", default=None, help="row counts for the chained sweep")
-    ap.add_argument("--quick", action="store_true", help="3 repeats; rows 1 4 16 64 128")
-    ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS, help="weight forms for the chained sweep")
-    ap.add_argument("--no-single", action="store_true", help="skip the one-product table")
-    ap.add_argument("--no-chained", action="store_true", help="skip the whole-model table")
-    ap.add_argument("--head-rows", type=int, nargs="*", default=None,
-                    help="row counts for the cold LM head table (the flag alone: skip it)")
-    a = ap.parse_args()
-    repeats = 3 if a.quick else a.repeats
-    rows = a.rows or ([1, 4, 16, 64, 128] if a.quick else [1, 2, 4, 8, 16, 32, 48, 64, 128, 256])
+def measure(b: Bench) -> None:
+    a, res = b.args, b.figures
     if not cpu_matmul.prepare():
         raise SystemExit("the native matmul kernel is unavailable (JAXINFER_CPU_KERNELS=0, or no compiler)")
-    print(machine_line())
-    print(f"kernel SIMD path: {cpu_matmul.isa()}; XLA threads: the intra-op pool "
-          f"({os.cpu_count()} cores)")
-    bws = bandwidth(repeats=max(3, repeats))
-    bw = max(bws["jax_sum"], bws["jax_matvec"])
-    print(f"memory bandwidth (512 MiB): jitted sum {bws['jax_sum']:.1f} GB/s, jitted matvec {bws['jax_matvec']:.1f} "
-          f"GB/s (read); numpy copy {bws['numpy_copy']:.1f} GB/s (read + write). Floor below: bytes / {bw:.1f} GB/s")
+    res.update(kernel_isa=cpu_matmul.isa(), repeats=a.repeats, bandwidth=peaks())  # after the kernel loads
+    bw = res["bandwidth_gbs"] = res["bandwidth"]["bandwidth_gbs"]
     rng = np.random.default_rng(0)
     if not a.no_single:
-        single_products(rng, bw, repeats)
-    head_rows = [1, 16] if a.quick else [1, 2, 4, 8, 16, 32, 48]
+        b.log("one product at a time")
+        res["single"] = single_products(rng, bw, a.repeats)
     if a.head_rows is None or a.head_rows:
-        head_layouts(rng, bw, repeats, a.head_rows or head_rows)
+        b.log("the int8 LM head, cold")
+        res["head"] = head_layouts(rng, bw, a.repeats, a.head_rows or ([1, 16] if a.quick else [1, 2, 4, 8, 16, 32, 48]))
     if not a.no_chained:
-        chained(rng, bw, repeats, rows, a.kinds)
+        b.log("the whole model chained")
+        res["chained"] = chained(rng, a.repeats, a.rows, a.kinds)
+
+
+def _pair(med: float, best: float, floor: float, unit: float, spec: str) -> list:
+    """median / best time in `unit`, and the floor's share of each."""
+    return [f"{med * unit:{spec}}/{best * unit:{spec}}", f"{floor / med:.2f}/{floor / best:.2f}"]
+
+
+def report(res: dict) -> str:
+    bw = res["bandwidth_gbs"]
+    L = heading("the native CPU matmul kernel against XLA's path, on SmolLM2-135M's shapes", res["system"]) + [
+        f"kernel SIMD path: {res['kernel_isa']}; XLA threads: the intra-op pool ({res['system']['cpus']} cores)",
+        f"{peaks_line(res['bandwidth'])}. Floor below: bytes / {bw:.1f} GB/s"]
+    if "single" in res:
+        rows = []
+        for r in res["single"]:
+            b, fl = r["bytes"], r["bytes"] / bw / 1e9
+            rows.append([r["weight"], r["kind"], f"{b / 1e6:.2f}", f"{fl * 1e6:.1f}",
+                         f"{r['kernel_s'] * 1e6:.1f}", f"{b / r['kernel_s'] / 1e9:.1f}",
+                         f"{fl / r['kernel_s']:.2f}/{fl / r['kernel_best_s']:.2f}",
+                         f"{r['xla_s'] * 1e6:.1f}", f"{b / r['xla_s'] / 1e9:.1f}",
+                         f"{fl / r['xla_s']:.2f}/{fl / r['xla_best_s']:.2f}", f"{r['xla_s'] / r['kernel_s']:.2f}x"])
+        L += ["", "M = 1, one product per jitted call (hot caches for small weights; dispatch included).",
+              "floor: the bandwidth floor's share of the time (1.0 = at the floor), median round / best round",
+              table(["weight", "kind", "MB", "floor us", "kernel us", "GB/s", "floor", "XLA us", "GB/s", "floor",
+                     "speed-up"], rows, left=(0, 1))]
+    if "head" in res:
+        h = res["head"]
+        fl = h["bytes"] / bw / 1e9
+        rows = [[r["m"], f"{h['bytes'] / 1e6:.1f}", f"{fl * 1e6:.1f}",
+                 *(c for p in ("kn", "nk", "xla") for c in _pair(*r[p], fl, 1e6, ".1f")),
+                 f"{r['kn'][0] / r['nk'][0]:.2f}x", f"{r['xla'][0] / r['nk'][0]:.2f}x"] for r in h["rows"]]
+        L += ["", f"The int8 LM head [{HIDDEN}, {VOCAB}], per-column scales, cold: each round calls every one of "
+              f"enough distinct copies to pass {h['cache_mb']} MB",
+              "us per product: median / best round; floor: the floor's share of the median / best round",
+              table(["M", "MB", "floor us", "[H, V] kernel", "floor", "[V, H] kernel", "floor", "[V, H] XLA", "floor",
+                     "[V,H] vs [H,V]", "vs XLA"], rows, left=())]
+    if "chained" in res:
+        rows = []
+        for r in res["chained"]:
+            fl = r["bytes"] / bw / 1e9
+            rows.append([r["kind"], r["m"], f"{r['bytes'] / 1e6:.1f}", f"{fl * 1e3:.2f}",
+                         *_pair(r["kernel_s"], r["kernel_best_s"], fl, 1e3, ".2f"),
+                         *_pair(r["xla_s"], r["xla_best_s"], fl, 1e3, ".2f"), f"{r['xla_s'] / r['kernel_s']:.2f}x",
+                         f"{r['flops'] / r['kernel_s'] / 1e9:.1f}", f"{r['flops'] / r['xla_s'] / 1e9:.1f}"])
+        L += ["", f"The whole model chained in one jitted call: {LAYERS} layers x 4 products + the LM head, "
+              "distinct weights (cold caches)",
+              "ms: median / best round; floor: the floor's share of the median / best round",
+              table(["kind", "M", "MB", "floor ms", "kernel ms", "floor", "XLA ms", "floor", "speed-up",
+                     "GFLOP/s kernel", "XLA"], rows)]
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    p = parser("python -m benchmarks.matmul_kernel", __doc__, model=None, quick="3 repeats; rows 1 4 16 64 128")
+    p.add_argument("--repeats", type=int, default=None, help="rounds per figure (default 7, --quick 3)")
+    p.add_argument("--rows", type=int, nargs="*", default=None, help="row counts for the chained sweep")
+    p.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS, help="weight forms for the chained sweep")
+    p.add_argument("--no-single", action="store_true", help="skip the one-product table")
+    p.add_argument("--no-chained", action="store_true", help="skip the whole-model table")
+    p.add_argument("--head-rows", type=int, nargs="*", default=None,
+                   help="row counts for the cold LM head table (the flag alone: skip it)")
+    a = p.parse_args(argv)
+    a.rows = a.rows or None
+    return run(measure, report, settle(p, a, quick={"repeats": (7, 3), "rows": (
+        [1, 2, 4, 8, 16, 32, 48, 64, 128, 256], [1, 4, 16, 64, 128])}, at_least={"repeats": 1}))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,7 +15,6 @@ and at larger batches what the union of the chosen experts costs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 
@@ -28,7 +27,7 @@ from jaxinfer.models import describe, get_family
 from jaxinfer.ops.backend import engine_preset
 from jaxinfer.ops.spec import init_random
 from jaxinfer.stats import median
-from jaxinfer.tools.harness import alternate, machine_line
+from jaxinfer.tools.harness import Bench, heading, parser, run
 
 from benchmarks.engine import steady_window
 
@@ -50,40 +49,45 @@ def build(cfg: ModelConfig, ecfg: EngineConfig):
     return jaxinfer.LLM.from_params(cfg, params, engine_config=ecfg, name=cfg.name)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--expert-size", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dtype", default="float32")
-    a = p.parse_args(argv)
+def measure(b: Bench) -> None:
+    a = b.args
     moe, dense = configs(a)
     ecfg = engine_preset().replace(dtype=a.dtype, max_num_seqs=max(a.batches),
-                                              batch_buckets=tuple(sorted({1, *a.batches})))
+                                   batch_buckets=tuple(sorted({1, *a.batches})))
     llms = {"moe": build(moe, ecfg), "dense": build(dense, ecfg)}
     rng = random.Random(0)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(10, a.vocab) for _ in range(n)]
 
-    print(machine_line())
-    print(f"moe:   {describe(moe)}\ndense: {describe(dense)}")
-    for b in a.batches:
+    b.figures.update(moe=describe(moe), dense=describe(dense), step_ms={})
+    for n in a.batches:
         for llm in llms.values():  # compile and settle this batch size once
-            steady_window(llm, b, 16, ids, skip=2, window=4)
-        times = alternate({k: lambda i, llm=llm: steady_window(llm, b, 16, ids, skip=4, window=16)["step_ms"]
-                           for k, llm in llms.items()}, a.rounds)
-        m, d = median(times["moe"]), median(times["dense"])
-        print(f"batch {b:3d}: decode step moe {m:7.2f} ms, dense {d:7.2f} ms, moe/dense {m / d:.2f}"
-              f"  (rounds: moe {['%.2f' % t for t in times['moe']]}, dense {['%.2f' % t for t in times['dense']]})")
+            steady_window(llm, n, 16, ids, skip=2, window=4)
+        b.figures["step_ms"][n] = b.rounds({k: lambda i, llm=llm: steady_window(llm, n, 16, ids, skip=4, window=16)[
+            "step_ms"] for k, llm in llms.items()}, tag=f"batch {n}: ")
     for llm in llms.values():
         llm.close()
-    return 0
+
+
+def report(res: dict) -> str:
+    L = heading("mixture-of-experts decode step against a dense model with the same active parameters",
+                res["system"]) + [f"moe:   {res['moe']}", f"dense: {res['dense']}"]
+    for n, t in res["step_ms"].items():
+        m, d = median(t["moe"]), median(t["dense"])
+        L.append(f"batch {n:3d}: decode step moe {m:7.2f} ms, dense {d:7.2f} ms, moe/dense {m / d:.2f}"
+                 f"  (rounds: moe {['%.2f' % x for x in t['moe']]}, dense {['%.2f' % x for x in t['dense']]})")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    p = parser("python -m benchmarks.moe", __doc__, model=None, rounds=3)
+    for flag, default in (("experts", 32), ("top-k", 4), ("expert-size", 256), ("hidden", 512), ("layers", 8),
+                          ("vocab", 8192)):
+        p.add_argument(f"--{flag}", type=int, default=default, help=f"(default {default})")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--dtype", default="float32")
+    return run(measure, report, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,25 +13,22 @@ jaxinfer client), each timed at the client from sending to the first streamed to
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import sys
 import tempfile
 import time
 
+from jaxinfer.tools.harness import Bench, heading, parser, run, spread
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=60, help="single requests per protocol (default: 60)")
-    p.add_argument("--skip", type=int, default=10, help="warm-up pairs left out (default: 10)")
-    args = p.parse_args(argv)
+
+def measure(b: Bench) -> None:
+    a = b.args
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import httpx
 
     from jaxinfer.server import ServerConfig, ServerThread
     from jaxinfer.server.client import Client
-    from jaxinfer.tools.harness import alternate, machine_line, spread
     from openai_models import sp_llm
 
     llm = sp_llm(pathlib.Path(tempfile.mkdtemp()))
@@ -41,9 +38,7 @@ def main(argv=None) -> int:
             httpx.Client(base_url=srv.http_url, timeout=60) as h:
         def grpc_first(i):
             t0 = time.perf_counter()
-            for piece in c.generate(ids, max_tokens=4, temperature=0, ignore_eos=True):
-                if piece.token_ids:
-                    break
+            next(piece for piece in c.generate(ids, max_tokens=4, temperature=0, ignore_eos=True) if piece.token_ids)
             return time.perf_counter() - t0
 
         def http_first(i):
@@ -52,13 +47,24 @@ def main(argv=None) -> int:
                 next(line for line in r.iter_lines() if line.startswith("data: {"))
             return time.perf_counter() - t0
 
-        times = alternate({"grpc": grpc_first, "http": http_first}, args.requests + args.skip)
+        times = b.rounds({"grpc": grpc_first, "http": http_first}, a.requests + a.skip)
     llm.close()
-    g, hh = (spread(times[k][args.skip:])["median"] * 1e3 for k in ("grpc", "http"))
-    print(f"time to the first streamed token, median of {args.requests} alternating single requests (tiny model):")
-    print(f"  gRPC {g:.2f} ms   HTTP {hh:.2f} ms   HTTP - gRPC {hh - g:+.2f} ms   (target: <= +5 ms)")
-    print(f"  {machine_line()}")
-    return 0
+    b.figures.update(requests=a.requests, skip=a.skip, seconds=times,
+                     **{f"{k}_ms": spread(times[k][a.skip:])["median"] * 1e3 for k in ("grpc", "http")})
+
+
+def report(res: dict) -> str:
+    g, h = res["grpc_ms"], res["http_ms"]
+    return "\n".join(heading(f"time to the first streamed token, median of {res['requests']} alternating single "
+                             "requests (tiny model)", res["system"])
+                     + [f"  gRPC {g:.2f} ms   HTTP {h:.2f} ms   HTTP - gRPC {h - g:+.2f} ms   (target: <= +5 ms)"])
+
+
+def main(argv=None) -> int:
+    p = parser("python -m benchmarks.protocol_overhead", __doc__, model=None)
+    p.add_argument("--requests", type=int, default=60, help="single requests per protocol (default: 60)")
+    p.add_argument("--skip", type=int, default=10, help="warm-up pairs left out (default: 10)")
+    return run(measure, report, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ A benchmark says what it measures (its systems, its workload, its figures); this
 * **the machine**: `machine()` (CPU model and count, the CPU flags that matter to the kernels, load
   average, jax's version) and `machine_line()`, printed beside every figure, since on a shared
   machine the figures move with the load;
-* **rounds**: `alternate()` measures paired systems in rounds, the order rotating each round so no
+* **the machine's peaks**: `peaks()` / `peaks_line()`, the read bandwidth and flops the engine's
+  roofline measures (`jaxinfer.engine.roofline`), for a benchmark's "fraction of the floor";
+* **rounds**: `timings()` times a call over repeated rounds; `alternate()` measures paired systems in rounds, the order rotating each round so no
   system always goes first (two systems: the order flips); `spread()` and `medians()` summarize them
   (medians come from `jaxinfer.stats`, as everywhere);
 * **flags**: `parser()` (``--model``, ``--rounds``, ``--quick``, ``--dtype``, ``--json`` as every
@@ -127,9 +129,43 @@ def machine_line(m: Optional[dict] = None) -> str:
             f"{jax}; {load}")
 
 
+def peaks() -> dict:
+    """This machine's read bandwidth (GB/s) and float32 flops (GFLOP/s) as the engine's floor uses them:
+    `jaxinfer.engine.roofline.cached_peaks` (the best of several read methods and thread counts, and of
+    XLA's and the native kernel's products; measured once per machine and cached). Call it after the
+    kernels load (an engine built, or `cpu_matmul.prepare()`), so the native kernel is among the probes.
+
+    {"bandwidth_gbs", "method", "flops_gflops", "flops_method", "probes": {probe: figure}}."""
+    from jaxinfer.engine.roofline import cached_peaks
+
+    p = cached_peaks()
+    return {"bandwidth_gbs": p.bandwidth_gbps, "method": p.method, "flops_gflops": p.flops_gflops,
+            "flops_method": p.flops_method, "probes": dict(p.measurements)}
+
+
+def peaks_line(pk: Mapping) -> str:
+    """`peaks` in one line: the peak read bandwidth and flops with the probe each came from, then every probe."""
+    probes = "; ".join(f"{k} {v:.1f}" for k, v in pk["probes"].items())
+    return (f"memory bandwidth {pk['bandwidth_gbs']:.1f} GB/s ({pk['method']}), float32 {pk['flops_gflops']:.1f} "
+            f"GFLOP/s ({pk['flops_method']}); every probe (GB/s of reads, GFLOP/s of products): {probes}")
+
+
 # --------------------------------------------------------------------------- #
 # Rounds
 # --------------------------------------------------------------------------- #
+
+
+def timings(fn: Callable[[], Any], repeats: int, warmup: int = 0, calls: int = 1) -> list:
+    """Seconds per call of `fn` in each of `repeats` rounds of `calls` calls, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls)
+    return out
 
 
 def rotation(names: Sequence, i: int) -> list:
@@ -425,6 +461,8 @@ def run(measure: Callable[[Bench], None], report: Callable[[dict], str], args: a
     measure(bench)
     res = bench.figures
     res["system"]["loadavg_end"] = load_average()
+    if "jax" in sys.modules and "backend" not in res["system"]:  # a benchmark that started jax itself
+        res["system"]["backend"] = sys.modules["jax"].default_backend()
     return finish(report(res), res, getattr(args, "json", None), bench.log,
                   json_figures=json_figures(res) if json_figures else None)
 
