@@ -234,7 +234,8 @@ def two_engines():
 
 
 def _decode_product_rows(llm, batch: int = 2) -> set:
-    """The row counts of the hidden-state products (lhs [rows, hidden]) in the engine's decode program."""
+    """The row counts of the hidden-state products (lhs [rows, hidden]) in the engine's program for a step of
+    ``batch`` decode rows."""
     import re
 
     import jax
@@ -242,7 +243,9 @@ def _decode_product_rows(llm, batch: int = 2) -> set:
     from jaxinfer.engine.programs import ProgramKey
 
     runner, table = llm.engine.runner, llm.engine.runner.programs
-    fn, args = table._abstract_args(ProgramKey("decode", batch, 1, table.page_width(1)))
+    key = (table.step_key(batch, batch, 1) if hasattr(table, "step_key")  # the ragged step: one token a row
+           else ProgramKey("decode", batch, 1, table.page_width(1)))
+    fn, args = table._abstract_args(key)
     with jax.set_mesh(runner.mesh):
         text = fn.lower(*args, cfg=runner.cfg, kernels=table.kernels).as_text()
     return {int(m) for m in re.findall(rf"dot_general[^\n]*?: \(tensor<(\d+)x{TINY.hidden_size}x", text)}
