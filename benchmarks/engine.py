@@ -46,10 +46,10 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.loading.weights import resolve_model
 
-from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, fmt, heading, load_average, medians, parser, run,
-                                   settle, table, target, targets_block)
+from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, dropping, fmt, heading, load_average, medians,
+                                   parser, run, settle, table, target, targets_block, timings)
 
-from benchmarks.core import HF_PEER, StepBench, common_prefix, find_hf_python, hf_flags, timed
+from benchmarks.core import HF_PEER, StepBench, common_prefix, find_hf_python, hf_flags, step_rounds, twin
 
 
 def greedy(n: int) -> SamplingParams:
@@ -77,13 +77,7 @@ def matmul_gflops(m: int = 4096, k: int = 576, n: int = 1536, repeats: int = 7, 
     a = (jnp.ones((m, k), jnp.float32) * 0.01).astype(dtype)
     b = (jnp.ones((k, n), jnp.float32) * 0.01).astype(dtype)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    f(a, b).block_until_ready()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 2.0 * m * k * n / median(ts) / 1e9
+    return 2.0 * m * k * n / median(timings(lambda: f(a, b).block_until_ready(), repeats, warmup=1)) / 1e9
 
 
 def model_flops(cfg, context: float = 0.0, with_head: bool = True) -> float:
@@ -170,7 +164,7 @@ def bench_throughput(llm, b: Bench, ids: Ids) -> dict:
         log(f"[1] starting transformers ({python}; load + a short warm-up generate at batch {n_req})")
         peer = b.start("transformers", lambda: BatchPeer(python, str(resolve_model(a.model).path), a.threads, a.attn,
                                                          hf_prompts, n, a.hf_dtype))
-        why = python if peer is not None else b.figures["skipped"]["transformers"]
+        why = python  # where it fails (to start or in a round), the final figure says why: b.figures["skipped"]
 
     # round 1 uses transformers' prompts (for the token check); later rounds fresh ids, so no prefix hits
     systems = {"jaxinfer": lambda i: engine_batch_round(llm, hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)], n)}
@@ -179,26 +173,14 @@ def bench_throughput(llm, b: Bench, ids: Ids) -> dict:
     c1 = compile_count()
     rounds = b.rounds(systems, tag="[1] ", may_fail=("transformers",))
     jr, hr = rounds["jaxinfer"], rounds.get("transformers", [])
-    why = b.figures.get("skipped", {}).get("transformers", why)
-    res = {
-        "jaxinfer": {
-            **warm,
-            "recompiles": compile_count() - c1,
-            **{k: median(r[k] for r in jr) for k in ("e2e_tok_s", "decode_tok_s", "wall_s", "all_first_tokens_s")},
-            "cached_tokens": sum(r["cached_tokens"] for r in jr),
-            "rounds": [{k: v for k, v in r.items() if k != "tokens_first"} for r in jr],
-        },
-        "transformers_python": why,
-    }
+    res = {"jaxinfer": {**warm, "recompiles": compile_count() - c1,
+                        **medians(jr, ("e2e_tok_s", "decode_tok_s", "wall_s", "all_first_tokens_s")),
+                        "cached_tokens": sum(r["cached_tokens"] for r in jr), "rounds": dropping(jr, "tokens_first")},
+           "transformers_python": b.figures.get("skipped", {}).get("transformers", why)}
     if hr:
-        res["transformers"] = {
-            "info": peer.info,
-            "e2e_tok_s": median(r["batch_e2e_tok_s"] for r in hr),
-            "decode_tok_s": median(r["batch_decode_tok_s"] for r in hr),
-            "wall_s": median(r["batch_generate_s"] for r in hr),
-            "first_token_s": median(r["batch_first_s"] for r in hr),
-            "rounds": [{k: v for k, v in r.items() if k != "batch_tokens_first"} for r in hr],
-        }
+        res["transformers"] = {"info": peer.info, **medians(hr, {"e2e_tok_s": "batch_e2e_tok_s",
+                               "decode_tok_s": "batch_decode_tok_s", "wall_s": "batch_generate_s",
+                               "first_token_s": "batch_first_s"}), "rounds": dropping(hr, "batch_tokens_first")}
         res["ratio_e2e"] = res["jaxinfer"]["e2e_tok_s"] / res["transformers"]["e2e_tok_s"]
         res["ratio_decode"] = res["jaxinfer"]["decode_tok_s"] / res["transformers"]["decode_tok_s"]
         res["agree_row0"] = common_prefix(jr[0]["tokens_first"], hr[0]["batch_tokens_first"])
@@ -247,13 +229,7 @@ def _ttft(llm, prompt: list) -> tuple:
 
 
 def bench_prefix(llm, a, ids: Ids, log) -> dict:
-    plain = jaxinfer.LLM.from_params(
-        llm.model_config,
-        llm.runner.params,
-        tokenizer=llm.tokenizer,
-        engine_config=llm.engine_config,
-        enable_prefix_caching=False,
-    )
+    plain = twin(llm, {"enable_prefix_caching": False})
     try:
         system = ids(a.system_len)
         log(f"[3] warm-up: a {a.system_len}-token system prompt on both engines (another prompt)")
@@ -269,15 +245,9 @@ def bench_prefix(llm, a, ids: Ids, log) -> dict:
         uncached = [t for t, _ in ttfts["uncached"]]
     finally:
         plain.close()
-    res = {
-        "prompt_tokens": a.system_len + a.suffix_len,
-        "fill_ttft_s": t_fill,
-        "ttft_cached_s": median(cached),
-        "ttft_uncached_s": median(uncached),
-        "cached_tokens": hits,
-        "samples_cached_s": cached,
-        "samples_uncached_s": uncached,
-    }
+    res = {"prompt_tokens": a.system_len + a.suffix_len, "fill_ttft_s": t_fill, "ttft_cached_s": median(cached),
+           "ttft_uncached_s": median(uncached), "cached_tokens": hits, "samples_cached_s": cached,
+           "samples_uncached_s": uncached}
     res["speedup"] = res["ttft_uncached_s"] / res["ttft_cached_s"]
     return res
 
@@ -359,9 +329,8 @@ def matmul_times(cfg, batches, repeats: int = 15, dtype="float32", quantization=
         row = {}
         for b in batches:
             x = jnp.ones((b, shape[contract]), jnp.float32)
-            product = lambda: mm(x, w, w_contract=contract).block_until_ready()  # noqa: E731
-            product()
-            row[str(b)] = 1e3 * median(timed(product, repeats))
+            row[str(b)] = 1e3 * median(timings(lambda: mm(x, w, w_contract=contract).block_until_ready(), repeats,
+                                               warmup=1))
         out[name] = {"shape": list(shape), "ms": row}
     per_layer = {str(b): sum(out[k]["ms"][str(b)] for k in ("qkv", "o", "gate_up", "down")) for b in batches}
     head_ms = out["head_tied" if (cfg.tie_word_embeddings or quantization) else "head"]["ms"]
@@ -394,8 +363,7 @@ def attention_times(cfg, ecfg, batches, context: int, repeats: int = 15) -> dict
             o, state["cache"] = f(q, k, k, state["cache"], meta)
             o.block_until_ready()
 
-        step()
-        out[str(b)] = 1e3 * median(timed(step, repeats))
+        out[str(b)] = 1e3 * median(timings(step, repeats, warmup=1))
     return out
 
 
@@ -413,13 +381,9 @@ def bench_host(llm, a, ids: Ids, log) -> dict:
     log(f"[4] the jitted decode step alone at batch {', '.join(map(str, a.step_batches))}, context {context}")
     prompt = ids(a.prompt_len)
     benches = {b: StepBench(llm, prompt, context, b) for b in a.step_batches}
-    steps = alternate({b: lambda i, bench=bench: (bench.direct(8), bench.through_runner(4)) for b, bench in benches.items()},
-                      a.rounds + 1)
-    for b, bench in benches.items():
-        direct = [t for d, _ in steps[b] for t in d]
-        runner = [t for _, r in steps[b] for t in r]
-        res["step_alone_ms"][str(b)] = {"direct": 1e3 * median(direct), "runner": 1e3 * median(runner)}
-        bench.close()
+    for b, t in step_rounds(benches, a.rounds + 1, 8, 4).items():
+        res["step_alone_ms"][str(b)] = {"direct": 1e3 * median(t["direct"]), "runner": 1e3 * median(t["runner"])}
+        benches[b].close()
     log("[4] the model's matmuls at each batch size")
     res["matmuls"] = matmul_times(llm.model_config, a.step_batches, dtype=llm.engine_config.dtype,
                                   quantization=llm.engine_config.quantization)

@@ -33,7 +33,8 @@ from round to round); a system's figure for a round is the median of ``--repeats
 and the report gives the median over rounds (`jaxinfer.stats.median`).
 
 The batch-1 floor: every weight byte is read once per decoded token, so bytes of weights /
-measured memory bandwidth (`benchmarks.core.measure_bandwidth`) bounds batch-1 decode.
+the machine's read bandwidth as the engine's roofline measures it (`jaxinfer.tools.harness.peaks`)
+bounds batch-1 decode.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ import jax
 import jaxinfer
 from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.stats import median
-from jaxinfer.tools.harness import (Bench, Worker, find_python, fmt, heading, load_average, parser, ratio, run, settle,
-                                   table, target, targets_block, worker_flags)
+from jaxinfer.tools.harness import (Bench, Worker, find_python, fmt, heading, load_average, parser, peaks, peaks_line,
+                                   ratio, run, settle, table, target, targets_block, worker_flags)
 
-from benchmarks.core import HFPeer, common_prefix, find_hf_python, greedy, make_prompts, measure_bandwidth
+from benchmarks.core import HFPeer, common_prefix, find_hf_python, greedy, make_prompts
 from benchmarks.engine import engine_batch_round
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
@@ -262,12 +263,7 @@ def report(res: dict) -> str:
         "rounds", res["system"])
     if res.get("llama_system_info"):
         L.append(f"llama.cpp {res.get('llama_version')}: {res['llama_system_info']}")
-    bw = res["bandwidth"]
-    L.append(
-        f"memory bandwidth (512 MiB float32): jitted sum {bw['jax_sum_gbs']:.1f} GB/s, jitted matvec "
-        f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write); the floor uses "
-        f"{res['bandwidth_gbs']:.1f} GB/s"
-    )
+    L.append(f"{peaks_line(res['bandwidth'])}; the floor uses {res['bandwidth_gbs']:.1f} GB/s")
     L += [f"note: {line}" for line in res.get("notes", [])]
     L += ["", "batch-1 floor (weight bytes read per token / bandwidth):"]
     for name, f in res["floors"].items():
@@ -453,13 +449,12 @@ def measure(b: Bench) -> None:
     res.update(model=a.model, batch=a.batch, prompt_len=a.prompt_len, decode_tokens=a.decode_tokens, repeats=a.repeats,
                batch_repeats=a.batch_repeats, rounds=a.rounds, threads=a.threads, systems=a.systems,
                llama_batch_mode="sequential" if a.llama_sequential else "parallel", skipped={}, notes=[], infos={})
-    log("measuring memory bandwidth")
-    res["bandwidth"] = bw = measure_bandwidth()
-    res["bandwidth_gbs"] = max(bw["jax_sum_gbs"], bw["jax_matvec_gbs"])
-
     systems: dict = {}
     try:
         start_systems(b, systems)
+        log("the machine's peaks (the engine's roofline probes, cached per machine)")  # after the kernels load
+        res["bandwidth"] = peaks()
+        res["bandwidth_gbs"] = res["bandwidth"]["bandwidth_gbs"]
         for name, sysm in systems.items():
             res["infos"][name] = sysm.info  # the same dict: what warm() and the rounds add shows up
             if sysm.kind == "jaxinfer":

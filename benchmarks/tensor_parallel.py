@@ -18,12 +18,13 @@ the mesh.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import subprocess
 import sys
+
+from jaxinfer.tools.harness import Bench, heading, parser, run
 
 LOAD_PROBE = """
 import json, sys, time
@@ -48,35 +49,18 @@ def load_probe(model: str, dtype: str, tp: int, devices: int) -> dict:
     raise RuntimeError(f"load probe at TP {tp} failed:\n{out.stderr[-2000:]}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--json", metavar="PATH")
-    a = p.parse_args(argv)
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
-
-    import jaxinfer
+def measure(b: Bench) -> None:
+    a = b.args
+    import jaxinfer  # after main set XLA_FLAGS: JAX reads them when it starts
     from jaxinfer.config import DEFAULT_MODEL, EngineConfig
-    from jaxinfer.stats import median
-    from jaxinfer.tools.harness import alternate, machine, machine_line, write_json
 
     from benchmarks.engine import steady_window
 
     model = a.model or DEFAULT_MODEL
     jaxinfer.LLM(model, dtype=a.dtype).close()  # fill the model cache before the probes
-    m = machine()
-    print(f"{machine_line(m)}\ndevices: {a.devices} (fake CPU devices share the cores)")
-    loads = {tp: load_probe(model, a.dtype, tp, a.devices) for tp in a.sizes}
-    for tp, r in loads.items():
-        print(f"TP {tp}: load {r['load_s']:.1f} s, peak host memory {r['peak_mb']:.0f} MB, of which the "
-              f"devices' arrays (parameters and KV cache, all devices) {r['device_mb']:.0f} MB; "
-              f"parameters {r['param_mb_per_device']:.1f} MB per device")
-
+    m = b.figures["system"]
+    b.figures.update(devices=a.devices, cpu_flags=" ".join(m["cpu_flags"]), machine=m, steps={})
+    b.figures["loads"] = {tp: load_probe(model, a.dtype, tp, a.devices) for tp in a.sizes}
     ecfg = EngineConfig.preset("cpu").replace(dtype=a.dtype, max_num_seqs=max(a.batches), num_pages=256)
     llms = {tp: jaxinfer.LLM(model, engine_config=ecfg.replace(tensor_parallel_size=tp)) for tp in a.sizes}
     vocab = llms[a.sizes[0]].model_config.vocab_size
@@ -85,21 +69,41 @@ def main(argv=None) -> int:
     def ids(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
 
-    results: dict = {"cpu_flags": " ".join(m["cpu_flags"]), "machine": m, "loads": loads, "steps": {}}
-    for b in a.batches:
+    for n in a.batches:
         for llm in llms.values():  # compile and settle this batch size once
-            steady_window(llm, b, 32, ids, skip=2, window=4)
-        times = alternate({tp: lambda i, llm=llm: steady_window(llm, b, 32, ids, skip=4, window=16)["step_ms"]
-                           for tp, llm in llms.items()}, a.rounds)
-        base = median(times[a.sizes[0]])
-        cells = ", ".join(f"TP {tp} {median(t):.1f} ms ({median(t) / base:.2f}x)" for tp, t in times.items())
-        print(f"batch {b:2d} decode step: {cells}")
-        results["steps"][b] = {tp: t for tp, t in times.items()}
+            steady_window(llm, n, 32, ids, skip=2, window=4)
+        b.figures["steps"][n] = b.rounds({tp: lambda i, llm=llm: steady_window(llm, n, 32, ids, skip=4, window=16)[
+            "step_ms"] for tp, llm in llms.items()}, tag=f"batch {n}: ")
     for llm in llms.values():
         llm.close()
-    if a.json:
-        write_json(a.json, results)
-    return 0
+
+
+def report(res: dict) -> str:
+    from jaxinfer.stats import median
+
+    L = heading("tensor parallelism on this host: decode step time per TP size, peak host memory while loading",
+                res["system"]) + [f"devices: {res['devices']} (fake CPU devices share the cores)"]
+    for tp, r in res["loads"].items():
+        L.append(f"TP {tp}: load {r['load_s']:.1f} s, peak host memory {r['peak_mb']:.0f} MB, of which the "
+                 f"devices' arrays (parameters and KV cache, all devices) {r['device_mb']:.0f} MB; "
+                 f"parameters {r['param_mb_per_device']:.1f} MB per device")
+    for n, times in res["steps"].items():
+        base = median(next(iter(times.values())))
+        cells = ", ".join(f"TP {tp} {median(t):.1f} ms ({median(t) / base:.2f}x)" for tp, t in times.items())
+        L.append(f"batch {n:2d} decode step: {cells}")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    p = parser("python -m benchmarks.tensor_parallel", __doc__, model=None, rounds=3)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args(argv)
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
+    return run(measure, report, a)
 
 
 if __name__ == "__main__":

@@ -315,6 +315,20 @@ def test_peer_benchmarks_import_without_transformers_and_parse_their_flags(capsy
     assert e.value.code == 0 and "--output-len-range" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name,flag", [("moe", "--expert-size"), ("tensor_parallel", "--devices"),
+                                       ("matmul_kernel", "--head-rows"), ("protocol_overhead", "--skip"),
+                                       ("http_vs_grpc", "--serve-arg"), ("bench_figures", "--rates")])
+def test_every_benchmark_speaks_the_harness_flags(name, flag, capsys):
+    # each benchmark's main is the harness's run: its own flags, and --json for every figure
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and f"python -m benchmarks.{name}" in out and flag in out and "--json FILE" in out
+
+
 def test_the_peer_benchmarks_are_not_installed():
     tomllib = pytest.importorskip("tomllib")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

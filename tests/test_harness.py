@@ -70,6 +70,39 @@ def test_spread_and_medians_agree_with_the_standard_library():
     assert m["tok_s"] == pytest.approx(statistics.median(r["tok_s"] for r in rounds))
 
 
+def test_medians_rename_and_dropping_leaves_the_bulky_keys_out():
+    rounds = [{"batch_tok_s": x, "tokens": [1, 2, 3], "ms": 2 * x} for x in (3.0, 1.0, 2.0)]
+    assert harness.medians(rounds, {"tok_s": "batch_tok_s"}) == {"tok_s": 2.0}
+    assert harness.medians(rounds, ("ms",)) == {"ms": 4.0}
+    kept = harness.dropping(rounds, "tokens")
+    assert kept == [{"batch_tok_s": x, "ms": 2 * x} for x in (3.0, 1.0, 2.0)] and "tokens" in rounds[0]
+
+
+def test_timings_time_each_round_per_call_after_the_warm_up():
+    calls = []
+    ts = harness.timings(lambda: calls.append(1), 4, warmup=2, calls=3)
+    assert len(calls) == 2 + 4 * 3 and len(ts) == 4 and all(t >= 0 for t in ts)
+    slow = harness.timings(lambda: __import__("time").sleep(0.01), 2)
+    assert all(t >= 0.009 for t in slow)
+
+
+def test_peaks_are_the_engines_roofline_figures(tmp_path, monkeypatch):
+    # the figures the engine's floor divides by, stored as the engine stores them, are what a benchmark reports
+    from jaxinfer.engine import roofline
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    stored = roofline.MachinePeaks(12.5, 90.0, "numpy max, 2 threads", "xla jitted matmul 1024^3",
+                                   {"numpy max, 2 threads": 12.5, "xla jitted sum": 9.0, "xla jitted matmul 1024^3": 90.0},
+                                   roofline.machine_key())
+    roofline.store_peaks(stored, load=0.0)
+    pk = harness.peaks()
+    assert pk == {"bandwidth_gbs": 12.5, "method": "numpy max, 2 threads", "flops_gflops": 90.0,
+                  "flops_method": "xla jitted matmul 1024^3", "probes": stored.measurements}
+    line = harness.peaks_line(pk)
+    assert line.startswith("memory bandwidth 12.5 GB/s (numpy max, 2 threads), float32 90.0 GFLOP/s")
+    assert all(f"{k} {v:.1f}" in line for k, v in stored.measurements.items())
+
+
 # --------------------------------------------------------------------------- #
 # Output and the machine
 # --------------------------------------------------------------------------- #

@@ -7,9 +7,10 @@ A benchmark says what it measures (its systems, its workload, its figures); this
   machine the figures move with the load;
 * **the machine's peaks**: `peaks()` / `peaks_line()`, the read bandwidth and flops the engine's
   roofline measures (`jaxinfer.engine.roofline`), for a benchmark's "fraction of the floor";
-* **rounds**: `timings()` times a call over repeated rounds; `alternate()` measures paired systems in rounds, the order rotating each round so no
-  system always goes first (two systems: the order flips); `spread()` and `medians()` summarize them
-  (medians come from `jaxinfer.stats`, as everywhere);
+* **rounds**: `timings()` times one call over repeated rounds; `alternate()` measures paired
+  systems in rounds, the order rotating each round so no system always goes first (two systems:
+  the order flips); `spread()` and `medians()` summarize them (medians come from `jaxinfer.stats`,
+  as everywhere), `dropping()` leaves bulky keys out of them;
 * **flags**: `parser()` (``--model``, ``--rounds``, ``--quick``, ``--dtype``, ``--json`` as every
   benchmark spells them), `settle()` (defaults that ``--quick`` changes, lower bounds),
   `worker_flags()` and `find_python()` (a peer's interpreter: a flag, an environment variable, a
@@ -216,13 +217,20 @@ def spread(values: Iterable[Optional[float]]) -> dict:
 
 
 def medians(rounds: Sequence[Mapping], keys: Optional[Iterable] = None) -> dict:
-    """{key: median over the rounds} for `keys` (default: the first round's keys with numeric values)."""
+    """{key: median over the rounds} for `keys` (default: the first round's keys with numeric values);
+    `keys` as a mapping ``{name: key}`` renames: ``{name: median of round[key]}``."""
     from jaxinfer.stats import median
 
     if keys is None:
         first = rounds[0] if rounds else {}
         keys = [k for k, v in first.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return {k: median([r[k] for r in rounds]) for k in keys}
+    names = dict(keys) if isinstance(keys, Mapping) else {k: k for k in keys}
+    return {name: median([r[k] for r in rounds]) for name, k in names.items()}
+
+
+def dropping(rounds: Iterable[Mapping], *keys) -> list:
+    """The rounds without `keys` (bulky per-token lists a report keeps out of its JSON)."""
+    return [{k: v for k, v in r.items() if k not in keys} for r in rounds]
 
 
 # --------------------------------------------------------------------------- #
