@@ -12,8 +12,9 @@ FILE`` also writes every figure (and the per-round samples) as JSON.
 
 What it measures, all on this machine and in this process:
 
-* memory bandwidth (a jitted float32 sum and matvec over ~512 MB, numpy copy)
-  and the decode floor: the weight bytes (in the engine's dtype) read once per step;
+* the machine's read bandwidth as the engine's roofline measures it (`jaxinfer.tools.harness.peaks`:
+  the best of several read methods and thread counts) and the decode floor it sets: the weight
+  bytes (in the engine's dtype) read once per step;
 * jaxinfer: compile time (first request of a shape minus a warm one), time to
   first token for a 128-token prompt, batch-1 decode tokens/s, batch-8
   aggregate tokens/s;
@@ -34,8 +35,6 @@ from pathlib import Path
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 import jaxinfer
 from jaxinfer.engine.compile_cache import compile_count
@@ -43,8 +42,8 @@ from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.loading.weights import resolve_model
-from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, find_python, heading, medians, parser, ratio, run,
-                                   settle, target, targets_block, worker_flags)
+from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, find_python, heading, medians, parser, peaks,
+                                   peaks_line, ratio, run, settle, target, targets_block, timings, worker_flags)
 
 HF_PEER = Path(__file__).with_name("hf_peer.py")
 TEXT = (
@@ -54,47 +53,6 @@ TEXT = (
     "To produce one token, a decoder reads every one of its weights once, so the speed of a single "
     "stream is set by how many bytes per second the memory system can deliver, not by arithmetic. "
 )
-
-
-def timed(fn, repeats: int) -> list:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-# --------------------------------------------------------------------------- #
-# Memory bandwidth
-# --------------------------------------------------------------------------- #
-
-
-def measure_bandwidth(mbytes: int = 512, repeats: int = 7) -> dict:
-    """Read bandwidth in GB/s (1e9 bytes/s): jitted sum, jitted matvec, numpy copy (read+write)."""
-    n = mbytes * 2**20 // 4
-    x = jnp.ones((n,), jnp.float32) * 0.5
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    t_sum = median(timed(lambda: total(x).block_until_ready(), repeats))
-    cols = 4096
-    m = x.reshape(n // cols, cols)
-    v = jnp.ones((cols,), jnp.float32)
-    mv = jax.jit(lambda a, b: a @ b)
-    mv(m, v).block_until_ready()
-    t_mv = median(timed(lambda: mv(m, v).block_until_ready(), repeats))
-    src = np.ones((n,), np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    t_cp = median(timed(lambda: np.copyto(dst, src), repeats))
-    nbytes = n * 4
-    del x, m, src, dst
-    return {
-        "array_bytes": nbytes,
-        "jax_sum_gbs": nbytes / t_sum / 1e9,
-        "jax_matvec_gbs": nbytes / t_mv / 1e9,
-        "numpy_copy_gbs": 2 * nbytes / t_cp / 1e9,  # bytes read + bytes written
-    }
 
 
 # --------------------------------------------------------------------------- #
@@ -128,10 +86,10 @@ def greedy(n: int) -> SamplingParams:
 def jax_compile(llm, prompt, batch_prompts, warm: int = 3) -> dict:
     """Compile cost = the first request of a shape minus the median warm request of that shape."""
     c0 = compile_count()
-    first1 = timed(lambda: llm.generate([prompt], greedy(2)), 1)[0]  # prefill @128 + one decode step, batch 1
-    warm1 = median(timed(lambda: llm.generate([prompt], greedy(2)), warm))
-    first8 = timed(lambda: llm.generate(batch_prompts, greedy(2)), 1)[0]  # adds the batch-8 decode step
-    warm8 = median(timed(lambda: llm.generate(batch_prompts, greedy(2)), warm))
+    first1 = timings(lambda: llm.generate([prompt], greedy(2)), 1)[0]  # prefill @128 + one decode step, batch 1
+    warm1 = median(timings(lambda: llm.generate([prompt], greedy(2)), warm))
+    first8 = timings(lambda: llm.generate(batch_prompts, greedy(2)), 1)[0]  # adds the batch-8 decode step
+    warm8 = median(timings(lambda: llm.generate(batch_prompts, greedy(2)), warm))
     return {
         "compile_b1_s": first1 - warm1,
         "compile_b8_extra_s": first8 - warm8,
@@ -202,81 +160,67 @@ class StepBench:
             r.num_sampled = 1
             r.last_token = int(prompt[-1])
             self.requests.append(r)
-        key, host_inputs = runner.decode_inputs(self.requests)
-        runner.decode(self.requests).tokens.block_until_ready()
+        ragged = hasattr(runner, "step_inputs")  # the one ragged step; before it, a decode program of its own
+        key, host_inputs = runner.step_inputs(self.requests, []) if ragged else runner.decode_inputs(self.requests)
+        self.runner_step = (lambda: runner.step(self.requests, [])) if ragged else (lambda: runner.decode(self.requests))
+        self.runner_step().tokens.block_until_ready()
         self.program = runner.programs.get(key)
         self.inputs = jax.device_put(host_inputs)  # tokens, from_state, attention and sampling metadata
         self.direct(3)
         self.through_runner(3)
 
-    def direct(self, k: int) -> list:
-        """Seconds per call of the compiled step alone (inputs already on device), blocking each call."""
+    def step(self) -> None:
+        """One call of the compiled step alone (inputs already on device, the cache fed back), blocking."""
         runner = self.llm.runner
-        out = []
-        for _ in range(k):
-            t0 = time.perf_counter()
-            res, runner.kv_cache, runner.sampler_state = self.program(
-                runner.params, runner.kv_cache, runner.sampler_state, *self.inputs
-            )
-            res.tokens.block_until_ready()
-            out.append(time.perf_counter() - t0)
-        return out
+        res, runner.kv_cache, runner.sampler_state = self.program(
+            runner.params, runner.kv_cache, runner.sampler_state, *self.inputs
+        )
+        res.tokens.block_until_ready()
+
+    def direct(self, k: int) -> list:
+        """Seconds per call of the compiled step alone (`step`)."""
+        return timings(self.step, k)
 
     def through_runner(self, k: int) -> list:
-        """Seconds per `ModelRunner.decode` call (host input building + step), blocking each call."""
-        out = []
-        for _ in range(k):
-            t0 = time.perf_counter()
-            self.llm.runner.decode(self.requests).tokens.block_until_ready()
-            out.append(time.perf_counter() - t0)
-        return out
+        """Seconds per step through the runner (host input building + step), blocking each call."""
+        return timings(lambda: self.runner_step().tokens.block_until_ready(), k)
 
     def close(self) -> None:
         for r in self.requests:
             r.pages = []
 
 
+def twin(llm, llm_kwargs: Optional[dict] = None, **engine_changes):
+    """Another engine on `llm`'s weights (no reload): its engine config changed by `engine_changes`,
+    `llm_kwargs` for `LLM.from_params` (e.g. ``enable_prefix_caching``)."""
+    return jaxinfer.LLM.from_params(llm.model_config, llm.runner.params, tokenizer=llm.tokenizer,
+                                    engine_config=llm.engine_config.replace(**engine_changes), **(llm_kwargs or {}))
+
+
+def step_rounds(benches: dict, rounds: int, steps: int, runner_steps: int) -> dict:
+    """Each `StepBench` once a round, in rotation (no one always first): ``steps`` calls of the step alone,
+    ``runner_steps`` through the runner; {name: {"direct": seconds, "runner": seconds}}, all rounds' calls."""
+    by = alternate({k: lambda i, b=b: (b.direct(steps), b.through_runner(runner_steps)) for k, b in benches.items()},
+                   rounds)
+    return {k: {"direct": [t for d, _ in rs for t in d], "runner": [t for _, r in rs for t in r]} for k, rs in by.items()}
+
+
 def cache_capacity_steps(llm, prompt, context: int, tokens_1x: int, repeats: int, steps: int, batch: int) -> dict:
     """Decode-step time with the cache at 1x and 8x capacity (and the loaded engine's), interleaved."""
     ps = llm.engine_config.page_size
     n1 = tokens_1x // ps
-    llms = {
-        "1x": jaxinfer.LLM.from_params(
-            llm.model_config,
-            llm.runner.params,
-            tokenizer=llm.tokenizer,
-            engine_config=llm.engine_config.replace(num_pages=n1 + 1),
-        ),
-        "8x": jaxinfer.LLM.from_params(
-            llm.model_config,
-            llm.runner.params,
-            tokenizer=llm.tokenizer,
-            engine_config=llm.engine_config.replace(num_pages=8 * n1 + 1),
-        ),
-        "engine": llm,
-    }
-    benches = {k: StepBench(v, prompt, context) for k, v in llms.items()}
-    benches[f"engine_b{batch}"] = StepBench(llm, prompt, context, batch)
-    llms[f"engine_b{batch}"] = llm
-    # rotated rounds, so no cache always goes first
-    timed_rounds = alternate({k: lambda i, b=b: (b.direct(steps), b.through_runner(max(2, steps // 4)))
-                              for k, b in benches.items()}, repeats)
-    direct = {k: [t for d, _ in rs for t in d] for k, rs in timed_rounds.items()}
-    runner = {k: [t for _, r in rs for t in r] for k, rs in timed_rounds.items()}
+    llms = {"1x": twin(llm, num_pages=n1 + 1), "8x": twin(llm, num_pages=8 * n1 + 1), "engine": llm,
+            f"engine_b{batch}": llm}
+    benches = {k: StepBench(v, prompt, context, batch if k.endswith(f"_b{batch}") else 1) for k, v in llms.items()}
+    times = step_rounds(benches, repeats, steps, max(2, steps // 4))
     res = {"context": context, "page_size": ps, "batch": batch}
     for k, b in benches.items():
-        e = llms[k].engine_config
-        res[k] = {
-            "num_pages": e.num_pages,
-            "capacity_tokens": (e.num_pages - 1) * ps,
-            "cache_bytes": sum(x.nbytes for x in jax.tree.leaves(llms[k].runner.kv_cache)),
-            "step_s": median(direct[k]),
-            "step_min_s": min(direct[k]),
-            "runner_step_s": median(runner[k]),
-            "samples_s": direct[k],
-        }
+        e, t = llms[k].engine_config, times[k]
+        res[k] = {"num_pages": e.num_pages, "capacity_tokens": (e.num_pages - 1) * ps,
+                  "cache_bytes": sum(x.nbytes for x in jax.tree.leaves(llms[k].runner.kv_cache)),
+                  "step_s": median(t["direct"]), "step_min_s": min(t["direct"]), "runner_step_s": median(t["runner"]),
+                  "samples_s": t["direct"]}
         b.close()
-    del llms
     return res
 
 
@@ -336,25 +280,37 @@ def common_prefix(a, b) -> int:
 def measure(b: Bench) -> None:
     a, res, log = b.args, b.figures, b.log
     res.update(model=a.model, repeats=a.repeats, batch=a.batch, prompt_len=a.prompt_len, decode_tokens=a.decode_tokens)
-
-    log("measuring memory bandwidth")
-    res["bandwidth"] = bw = measure_bandwidth()
-
     log(f"loading {a.model} with jaxinfer")
     # The prefix cache off: the rounds reuse one prompt, and a cache hit would make every TTFT after the
     # first a 16-token prefill (transformers recomputes the whole prompt each time).
     llm = jaxinfer.LLM(a.model, dtype=a.dtype, enable_prefix_caching=False)
     res["dtype"] = llm.engine_config.dtype
+    log("the machine's peaks (the engine's roofline probes, cached per machine)")
+    res["bandwidth"] = bw = peaks()
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.runner.params))
-    best_bw = max(bw["jax_sum_gbs"], bw["jax_matvec_gbs"])
-    res["floor"] = {"weight_bytes": weight_bytes, "bandwidth_gbs": best_bw, "floor_ms": weight_bytes / best_bw / 1e6}
+    res["floor"] = {"weight_bytes": weight_bytes, "bandwidth_gbs": bw["bandwidth_gbs"],
+                    "floor_ms": weight_bytes / bw["bandwidth_gbs"] / 1e6}
     prompt, batch_prompts = make_prompts(llm, a.prompt_len, a.batch)
-
     log("jaxinfer compile time")
-    jres = {"load_s": llm.load_time_s, "compile": jax_compile(llm, prompt, batch_prompts)}
+    res["jaxinfer"] = {"load_s": llm.load_time_s, "compile": jax_compile(llm, prompt, batch_prompts)}
+    peer_rounds(b, llm, prompt, batch_prompts)
+    context = a.step_context or a.prompt_len + a.decode_tokens
+    log(f"decode step with the cache at 1x ({a.cache_tokens} tokens) and 8x capacity, context {context}")
+    res["cache"] = c = cache_capacity_steps(llm, prompt, context, a.cache_tokens, a.repeats, a.steps, a.batch)
+    c["ratio_8x_1x"] = c["8x"]["step_s"] / c["1x"]["step_s"]
+    tpot, step = res["jaxinfer"]["tpot_s"], c["engine"]["step_s"]
+    res["floor_over_step"] = res["floor"]["floor_ms"] / 1e3 / step
+    res["floor_over_tpot"] = res["floor"]["floor_ms"] / 1e3 / tpot
+    res["host_share"] = max(0.0, 1 - step / tpot)
+    res["targets"] = targets(res)
 
+
+def peer_rounds(b: Bench, llm, prompt, batch_prompts) -> None:
+    """jaxinfer's rounds (`jax_round`) alternating with the transformers peer's, where it runs; their medians."""
+    a, res, log = b.args, b.figures, b.log
     hf_python, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
     res["transformers_python"] = hf_python or why
+    systems = {"jaxinfer": lambda i: jax_round(llm, prompt, batch_prompts, a.decode_tokens)}
     peer = None
     if hf_python:
         log(f"starting the transformers peer ({hf_python}; load + one warm-up round)")
@@ -362,45 +318,28 @@ def measure(b: Bench) -> None:
                                                       prompt, batch_prompts, a.decode_tokens))
     else:
         log(f"transformers peer {why}")
-
-    systems = {"jaxinfer": lambda i: jax_round(llm, prompt, batch_prompts, a.decode_tokens)}
     if peer is not None:
         systems["transformers"] = lambda i: peer.round()
     c0 = compile_count()
     by_system = b.rounds(systems, a.repeats, may_fail=("transformers",))
     jrounds, hrounds = by_system["jaxinfer"], by_system.get("transformers", [])
+    jres = res["jaxinfer"]
     jres["recompiles_during_rounds"] = compile_count() - c0
     if peer is not None:
         peer.close()
         peer = peer if len(hrounds) == a.repeats else None
     res["transformers_python"] = res.get("skipped", {}).get("transformers", res["transformers_python"])
-
-    keys = ["ttft_s", "ttft_wall_s", "tpot_s", "tpot_wall_s", "batch_decode_tok_s", "batch_e2e_tok_s", "batch_all_first_tokens_s"]
-    jres.update(medians(jrounds, keys))
-    jres["rounds"] = jrounds
-    res["jaxinfer"] = jres
-    if peer is not None:
-        s = medians(hrounds, [k for k in hrounds[0] if not k.startswith(("tokens", "batch_tokens"))])
-        res["transformers"] = {"info": peer.info, "summary": s, "rounds": hrounds}
-        res["transformers_summary"] = {
-            "ttft_s": min(s["ttft_manual_s"], s["ttft_generate_s"]),
-            "tpot_s": min(s["tpot_manual_s"], s["tpot_generate_s"]),
-            "batch_decode_tok_s": s["batch_decode_tok_s"],
-            "batch_e2e_tok_s": s["batch_e2e_tok_s"],
-        }
-        res["agree_b1"] = common_prefix(jrounds[-1]["tokens"], hrounds[-1]["tokens_manual"])
-        res["agree_b8"] = common_prefix(jrounds[-1]["batch_tokens_first"], hrounds[-1]["batch_tokens_first"])
-
-    context = a.step_context or a.prompt_len + a.decode_tokens
-    log(f"decode step with the cache at 1x ({a.cache_tokens} tokens) and 8x capacity, context {context}")
-    c = cache_capacity_steps(llm, prompt, context, a.cache_tokens, a.repeats, a.steps, a.batch)
-    c["ratio_8x_1x"] = c["8x"]["step_s"] / c["1x"]["step_s"]
-    res["cache"] = c
-    floor_s = res["floor"]["floor_ms"] / 1e3
-    res["floor_over_step"] = floor_s / c["engine"]["step_s"]
-    res["floor_over_tpot"] = floor_s / jres["tpot_s"]
-    res["host_share"] = max(0.0, 1 - c["engine"]["step_s"] / jres["tpot_s"])
-    res["targets"] = targets(res)
+    jres.update(medians(jrounds, ["ttft_s", "ttft_wall_s", "tpot_s", "tpot_wall_s", "batch_decode_tok_s",
+                                  "batch_e2e_tok_s", "batch_all_first_tokens_s"]), rounds=jrounds)
+    if peer is None:
+        return
+    s = medians(hrounds, [k for k in hrounds[0] if not k.startswith(("tokens", "batch_tokens"))])
+    res["transformers"] = {"info": peer.info, "summary": s, "rounds": hrounds}
+    res["transformers_summary"] = {  # the faster of its hand-written loop and generate()
+        "ttft_s": min(s["ttft_manual_s"], s["ttft_generate_s"]), "tpot_s": min(s["tpot_manual_s"], s["tpot_generate_s"]),
+        "batch_decode_tok_s": s["batch_decode_tok_s"], "batch_e2e_tok_s": s["batch_e2e_tok_s"]}
+    res["agree_b1"] = common_prefix(jrounds[-1]["tokens"], hrounds[-1]["tokens_manual"])
+    res["agree_b8"] = common_prefix(jrounds[-1]["batch_tokens_first"], hrounds[-1]["batch_tokens_first"])
 
 
 def targets(res: dict) -> list:
@@ -434,10 +373,9 @@ def report(res: dict) -> str:
                 "alternating rounds", res["system"])
     L += [
         "",
-        f"memory bandwidth (512 MiB float32): jitted sum {bw['jax_sum_gbs']:.1f} GB/s, jitted matvec "
-        f"{bw['jax_matvec_gbs']:.1f} GB/s, numpy copy {bw['numpy_copy_gbs']:.1f} GB/s (read+write)",
+        peaks_line(bw),
         f"decode floor: {fl['weight_bytes'] / 1e6:.0f} MB of {dtype} weights / {fl['bandwidth_gbs']:.1f} GB/s "
-        f"(best jitted read) = {fl['floor_ms']:.2f} ms/step = {1e3 / fl['floor_ms']:.1f} tok/s",
+        f"(best read) = {fl['floor_ms']:.2f} ms/step = {1e3 / fl['floor_ms']:.1f} tok/s",
         "",
         compare([
             ("compile, prefill@128 + decode b1 (s)", j["compile"]["compile_b1_s"], None, ".2f"),
@@ -488,7 +426,7 @@ def report(res: dict) -> str:
         L.append(
             f"  cache {k:<6} {d['num_pages']:>5} pages = {d['capacity_tokens']:>6} tokens "
             f"({d['cache_bytes'] / 1e6:>6.0f} MB): step {1e3 * d['step_s']:.2f} ms (min {1e3 * d['step_min_s']:.2f}), "
-            f"through ModelRunner.decode {1e3 * d['runner_step_s']:.2f} ms"
+            f"through the runner {1e3 * d['runner_step_s']:.2f} ms"
         )
     d = c[f"engine_b{c['batch']}"]
     L += [
