@@ -137,9 +137,9 @@ class StepBench:
     """Times the jitted decode step of one LLM at a fixed context, its inputs built once.
 
     `batch` requests are each given the pages for `context` tokens and positioned
-    at their last token; `ModelRunner.decode` pads their inputs once (we capture
-    the program it runs from its program table and the arguments it passes), after
-    which that program is called directly with the cache fed back, as the engine does. The
+    at their last token; the runner pads their inputs once (we capture the program
+    it runs from its program table and the arguments it passes), after which that
+    program is called directly with the cache fed back, as the engine does. The
     pages are taken from the top of the cache without the allocator; their
     contents are overwritten, so use this on an engine with nothing running.
     """

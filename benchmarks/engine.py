@@ -376,7 +376,7 @@ def bench_host(llm, a, ids: Ids, log) -> dict:
                          for b in a.host_batches}, a.rounds, log=lambda m: log(f"[4] {m.replace(': ', ': steady decode at batch ')}"))
     res["engine"] = windows
     res["summary"] = {b: medians(rs, [k for k in rs[0] if k != "batch"]) for b, rs in windows.items()}
-    # the jitted step alone (inputs on device) and through ModelRunner.decode, same context
+    # the jitted step alone (inputs on device) and through the runner, same context
     context = a.prompt_len + a.output_len
     log(f"[4] the jitted decode step alone at batch {', '.join(map(str, a.step_batches))}, context {context}")
     prompt = ids(a.prompt_len)
@@ -456,13 +456,9 @@ def bench_stall(llm, a, ids: Ids, log) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-def report(res: dict) -> str:
-    L = heading(
-        f"jaxinfer engine benchmark — {res['model']} ({res.get('quantization') or res['dtype']} weights, "
-        f"{res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} (max_num_seqs "
-        f"{res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}); medians of {res['rounds']} rounds",
-        res["system"])
-
+def _throughput_lines(res: dict) -> list:
+    """1. the batch against transformers, and the compute ceiling."""
+    L: list = []
     t, c = res.get("throughput"), res.get("ceiling")
     if t:
         j, h = t["jaxinfer"], t.get("transformers")
@@ -502,7 +498,12 @@ def report(res: dict) -> str:
                 f"   jaxinfer at {100 * t['jaxinfer']['decode_tok_s'] / c['decode_tok_s']:.0f}% of the decode ceiling, "
                 f"{100 * t['jaxinfer']['e2e_tok_s'] / c['batch_e2e_tok_s']:.0f}% of the end-to-end ceiling"
             )
+    return L
 
+
+def _serving_lines(res: dict) -> list:
+    """2. the serving driver at each concurrency."""
+    L: list = []
     sv = res.get("serving")
     if sv:
         rows = [[k, v["requests"], fmt(v["output_tok_s"]), fmt(v["ttft_ms"]["median"]), fmt(v["ttft_ms"]["p99"]),
@@ -513,7 +514,12 @@ def report(res: dict) -> str:
         L += ["", f"2. jaxinfer bench driver (LibraryBackend), {res['requests_per_slot']} x concurrency requests of "
               f"{res['prompt_len']} in / {res['output_len']} out, all sent at once under the cap",
               *("   " + line for line in text.splitlines())]
+    return L
 
+
+def _prefix_lines(res: dict) -> list:
+    """3. the prefix cache."""
+    L: list = []
     p = res.get("prefix")
     if p:
         L += [
@@ -525,7 +531,12 @@ def report(res: dict) -> str:
             f"   samples (ms): cached {[round(1e3 * x, 1) for x in p['samples_cached_s']]}, "
             f"uncached {[round(1e3 * x, 1) for x in p['samples_uncached_s']]}",
         ]
+    return L
 
+
+def _host_lines(res: dict) -> list:
+    """4. the host share of a steady decode step."""
+    L: list = []
     hs = res.get("host")
     if hs:
         L += ["", "4. host share of a steady decode step (engine stats over a window, all requests decoding)"]
@@ -538,7 +549,7 @@ def report(res: dict) -> str:
         sa, mm, at = hs["step_alone_ms"], hs["matmuls"], hs["attention"]
         b0 = next(iter(sa))
         L += [
-            "   jitted decode step alone (inputs on device) / through ModelRunner.decode: " + ", ".join(
+            "   jitted decode step alone (inputs on device) / through the runner: " + ", ".join(
                 f"b{b} {v['direct']:.2f} / {v['runner']:.2f} ms ({v['direct'] / sa[b0]['direct']:.2f}x b{b0})"
                 for b, v in sa.items()),
             "   the model's matmuls alone (30 layers + head, jitted one by one): "
@@ -551,7 +562,12 @@ def report(res: dict) -> str:
                 v = mm[name]
                 L.append(f"     {name:<8} {str(v['shape']):<13} "
                          + ", ".join(f"b{b} {x:.3f} ms" for b, x in v["ms"].items()))
+    return L
 
+
+def _stall_lines(res: dict) -> list:
+    """5. the stall of running streams."""
+    L: list = []
     st = res.get("stall")
     if st:
         per_chunk = st["lone_long_ttft_ms"] / st["long_chunks"]
@@ -570,6 +586,17 @@ def report(res: dict) -> str:
             f"{st['max_gap_during_ms'] / (per_chunk + st['median_gap_before_ms']):.2f}x (mean chunk of the long prompt "
             "+ one decode step)",
         ]
+    return L
+
+
+def report(res: dict) -> str:
+    L = heading(
+        f"jaxinfer engine benchmark — {res['model']} ({res.get('quantization') or res['dtype']} weights, "
+        f"{res.get('kv_cache_dtype')} KV cache), engine config {res['engine_config']} (max_num_seqs "
+        f"{res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}); medians of {res['rounds']} rounds",
+        res["system"])
+    for part in (_throughput_lines, _serving_lines, _prefix_lines, _host_lines, _stall_lines):
+        L += part(res)
     if res.get("targets"):
         L += ["", *targets_block(res["targets"])]
     return "\n".join(L)

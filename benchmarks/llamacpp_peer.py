@@ -356,6 +356,15 @@ def parse_args(argv=None):
     return a
 
 
+def start_peers(b: Bench, systems: dict, names: list, python: Optional[str], why: str, make) -> None:
+    """Each of `names` started by ``make(name)`` into `systems` (one that fails to start is skipped, and
+    said why), or all skipped for `why` where there is no interpreter `python`."""
+    for name in names:
+        sysm = b.start(name, lambda: make(name)) if python else b.skip(name, why)
+        if sysm is not None:
+            systems[name] = sysm
+
+
 def start_systems(b: Bench, systems: dict) -> tuple:
     """Load every chosen system into `systems` (the jaxinfer ones first: their tokenizer makes the prompts);
     (prompt, batch_prompts)."""
@@ -385,37 +394,29 @@ def start_systems(b: Bench, systems: dict) -> tuple:
     src = Path(resolve_model(a.model).path)
     llama_names = [s for s in a.systems if s in LLAMA_SYSTEMS]
     if llama_names:
-        py, why = find_llama_python(a.llama_python, off=a.no_llama and "--no-llama")
-        res["llama_python"] = py or why
-        if py and src.suffix != ".gguf":
-            py, why = None, f"skipped: {src} is not a GGUF file"
-        for name in llama_names:
-            if not py:
-                b.skip(name, why)
-                continue
+        lpy, why = find_llama_python(a.llama_python, off=a.no_llama and "--no-llama")
+        res["llama_python"] = lpy or why
+        if lpy and src.suffix != ".gguf":
+            lpy, why = None, f"skipped: {src} is not a GGUF file"
+
+        def llama(name):
             from benchmarks import gguf_variants
 
-            def start(name=name):
-                t = LLAMA_SYSTEMS[name]
-                path = gguf_variants.variants(src, [t], log=log)[t]
-                log(f"starting {name} ({path.name}; load + warm-up)")
-                return LlamaSystem(name, py, path, prompt, batch_prompts, a)
+            path = gguf_variants.variants(src, [LLAMA_SYSTEMS[name]], log=log)[LLAMA_SYSTEMS[name]]
+            log(f"starting {name} ({path.name}; load + warm-up)")
+            return LlamaSystem(name, lpy, path, prompt, batch_prompts, a)
 
-            sysm = b.start(name, start)
-            if sysm is not None:
-                systems[name] = sysm
+        start_peers(b, systems, llama_names, lpy, why, llama)
     hf_names = [s for s in a.systems if s in HF_SYSTEMS]
     if hf_names:
-        py, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
-        res["transformers_python"] = py or why
-        for name in hf_names:
-            if not py:
-                b.skip(name, why)
-                continue
-            log(f"starting {name} ({py}; load + a warm-up round)")
-            sysm = b.start(name, lambda: HFSystem(name, py, str(src), prompt, batch_prompts, a))
-            if sysm is not None:
-                systems[name] = sysm
+        hpy, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
+        res["transformers_python"] = hpy or why
+
+        def hf(name):
+            log(f"starting {name} ({hpy}; load + a warm-up round)")
+            return HFSystem(name, hpy, str(src), prompt, batch_prompts, a)
+
+        start_peers(b, systems, hf_names, hpy, why, hf)
     return prompt, batch_prompts
 
 
