@@ -63,7 +63,7 @@ from jaxinfer.engine import sampling, structured
 from jaxinfer.stats import median
 from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.tools.harness import (Bench, fmt, heading, load_line, machine_line, parser, run, settle, table, target,
-                                   targets_block)
+                                   targets_block, timings)
 
 SCHEMA = {
     "type": "object",
@@ -298,12 +298,7 @@ def device_stage(batch: int, vocab: int, repeats: int) -> dict:
     g(logits).block_until_ready()
 
     def t(fn) -> float:
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * median(ts)
+        return 1e3 * median(timings(fn, repeats))
 
     return {
         "batch": batch,
