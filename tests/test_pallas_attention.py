@@ -465,3 +465,28 @@ def test_interpret_flag_picks_explicit_block_sizes():
     kernel = pallas_tpu_kernel(page_size=16, pages_per_seq=64, num_tokens=256)
     assert kernel.keywords["num_kv_pages_per_block"] == 8 and kernel.keywords["num_queries_per_block"] == 32
     assert callable(pallas_tpu_kernel(page_size=16, pages_per_seq=3, num_tokens=5, interpret=True))
+
+
+@pytest.mark.parametrize("tpu_kind", ["TPU v6 lite", "TPU v5 lite", "TPU v4", "TPU7x"])  # kinds JAX's lookup reads
+def test_block_sizes_come_from_the_choices_tpu_kind_as_the_kernels_own_lookup_gives_them(tpu_kind, monkeypatch):
+    """`tpu_block_sizes` (from the kernel choice's ``tpu_kind``, never the devices) equals JAX's own
+    lookup run on that TPU (its device reads pointed at a device of that kind), over shapes in and out
+    of the tuned table; no TPU named: the explicit defaults."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
+
+    from jaxinfer.ops.attention_pallas import tpu_block_sizes
+
+    class Device:
+        device_kind = tpu_kind
+
+    monkeypatch.setattr(tuned.jax, "devices", lambda *a, **k: [Device()])
+    listed = [k for table in tuned.TUNED_BLOCK_SIZES.values() for k in list(table)[::97]]
+    shapes = [(jnp.dtype(q).name, jnp.dtype(kv).name, h, kvh, d, ps, n, p) for q, kv, h, kvh, d, ps, n, p in listed]
+    shapes += [("bfloat16", "bfloat16", 8, 1, 128, 16, 48, 40), ("float32", "float32", 4, 2, 128, 32, 512, 7)]
+    for q, kv, heads, kv_heads, d, ps, n, pages in shapes:
+        q_dt, kv_dt = jnp.dtype(q), jnp.dtype(kv)
+        hb, cb = rpa.get_min_heads_per_blk(heads, 2 * kv_heads, q_dt, kv_dt)
+        want = tuned.get_tuned_block_sizes(q_dt, kv_dt, hb, cb // 2, d, ps, n, pages)
+        assert tpu_block_sizes(tpu_kind, q_dt, kv_dt, heads, kv_heads, d, ps, n, pages) == want
+    assert tpu_block_sizes("", jnp.bfloat16, jnp.bfloat16, 8, 1, 128, 16, 48, 40) == (8, 32)

@@ -165,11 +165,12 @@ def paged_attention(
 def _attend(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int):
     """Attention on one device's heads: the kernel the step's choice names for these shapes, else pure JAX."""
     h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
-    kernel = backend.current().attention_kernel(h, kvh, d, cache_layer.shape[1], cache_layer.dtype)
+    choice = backend.current()
+    kernel = choice.attention_kernel(h, kvh, d, cache_layer.shape[1], cache_layer.dtype)
     if kernel == "cpu":
         return _cpu_attention(q, k, v, cache_layer, meta, scale, window)
-    if kernel == "tpu":
-        return tpu_ragged_attention(q, k, v, cache_layer, meta, scale=scale, window=window)
+    if kernel == "tpu":  # block sizes for the TPU the choice names, not the device the trace runs on
+        return tpu_ragged_attention(q, k, v, cache_layer, meta, scale=scale, window=window, tpu_kind=choice.tpu_kind)
     return ragged_gather_attention(q, k, v, cache_layer, meta, scale, window)
 
 

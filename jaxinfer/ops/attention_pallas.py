@@ -50,9 +50,12 @@ Padding tokens (``positions < 0``) come out as zeros whatever the kernel left th
 steps) keep a row's padding tokens inside its T, so on TPU they are first packed into that
 layout (`rows_as_ragged`: real rows first, their real tokens back to back; a q-sized gather in
 and out, `to_ragged` / `from_ragged`).
-* Block sizes: on a TPU the kernel's tuned table; anywhere else (interpret mode, or tracing
-  the TPU branch of ``lax.platform_dependent`` on a GPU host, where the kernel's own lookup
-  raises ``NotImplementedError('TPU version must be 4 or higher.')``) explicit ones.
+* Block sizes: the kernel's tuned table for the TPU generation the step's kernel choice names
+  (`jaxinfer.ops.backend.KernelChoice.tpu_kind`, decided once on the host or named when lowering
+  for a TPU elsewhere: `tpu_block_sizes`), always passed to the kernel explicitly, so the trace
+  never reads the devices (the kernel's own lookup reads ``jax.devices()`` and raises
+  ``NotImplementedError('TPU version must be 4 or higher.')`` off a TPU); explicit defaults when
+  no generation is named (interpret mode).
 
 Constraints (`tpu_kernel_fits`; an unfit shape raises while *tracing*, on any backend, so
 check it before staging the TPU branch):
@@ -220,9 +223,32 @@ def kernel_sequences(meta: RaggedMetadata) -> tuple[jax.Array, jax.Array, jax.Ar
     return cu_q_lens, kv_lens, jnp.maximum(real, 1).reshape(1)
 
 
-def _on_tpu() -> bool:
-    """The kernel's own test for using its tuned block sizes (it raises anywhere else)."""
-    return "TPU" in jax.devices()[0].device_kind
+def tpu_generation(tpu_kind: str) -> int:
+    """The TPU generation a device kind names ("TPU v5 lite" -> 5, "TPU v5p" -> 5, "TPU7x" -> 7);
+    -1 for "" (none named)."""
+    digits = "".join(c if c.isdigit() else " " for c in tpu_kind).split()
+    return int(digits[0]) if tpu_kind and digits else -1
+
+
+def tpu_block_sizes(tpu_kind: str, q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                    page_size: int, num_tokens: int, pages_per_seq: int) -> tuple[int, int]:
+    """(kv pages, queries) per block of the Pallas kernel on the TPU ``tpu_kind`` names: the kernel's
+    tuned table for that device, looked up here from the kernel choice's value instead of by the kernel
+    from ``jax.devices()`` while tracing; "" (no TPU named): the explicit defaults."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
+
+    generation = tpu_generation(tpu_kind)
+    if generation < 4:  # none named (the kernel has no tuned sizes below v4 either)
+        return (max(1, min(pages_per_seq, _DEFAULT_KV_TOKENS_PER_BLOCK // page_size)),
+                min(num_tokens, _DEFAULT_QUERIES_PER_BLOCK))
+    heads_blk, combined_blk = rpa.get_min_heads_per_blk(num_heads, 2 * num_kv_heads, q_dtype, kv_dtype)
+    key = tuned.simplify_key((q_dtype, kv_dtype, heads_blk, combined_blk // 2, head_dim, page_size, num_tokens,
+                              pages_per_seq))
+    bkv, bq = (32, 32) if generation == 4 else (128, 32)
+    if generation > 4:
+        bkv, bq = tuned.TUNED_BLOCK_SIZES.get(" ".join(tpu_kind.split()[:2]), {}).get(key, (bkv, bq))
+    return min(pages_per_seq, bkv), min(num_tokens, bq)
 
 
 def pallas_tpu_kernel(
@@ -238,17 +264,17 @@ def pallas_tpu_kernel(
     """The Pallas kernel with its block sizes bound, optionally under TPU interpret mode.
 
     ``interpret``: False, True (``pltpu.InterpretParams()``) or an ``InterpretParams``.
-    Block sizes left None come from the kernel's tuned table on a TPU, else explicit ones
-    (``128 // page_size`` pages and 32 queries, capped by the shapes).
+    Block sizes left None are explicit defaults (``128 // page_size`` pages and 32 queries, capped
+    by the shapes; `tpu_block_sizes` gives a TPU generation's tuned ones): the kernel is never left
+    to read the devices while it is traced.
     """
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-    if interpret or not _on_tpu():
-        if num_kv_pages_per_block is None:
-            num_kv_pages_per_block = max(1, min(pages_per_seq, _DEFAULT_KV_TOKENS_PER_BLOCK // page_size))
-        if num_queries_per_block is None:
-            num_queries_per_block = min(num_tokens, _DEFAULT_QUERIES_PER_BLOCK)
+    if num_kv_pages_per_block is None:
+        num_kv_pages_per_block = max(1, min(pages_per_seq, _DEFAULT_KV_TOKENS_PER_BLOCK // page_size))
+    if num_queries_per_block is None:
+        num_queries_per_block = min(num_tokens, _DEFAULT_QUERIES_PER_BLOCK)
     call = functools.partial(
         ragged_paged_attention,
         num_kv_pages_per_block=num_kv_pages_per_block,
@@ -280,13 +306,15 @@ def tpu_ragged_attention(
     num_queries_per_block: Optional[int] = None,
     vmem_limit_bytes: Optional[int] = None,
     kernel: Optional[Callable] = None,
+    tpu_kind: str = "",
 ) -> tuple[jax.Array, jax.Array]:
     """TPU attention over the paged cache with Pallas ragged paged attention, fed our ragged layout.
 
     Same contract as `ragged_gather_attention`, with the layout rules in the module docstring; the
     shapes must pass `tpu_kernel_fits`. Writes the step's keys/values to ``meta.slots``, then
-    attends. ``interpret`` runs the kernel in TPU interpret mode (CPU); the block sizes default as
-    in `pallas_tpu_kernel`. ``kernel`` replaces the Pallas call by any function with its signature
+    attends. ``interpret`` runs the kernel in TPU interpret mode (CPU); block sizes left None are the
+    tuned ones of the TPU ``tpu_kind`` names (the step's `KernelChoice.tpu_kind`; `tpu_block_sizes`).
+    ``kernel`` replaces the Pallas call by any function with its signature
     and keywords ``sm_scale``, ``sliding_window`` (the tests pass a pure-JAX stand-in).
     Differentiating it differentiates the pure-JAX path (the Pallas kernel has no derivative rule).
     Returns (out [N, H, D], updated cache_layer).
@@ -295,6 +323,10 @@ def tpu_ragged_attention(
     if meta.positions.shape != (n,) or meta.slots.shape != (n,):
         raise ValueError(f"positions and slots must be [N] = ({n},), got {meta.positions.shape} and {meta.slots.shape}")
     if kernel is None:
+        tuned = tpu_block_sizes(tpu_kind, q.dtype, cache_layer.dtype, h, cache_layer.shape[2] // 2, d,
+                                cache_layer.shape[1], n, meta.page_table.shape[1])
+        num_kv_pages_per_block = num_kv_pages_per_block or tuned[0]
+        num_queries_per_block = num_queries_per_block or tuned[1]
         kernel = pallas_tpu_kernel(
             page_size=cache_layer.shape[1],
             pages_per_seq=meta.page_table.shape[1],
