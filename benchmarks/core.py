@@ -97,40 +97,39 @@ def jax_compile(llm, prompt, batch_prompts, warm: int = 3) -> dict:
     }
 
 
-def jax_round(llm, prompt, batch_prompts, n: int) -> dict:
-    # time to first token: exactly the prompt, one output token
+def batch_round(llm, prompts: list, n: int) -> dict:
+    """All `prompts` at once through `LLM.generate`, `n` greedy tokens each: end-to-end and decode-phase rates."""
     t0 = time.perf_counter()
-    out = llm.generate([prompt], greedy(1))[0]
-    ttft_wall = time.perf_counter() - t0
-    ttft = out.metrics.ttft_s
-
-    # batch-1 decode
-    out = llm.generate([prompt], greedy(n))[0]
-    t_end = time.perf_counter()
-    m = out.metrics
-    tpot = m.tpot_s
-    tpot_wall = (t_end - m.first_token_time) / (n - 1)
-
-    # batch-8: all prompts at once
-    t0 = time.perf_counter()
-    outs = llm.generate(batch_prompts, greedy(n))
+    outs = llm.generate(prompts, greedy(n))
     t1 = time.perf_counter()
     ms = [o.metrics for o in outs]
     ntok = [len(o.outputs[0].token_ids) for o in outs]
-    # decode phase: from the moment every request has its first token (all prefills done) to the last token
-    start = max(x.first_token_time for x in ms)
-    end = max(x.finished_time for x in ms)
+    all_first = max(m.first_token_time for m in ms)
+    last = max(m.finished_time for m in ms)
     return {
-        "ttft_s": ttft,
-        "ttft_wall_s": ttft_wall,
-        "tpot_s": tpot,
-        "tpot_wall_s": tpot_wall,
-        "batch_decode_tok_s": sum(k - 1 for k in ntok) / (end - start),
-        "batch_e2e_tok_s": sum(ntok) / (t1 - t0),
-        "batch_all_first_tokens_s": start - t0,
-        "tokens": list(out.outputs[0].token_ids),
-        "batch_tokens_first": list(outs[0].outputs[0].token_ids),
+        "wall_s": t1 - t0,
+        "output_tokens": sum(ntok),
+        "e2e_tok_s": sum(ntok) / (t1 - t0),
+        # after every request has its first token (all prefills done) to the last token
+        "decode_tok_s": sum(k - 1 for k in ntok) / (last - all_first),
+        "all_first_tokens_s": all_first - t0,
+        "cached_tokens": sum(m.cached_tokens for m in ms),
+        "tokens_first": list(outs[0].outputs[0].token_ids),
     }
+
+
+def jax_round(llm, prompt, batch_prompts, n: int) -> dict:
+    """One round: TTFT of `prompt` (one output token), batch-1 decode of `n` tokens, then `batch_round`."""
+    t0 = time.perf_counter()
+    ttft = llm.generate([prompt], greedy(1))[0].metrics.ttft_s
+    ttft_wall = time.perf_counter() - t0
+    out = llm.generate([prompt], greedy(n))[0]
+    tpot_wall = (time.perf_counter() - out.metrics.first_token_time) / (n - 1)
+    bt = batch_round(llm, batch_prompts, n)
+    return {"ttft_s": ttft, "ttft_wall_s": ttft_wall, "tpot_s": out.metrics.tpot_s, "tpot_wall_s": tpot_wall,
+            "batch_decode_tok_s": bt["decode_tok_s"], "batch_e2e_tok_s": bt["e2e_tok_s"],
+            "batch_all_first_tokens_s": bt["all_first_tokens_s"], "tokens": list(out.outputs[0].token_ids),
+            "batch_tokens_first": bt["tokens_first"]}
 
 
 class StepBench:

@@ -42,18 +42,14 @@ import jaxinfer
 from jaxinfer.engine.compile_cache import compile_count
 from jaxinfer.tools import serving
 from jaxinfer.metrics import RequestMetrics
-from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import median
 from jaxinfer.loading.weights import resolve_model
 
 from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, dropping, fmt, heading, load_average, medians,
                                    parser, run, settle, table, target, targets_block, timings)
 
-from benchmarks.core import HF_PEER, StepBench, common_prefix, find_hf_python, hf_flags, step_rounds, twin
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+from benchmarks.core import (HF_PEER, StepBench, batch_round, common_prefix, find_hf_python, greedy, hf_flags,
+                             step_rounds, twin)
 
 
 class Ids:
@@ -128,26 +124,6 @@ class BatchPeer(Worker):
                          env={"TOKENIZERS_PARALLELISM": "false"})
 
 
-def engine_batch_round(llm, prompts: list, n: int) -> dict:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, greedy(n))
-    t1 = time.perf_counter()
-    ms = [o.metrics for o in outs]
-    ntok = [len(o.outputs[0].token_ids) for o in outs]
-    all_first = max(m.first_token_time for m in ms)
-    last = max(m.finished_time for m in ms)
-    return {
-        "wall_s": t1 - t0,
-        "output_tokens": sum(ntok),
-        "e2e_tok_s": sum(ntok) / (t1 - t0),
-        # after every request has its first token (all prefills done) to the last token
-        "decode_tok_s": sum(k - 1 for k in ntok) / (last - all_first),
-        "all_first_tokens_s": all_first - t0,
-        "cached_tokens": sum(m.cached_tokens for m in ms),
-        "tokens_first": list(outs[0].outputs[0].token_ids),
-    }
-
-
 def bench_throughput(llm, b: Bench, ids: Ids) -> dict:
     a, log = b.args, b.log
     n_req, plen, n = a.batch, a.prompt_len, a.output_len
@@ -155,7 +131,7 @@ def bench_throughput(llm, b: Bench, ids: Ids) -> dict:
     log(f"[1] warm-up: {n_req} x {plen} in / {n} out through the engine (compiles its shapes)")
     c0 = compile_count()
     t0 = time.perf_counter()
-    engine_batch_round(llm, [ids(plen) for _ in range(n_req)], n)
+    batch_round(llm, [ids(plen) for _ in range(n_req)], n)
     warm = {"warmup_s": time.perf_counter() - t0, "programs_compiled": compile_count() - c0}
 
     python, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
@@ -167,7 +143,7 @@ def bench_throughput(llm, b: Bench, ids: Ids) -> dict:
         why = python  # where it fails (to start or in a round), the final figure says why: b.figures["skipped"]
 
     # round 1 uses transformers' prompts (for the token check); later rounds fresh ids, so no prefix hits
-    systems = {"jaxinfer": lambda i: engine_batch_round(llm, hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)], n)}
+    systems = {"jaxinfer": lambda i: batch_round(llm, hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)], n)}
     if peer is not None:
         systems["transformers"] = lambda i: peer.round()
     c1 = compile_count()

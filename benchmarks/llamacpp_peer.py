@@ -54,8 +54,7 @@ from jaxinfer.stats import median
 from jaxinfer.tools.harness import (Bench, Worker, find_python, fmt, heading, load_average, parser, peaks, peaks_line,
                                    ratio, run, settle, table, target, targets_block, worker_flags)
 
-from benchmarks.core import HFPeer, common_prefix, find_hf_python, greedy, make_prompts
-from benchmarks.engine import engine_batch_round
+from benchmarks.core import HFPeer, batch_round, common_prefix, find_hf_python, greedy, make_prompts
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 DEFAULT_LLAMA_PYTHON = "/work/llamavenv/bin/python"
@@ -134,7 +133,7 @@ class JaxSystem:
         t0 = time.perf_counter()
         self._ttft()
         self._decode()
-        engine_batch_round(self.llm, self.batch_prompts, self.n)
+        batch_round(self.llm, self.batch_prompts, self.n)
         self.info["warmup_s"] = time.perf_counter() - t0
         self.info["programs_compiled_in_warmup"] = compile_count() - c0
         self.info["recompiles_in_rounds"] = 0
@@ -144,7 +143,7 @@ class JaxSystem:
         k = self.repeats
         ttft = [self._ttft() for _ in range(k)]
         dec = [self._decode() for _ in range(k)]
-        bat = [engine_batch_round(self.llm, self.batch_prompts, self.n) for _ in range(self.batch_repeats)]
+        bat = [batch_round(self.llm, self.batch_prompts, self.n) for _ in range(self.batch_repeats)]
         self.info["recompiles_in_rounds"] += compile_count() - c0
         return {
             "ttft_s": median(ttft),

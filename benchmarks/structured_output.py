@@ -52,6 +52,7 @@ import json
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -315,6 +316,11 @@ def device_stage(batch: int, vocab: int, repeats: int) -> dict:
 # --------------------------------------------------------------------------- #
 
 
+def _per(total: float, count: float) -> Optional[float]:
+    """total / count; None where nothing was counted."""
+    return total / count if count else None
+
+
 def summarize(rounds: dict) -> dict:
     keys = ("tok_s", "decode_tok_s", "wall_s", "step_ms", "host_ms_per_step", "wait_ms_per_step")
     med = {}
@@ -335,24 +341,23 @@ def summarize(rounds: dict) -> dict:
         rs = rounds.get(name)
         if not rs:
             continue
-        mask_s, rows = sum(r["mask_s"] for r in rs), sum(r["mask_rows"] for r in rs)
-        msteps, fill_s = sum(r["mask_steps"] for r in rs), sum(r["fill_s"] for r in rs)
-        acc_s, acc_n = sum(r["accept_s"] for r in rs), sum(r["accept_calls"] for r in rs)
-        steps, syncs = sum(r["steps"] for r in rs), sum(r["grammar_syncs"] for r in rs)
+        t = {k: sum(r[k] for r in rs) for k in ("mask_s", "mask_rows", "mask_steps", "fill_s", "accept_s",
+                                                 "accept_calls", "steps", "grammar_syncs", "wall_s")}
+        mask_s, acc_s, msteps, steps, syncs = t["mask_s"], t["accept_s"], t["mask_steps"], t["steps"], t["grammar_syncs"]
         masks[name] = {
             "mask_steps": msteps,
-            "mask_rows": rows,
-            "mask_ms_per_step": 1e3 * mask_s / msteps if msteps else None,
-            "mask_us_per_row": 1e6 * mask_s / rows if rows else None,
-            "fill_ms_per_step": 1e3 * fill_s / msteps if msteps else None,
-            "fill_us_per_row": 1e6 * fill_s / rows if rows else None,
-            "accept_us_per_token": 1e6 * acc_s / acc_n if acc_n else None,
-            "rows_per_mask_step": rows / msteps if msteps else None,
+            "mask_rows": t["mask_rows"],
+            "mask_ms_per_step": _per(1e3 * mask_s, msteps),
+            "mask_us_per_row": _per(1e6 * mask_s, t["mask_rows"]),
+            "fill_ms_per_step": _per(1e3 * t["fill_s"], msteps),
+            "fill_us_per_row": _per(1e6 * t["fill_s"], t["mask_rows"]),
+            "accept_us_per_token": _per(1e6 * acc_s, t["accept_calls"]),
+            "rows_per_mask_step": _per(t["mask_rows"], msteps),
             "steps": steps,
             "grammar_syncs": syncs,
-            "sync_share": syncs / steps if steps else None,
+            "sync_share": _per(syncs, steps),
             # the host's structured-output work as a share of the name's wall time
-            "host_share_of_wall": (mask_s + acc_s) / sum(r["wall_s"] for r in rs),
+            "host_share_of_wall": (mask_s + acc_s) / t["wall_s"],
         }
         base = rounds.get(BASELINE[name])
         if base and msteps and steps:
