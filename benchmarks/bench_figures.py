@@ -28,18 +28,14 @@ after each part: on a shared machine the figures move with the load.
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import subprocess
 import sys
 import time
 
-from jaxinfer.tools.harness import load_line, machine_line
-
-
-def _say(text: str) -> None:
-    print(text, flush=True)
+from jaxinfer.stats import median
+from jaxinfer.tools.harness import Bench, heading, load_average, parser, run, table
 
 
 def start_server(model: str, engine_config: str, timeout: float = 1200.0, warmup: bool = True, http: bool = False,
@@ -80,102 +76,100 @@ def _rate_text(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def main(argv=None) -> int:
-    from jaxinfer.tools.serving import (
-        BenchConfig, GrpcBackend, LibraryBackend, run_benchmark, summarize, synthetic_workload,
-    )
-    from jaxinfer.stats import median
-    from jaxinfer.tools.harness import alternate, write_json
+def measure(b: Bench) -> None:
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.compile_cache import enable_compilation_cache
+    from jaxinfer.llm import LLM
+    from jaxinfer.tools.serving import BenchConfig, GrpcBackend, LibraryBackend, run_benchmark, synthetic_workload
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_figures", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    a, res, log = b.args, b.figures, b.log
+    enable_compilation_cache()
+    proc, address, _ = start_server(a.model, a.engine_config, warmup=not a.no_server_warmup)
+    log(f"server {address} ready")
+    llm = LLM(a.model, engine_config=EngineConfig.preset(a.engine_config))
+    res.update(model=llm.model_name, engine_config=a.engine_config, address=address, input_len=a.input_len,
+               output_len=a.output_len, streams=a.streams, rounds=a.rounds, num_prompts=a.num_prompts)
+    paths = {"library": LibraryBackend(llm), "server": GrpcBackend(address)}
+
+    def work(n: int, seed: int, out: int = a.output_len):
+        return synthetic_workload(n, (a.input_len,) * 2, (out,) * 2, llm.model_config.vocab_size, seed=seed)
+
+    try:
+        for name, backend in paths.items():  # the batch and page buckets of the runs below, through both paths
+            log(f"warm-up through the {name}")
+            run_benchmark(backend, work(a.warmup_requests, 999, 24), BenchConfig(progress=False))
+        if not a.skip_sweep:
+            res["sweep"] = [sweep_point(paths["server"], work(a.num_prompts, 100 + i), float(r), i, log)
+                            for i, r in enumerate(a.rates.split(","))]
+            res["system"]["loadavg_after_sweep"] = load_average()
+        if not a.skip_overhead:
+            tps = b.rounds({name: lambda r, backend=backend: throughput(backend, work(a.streams, 1000 + 11 * r), log)
+                            for name, backend in paths.items()}, tag="overhead ")
+            med = {k: median(v) for k, v in tps.items()}
+            res["overhead"] = {"output_tok_s": tps, "median": med, "ratio": med["server"] / med["library"],
+                               "per_round": [s / lib for s, lib in zip(tps["server"], tps["library"])]}
+    finally:
+        llm.close()
+        stop_server(proc)
+
+
+def sweep_point(backend, work, rate: float, seed: int, log) -> dict:
+    """One rate of the sweep: its summary (`serving.summarize`) without the per-request records."""
+    from jaxinfer.tools.serving import BenchConfig, run_benchmark, summarize
+
+    log(f"sweep at {_rate_text(rate)} req/s")
+    s = summarize(run_benchmark(backend, work, BenchConfig(request_rate=rate, seed=seed, progress=False)))
+    s.pop("requests")
+    return s
+
+
+def throughput(backend, work, log) -> float:
+    """All of `work` sent at once through `backend`; its output tokens/s."""
+    from jaxinfer.tools.serving import BenchConfig, run_benchmark, summarize
+
+    s = summarize(run_benchmark(backend, work, BenchConfig(progress=False)))
+    log(f"  {s['output_throughput']:.1f} output tok/s, {s['completed']}/{len(work)} done in {s['duration_s']:.1f} s, "
+        f"ITL p50 {s['itl_ms']['median']:.0f} ms")
+    return s["output_throughput"]
+
+
+def report(res: dict) -> str:
+    L = heading(f"jaxinfer serve vs the library — {res['model']}, engine config {res['engine_config']}, "
+                f"server {res['address']}", res["system"])
+    if "sweep" in res:
+        rows = [[_rate_text(float(s["config"]["request_rate"])), s["completed"], f"{s['duration_s']:.1f}",
+                 f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
+                 *(f"{s[k][q]:.0f}" for k in ("ttft_ms", "itl_ms") for q in ("median", "p99")),
+                 f"{s.get('server_timings_ms', {}).get('ttft', {}).get('median') or 0:.0f}"] for s in res["sweep"]]
+        L += ["", f"rate sweep through the server: {res['num_prompts']} requests per rate, "
+              f"{res['input_len']} prompt + {res['output_len']} output tokens (load after: "
+              f"{res['system'].get('loadavg_after_sweep')})",
+              table(["rate", "done", "dur s", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                     "srv TTFT p50 (ms)"], rows)]
+    o = res.get("overhead")
+    if o:
+        med = o["median"]
+        L += ["", f"overhead: {res['streams']} streams at once, {res['input_len']} + {res['output_len']} tokens, "
+              f"{res['rounds']} alternating rounds",
+              f"median output tok/s: library {med['library']:.1f}, server {med['server']:.1f}; server / library = "
+              f"{o['ratio']:.3f} (per round: {', '.join(f'{x:.3f}' for x in o['per_round'])}); target >= 0.90"]
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    p = parser("python -m benchmarks.bench_figures", __doc__, rounds=3)
     p.add_argument("--engine-config", default="cpu")
     p.add_argument("--rates", default="0.125,0.25,0.5,1,inf", help="request rates of the sweep (req/s)")
     p.add_argument("--num-prompts", type=int, default=16, help="requests per rate")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the overhead comparison")
-    p.add_argument("--rounds", type=int, default=3, help="alternating library / server rounds")
     p.add_argument("--warmup-requests", type=int, default=32)
     p.add_argument("--skip-sweep", action="store_true")
     p.add_argument("--no-server-warmup", action="store_true",
                    help="start the server without compiling every program first (then a round may pay for compiles)")
     p.add_argument("--skip-overhead", action="store_true")
-    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
-    args = p.parse_args(argv)
-    rates = [float(r) for r in args.rates.split(",")]
-
-    from jaxinfer.engine.compile_cache import enable_compilation_cache
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.llm import LLM
-
-    enable_compilation_cache()
-    t_start = time.time()
-    _say(f"# {machine_line()}")
-    proc, address, _ = start_server(args.model, args.engine_config, warmup=not args.no_server_warmup)
-    _say(f"# server {address} ready after {time.time() - t_start:.0f} s")
-    llm = LLM(args.model, engine_config=EngineConfig.preset(args.engine_config))
-    vocab = llm.model_config.vocab_size
-    lib, srv = LibraryBackend(llm), GrpcBackend(address)
-    report: dict = {"model": llm.model_name, "engine_config": args.engine_config, "address": address,
-                    "input_len": args.input_len, "output_len": args.output_len}
-    io = (args.input_len, args.input_len)
-    oo = (args.output_len, args.output_len)
-    try:
-        # warm-up: the batch and page buckets of the runs below, through both paths
-        warm = synthetic_workload(args.warmup_requests, io, (24, 24), vocab, seed=999)
-        quiet = BenchConfig(progress=False)
-        for name, backend in (("library", lib), ("server", srv)):
-            t0 = time.time()
-            run_benchmark(backend, warm, quiet)
-            _say(f"# warm-up through the {name}: {time.time() - t0:.0f} s")
-
-        if not args.skip_sweep:
-            _say(f"\n## rate sweep through the server: {args.num_prompts} requests per rate, "
-                 f"{args.input_len} prompt + {args.output_len} output tokens  ({load_line()})")
-            _say(f"{'rate':>6} {'done':>5} {'dur s':>7} {'req/s':>6} {'out tok/s':>9} "
-                 f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'srv TTFT p50':>12}  (ms)")
-            sweep = []
-            for i, rate in enumerate(rates):
-                work = synthetic_workload(args.num_prompts, io, oo, vocab, seed=100 + i)
-                s = summarize(run_benchmark(srv, work, BenchConfig(request_rate=rate, seed=i, progress=False)))
-                s.pop("requests")
-                sweep.append(s)
-                t, itl, st = s["ttft_ms"], s["itl_ms"], s.get("server_timings_ms", {}).get("ttft", {})
-                _say(f"{_rate_text(rate):>6} {s['completed']:>5} {s['duration_s']:>7.1f} "
-                     f"{s['request_throughput']:>6.2f} {s['output_throughput']:>9.1f} {t['median']:>9.0f} "
-                     f"{t['p99']:>9.0f} {itl['median']:>8.0f} {itl['p99']:>8.0f} {st.get('median') or 0:>12.0f}")
-            report["sweep"] = sweep
-            _say(f"# {load_line()}")
-
-        if not args.skip_overhead:
-            _say(f"\n## overhead: {args.streams} streams at once, {args.input_len} + {args.output_len} tokens, "
-                 f"{args.rounds} alternating rounds  ({load_line()})")
-            def measure(name, backend):
-                def one(r):
-                    work = synthetic_workload(args.streams, io, oo, vocab, seed=1000 + 11 * r)
-                    s = summarize(run_benchmark(backend, work, BenchConfig(progress=False)))
-                    _say(f"round {r + 1} {name:<7}: {s['output_throughput']:7.1f} output tok/s, "
-                         f"{s['completed']}/{args.streams} done in {s['duration_s']:.1f} s, "
-                         f"ITL p50 {s['itl_ms']['median']:.0f} ms  ({load_line()})")
-                    return s["output_throughput"]
-                return one
-
-            tps = alternate({"library": measure("library", lib), "server": measure("server", srv)}, args.rounds)
-            med = {k: median(v) for k, v in tps.items()}
-            ratio = med["server"] / med["library"]
-            per_round = [s / l for s, l in zip(tps["server"], tps["library"])]
-            _say(f"median output tok/s: library {med['library']:.1f}, server {med['server']:.1f}; "
-                 f"server / library = {ratio:.3f} (per round: {', '.join(f'{x:.3f}' for x in per_round)}); "
-                 f"target >= 0.90")
-            report["overhead"] = {"output_tok_s": tps, "median": med, "ratio": ratio, "per_round": per_round}
-    finally:
-        llm.close()
-        stop_server(proc)
-    _say(f"# total {time.time() - t_start:.0f} s; {load_line()}")
-    if args.json:
-        write_json(args.json, report)
-    return 0
+    return run(measure, report, p.parse_args(argv))
 
 
 if __name__ == "__main__":
