@@ -32,7 +32,7 @@ import importlib.util
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 
@@ -246,6 +246,18 @@ def find_hf_python(flag: Optional[str], off: Optional[str] = None) -> tuple:
         "(a Python with torch, transformers, accelerate and gguf), or install '.[reference]'"))
 
 
+def start_hf_peer(b: Bench, what: str, make: Callable[[str], Worker]) -> tuple:
+    """(the transformers peer ``make(interpreter)`` or None, the interpreter or why it is skipped): where
+    ``--hf-python`` / ``JAXINFER_HF_PYTHON`` / this interpreter has torch, unless ``--no-hf``; a peer that
+    fails to start is recorded by `Bench.start`."""
+    python, why = find_hf_python(b.args.hf_python, off=b.args.no_hf and "--no-hf")
+    if not python:
+        b.log(f"transformers peer {why}")
+        return None, why
+    b.log(f"starting the transformers peer ({python}; {what})")
+    return b.start("transformers", lambda: make(python)), python
+
+
 class HFPeer(Worker):
     """The transformers worker process (hf_peer.py), driven one JSON line per round."""
 
@@ -306,17 +318,10 @@ def measure(b: Bench) -> None:
 
 def peer_rounds(b: Bench, llm, prompt, batch_prompts) -> None:
     """jaxinfer's rounds (`jax_round`) alternating with the transformers peer's, where it runs; their medians."""
-    a, res, log = b.args, b.figures, b.log
-    hf_python, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
-    res["transformers_python"] = hf_python or why
+    a, res = b.args, b.figures
+    peer, res["transformers_python"] = start_hf_peer(b, "load + one warm-up round", lambda py: HFPeer(
+        py, str(resolve_model(a.model).path), a.threads, a.attn, prompt, batch_prompts, a.decode_tokens))
     systems = {"jaxinfer": lambda i: jax_round(llm, prompt, batch_prompts, a.decode_tokens)}
-    peer = None
-    if hf_python:
-        log(f"starting the transformers peer ({hf_python}; load + one warm-up round)")
-        peer = b.start("transformers", lambda: HFPeer(hf_python, str(resolve_model(a.model).path), a.threads, a.attn,
-                                                      prompt, batch_prompts, a.decode_tokens))
-    else:
-        log(f"transformers peer {why}")
     if peer is not None:
         systems["transformers"] = lambda i: peer.round()
     c0 = compile_count()

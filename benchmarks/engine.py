@@ -48,7 +48,7 @@ from jaxinfer.loading.weights import resolve_model
 from jaxinfer.tools.harness import (Bench, Worker, alternate, compare, dropping, fmt, heading, load_average, medians,
                                    parser, run, settle, table, target, targets_block, timings)
 
-from benchmarks.core import (HF_PEER, StepBench, batch_round, common_prefix, find_hf_python, greedy, hf_flags,
+from benchmarks.core import (HF_PEER, StepBench, batch_round, common_prefix, greedy, hf_flags, start_hf_peer,
                              step_rounds, twin)
 
 
@@ -134,13 +134,8 @@ def bench_throughput(llm, b: Bench, ids: Ids) -> dict:
     batch_round(llm, [ids(plen) for _ in range(n_req)], n)
     warm = {"warmup_s": time.perf_counter() - t0, "programs_compiled": compile_count() - c0}
 
-    python, why = find_hf_python(a.hf_python, off=a.no_hf and "--no-hf")
-    peer = None
-    if python:
-        log(f"[1] starting transformers ({python}; load + a short warm-up generate at batch {n_req})")
-        peer = b.start("transformers", lambda: BatchPeer(python, str(resolve_model(a.model).path), a.threads, a.attn,
-                                                         hf_prompts, n, a.hf_dtype))
-        why = python  # where it fails (to start or in a round), the final figure says why: b.figures["skipped"]
+    peer, why = start_hf_peer(b, f"load + a short warm-up generate at batch {n_req}", lambda py: BatchPeer(
+        py, str(resolve_model(a.model).path), a.threads, a.attn, hf_prompts, n, a.hf_dtype))
 
     # round 1 uses transformers' prompts (for the token check); later rounds fresh ids, so no prefix hits
     systems = {"jaxinfer": lambda i: batch_round(llm, hf_prompts if i == 0 else [ids(plen) for _ in range(n_req)], n)}

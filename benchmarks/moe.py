@@ -16,7 +16,6 @@ and at larger batches what the union of the chosen experts costs.
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from jaxinfer.ops.spec import init_random
 from jaxinfer.stats import median
 from jaxinfer.tools.harness import Bench, heading, parser, run
 
-from benchmarks.engine import steady_window
+from benchmarks.engine import Ids, steady_window
 
 
 def configs(a) -> tuple[ModelConfig, ModelConfig]:
@@ -55,11 +54,7 @@ def measure(b: Bench) -> None:
     ecfg = engine_preset().replace(dtype=a.dtype, max_num_seqs=max(a.batches),
                                    batch_buckets=tuple(sorted({1, *a.batches})))
     llms = {"moe": build(moe, ecfg), "dense": build(dense, ecfg)}
-    rng = random.Random(0)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(10, a.vocab) for _ in range(n)]
-
+    ids = Ids(a.vocab, 0)  # fresh random prompts, away from the vocabulary's special ends
     b.figures.update(moe=describe(moe), dense=describe(dense), step_ms={})
     for n in a.batches:
         for llm in llms.values():  # compile and settle this batch size once

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -54,7 +53,7 @@ def measure(b: Bench) -> None:
     import jaxinfer  # after main set XLA_FLAGS: JAX reads them when it starts
     from jaxinfer.config import DEFAULT_MODEL, EngineConfig
 
-    from benchmarks.engine import steady_window
+    from benchmarks.engine import Ids, steady_window
 
     model = a.model or DEFAULT_MODEL
     jaxinfer.LLM(model, dtype=a.dtype).close()  # fill the model cache before the probes
@@ -63,12 +62,7 @@ def measure(b: Bench) -> None:
     b.figures["loads"] = {tp: load_probe(model, a.dtype, tp, a.devices) for tp in a.sizes}
     ecfg = EngineConfig.preset("cpu").replace(dtype=a.dtype, max_num_seqs=max(a.batches), num_pages=256)
     llms = {tp: jaxinfer.LLM(model, engine_config=ecfg.replace(tensor_parallel_size=tp)) for tp in a.sizes}
-    vocab = llms[a.sizes[0]].model_config.vocab_size
-    rng = random.Random(0)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(n)]
-
+    ids = Ids(llms[a.sizes[0]].model_config.vocab_size, 0)  # fresh random prompts, away from the special ends
     for n in a.batches:
         for llm in llms.values():  # compile and settle this batch size once
             steady_window(llm, n, 32, ids, skip=2, window=4)
