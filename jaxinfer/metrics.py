@@ -127,7 +127,8 @@ def format_trace(s: dict, where: str = "") -> str:
 
 # -- each step against its physical floor (`jaxinfer.engine.roofline`) ------------------------------
 
-ROOFLINE_KINDS = ("prefill", "decode")
+# a ragged step's kind: its rows all prompt chunks, all decode rows, or both
+ROOFLINE_KINDS = ("prefill", "decode", "mixed")
 # upper bounds of the `floor / measured` histogram (Prometheus ``step_roofline_fraction``)
 ROOFLINE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 

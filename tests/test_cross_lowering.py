@@ -26,7 +26,7 @@ WEIGHTS = {  # name -> (engine dtype, quantization)
     "float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
 }
-KINDS = ("prefill", "decode")
+KINDS = ("step", "decode")  # the engine's ragged step (chunks and decode rows); the library's [B, 1] decode
 
 
 @functools.lru_cache(maxsize=None)

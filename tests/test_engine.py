@@ -351,36 +351,32 @@ def test_nothing_compiles_after_warmup_under_a_random_mixed_workload(tmp_path):
 
 @pytest.mark.parametrize("max_model_len", [None, 100])
 def test_cpu_preset_program_list_is_short_and_covers_every_step_shape(max_model_len):
-    """The cpu preset's whole program list stays small, and every padded shape the runner can
-    produce (any batch up to max_num_seqs, any chunk within the prefill area, any context up to
-    max_model_len) is in it; a shorter max_model_len drops the chunk and page sizes it cannot reach."""
-    from jaxinfer.engine.buckets import bucket_for
+    """The cpu preset's whole program list stays small (at most 32 ragged step programs), and every
+    padded shape a step can take is in it: any mix of decode rows and prompt chunks, from one token of
+    one request up to the token budget over max_num_seqs requests, at any context up to max_model_len
+    (the page table goes at full width, so the context is no key)."""
     from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.buckets import bucket_for, token_budget
 
     ecfg = EngineConfig.preset("cpu").replace(num_pages=64, dtype="float32", max_model_len=max_model_len)
     eng = Engine(ModelRunner(TINY, ecfg, tiny_params()), autostart=False)
-    keys = {(k.kind, k.batch, k.tokens, k.pages) for k in eng.program_keys()}
+    keys = set(eng.program_keys())
     table = eng.runner.programs
     limit = eng.runner.max_model_len
     assert limit == min(TINY.max_position_embeddings, max_model_len or 10**9, 63 * ecfg.page_size)
-    if table.full_width:  # the CPU kernel reads row lengths; the pure-JAX path keeps page buckets
-        assert len(keys) <= 32, len(keys)
-    cb = ecfg.chunk_buckets
-    longest_chunk = min(limit - 1, cb[-1])
-    reachable = [t for i, t in enumerate(cb) if (cb[i - 1] if i else 0) < longest_chunk]
-    assert {k[2] for k in keys if k[0] == "prefill"} == set(reachable)
-    assert max(k[3] for k in keys) == bucket_for(-(-limit // ecfg.page_size), ecfg.page_buckets)
-    for n in range(1, ecfg.max_num_seqs + 1):
-        b = bucket_for(n, ecfg.batch_buckets)
-        for ctx in (1, min(200, limit), limit):
-            p = table.page_width(-(-ctx // ecfg.page_size))
-            assert ("decode", b, 1, p) in keys
-        for t in reachable:
-            if b * t > eng.scheduler.prefill_area:
-                continue
-            for ctx in (min(t, limit), min(t + 100, limit), limit):
-                p = table.page_width(-(-ctx // ecfg.page_size))
-                assert ("prefill", b, t, p) in keys
+    assert len(keys) <= 32, len(keys)
+    assert {k.kind for k in keys} == {"step"}
+    assert {k.pages for k in keys} == {bucket_for(-(-limit // ecfg.page_size), ecfg.page_buckets)}
+    budget = token_budget(ecfg)
+    assert eng.scheduler.budget == budget == ecfg.max_num_batched_tokens
+    rng = np.random.default_rng(0)
+    for tokens in list(range(1, 70)) + sorted(rng.integers(70, budget + 1, 60).tolist()) + [budget]:
+        for requests in {1, min(tokens, ecfg.max_num_seqs), int(rng.integers(1, min(tokens, ecfg.max_num_seqs) + 1))}:
+            for ctx in (1, limit):
+                key = table.step_key(tokens, requests, -(-ctx // ecfg.page_size))
+                assert key in keys and key.tokens >= tokens and key.batch >= requests
+    with pytest.raises(ValueError, match="step tokens"):
+        table.step_key(budget + 1, 1, 1)
 
 
 def test_stats_line_reads_like_vllm(tiny_llm):
@@ -446,16 +442,22 @@ def test_a_hand_built_request_longer_than_the_context_is_refused_at_submit(tiny_
     assert len(ok.outputs[0].token_ids) >= 1
 
 
-def test_an_engine_that_could_never_prefill_is_refused_at_construction():
-    """Batch bucket 4 x chunk bucket 8 is 32 tokens; a step budget of 16 could never admit a prompt
-    (the engine used to spin forever on it)."""
+def test_a_step_budget_below_the_padded_prefill_area_still_prefills_long_prompts():
+    """Batch bucket 4 x chunk bucket 8 was a 32-token prefill shape that a 16-token step budget could
+    never admit (the engine once spun forever on it, then refused the config). A ragged step pads only
+    its token count, so a 30-token prompt goes in budget-sized chunks and draws what it draws alone
+    on a roomy engine."""
+    prompt = list(range(3, 33))
     r = runner()
     r.ecfg = TINY_ENGINE.replace(batch_buckets=(4,), chunk_buckets=(8,))
     try:
-        with pytest.raises(ValueError, match=r"smallest prefill shape \(batch bucket 4 x chunk bucket 8 = 32 tokens\)"):
-            Engine(r, max_num_batched_tokens=16, autostart=False)
+        eng = Engine(r, max_num_batched_tokens=16, autostart=False)
+        assert eng.scheduler.budget == 8  # the largest token bucket bounds a step
+        s = eng.submit(make(prompt, 5))
+        got = run_until_done(eng, [s])[0].outputs[0].token_ids
     finally:
         r.ecfg = TINY_ENGINE
+    assert got == alone(prompt, 5)
 
 
 def test_pages_behind_a_sliding_window_are_given_back_without_changing_a_token():
@@ -500,7 +502,7 @@ def test_runners_of_the_same_model_share_their_programs_in_a_process():
     (no second compile, no deserializing its own copy from the program cache)."""
     a = ModelRunner(TINY, TINY_ENGINE, tiny_params())
     b = ModelRunner(TINY, TINY_ENGINE, tiny_params(seed=1))  # other values, same shapes
-    key = [k for k in a.programs.keys(64) if k.kind == "decode"][0]
+    key = a.programs.keys()[0]
     prog = a.programs.get(key)
     loaded = b.programs.loaded_from_disk
     assert b.programs.get(key) is prog and b.programs.loaded_from_disk == loaded

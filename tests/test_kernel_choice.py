@@ -90,9 +90,8 @@ def test_the_engine_decides_once_and_the_program_key_follows_the_choice(tiny_llm
     native = ProgramTable(runner, kernels=KernelChoice.for_platform("cpu"))
     same = ProgramTable(runner, kernels=table.kernels)
     assert pure.fingerprint != native.fingerprint and same.fingerprint == table.fingerprint
-    assert not pure.full_width  # the pure-JAX attention gathers every page: page buckets
-    assert native.full_width  # the CPU kernel stops at each row's length: one full-width page table
-    assert table.full_width == table.kernels.cpu_attention
+    # both attention paths stop at each request's context: one full-width page table, pages no key
+    assert pure.keys() == native.keys() and {k.pages for k in native.keys()} == {native.page_buckets[-1]}
 
 
 def test_the_key_hashes_device_sources_only(tmp_path):
@@ -240,11 +239,9 @@ def _decode_product_rows(llm, batch: int = 2) -> set:
 
     import jax
 
-    from jaxinfer.engine.programs import ProgramKey
 
     runner, table = llm.engine.runner, llm.engine.runner.programs
-    key = (table.step_key(batch, batch, 1) if hasattr(table, "step_key")  # the ragged step: one token a row
-           else ProgramKey("decode", batch, 1, table.page_width(1)))
+    key = table.step_key(batch, batch, 1)  # a decode step: one token a request
     fn, args = table._abstract_args(key)
     with jax.set_mesh(runner.mesh):
         text = fn.lower(*args, cfg=runner.cfg, kernels=table.kernels).as_text()

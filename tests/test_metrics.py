@@ -33,13 +33,14 @@ def llm():
 @pytest.fixture()
 def slow_decode(llm, monkeypatch):
     """Every decode step takes at least 20 ms, so a request is still running when the client cancels it."""
-    real = llm.runner.decode
+    real = llm.runner.step
 
-    def decode(reqs):
-        time.sleep(0.02)
-        return real(reqs)
+    def step(decodes, chunks):
+        if decodes:
+            time.sleep(0.02)
+        return real(decodes, chunks)
 
-    monkeypatch.setattr(llm.runner, "decode", decode)
+    monkeypatch.setattr(llm.runner, "step", step)
 
 
 def prompt(i: int, n: int) -> list:

@@ -388,13 +388,14 @@ def test_a_bad_request_leaves_the_others_unharmed(server, llm):
 
 @pytest.fixture()
 def slow_decode(llm, monkeypatch):
-    real = llm.runner.decode
+    real = llm.runner.step
 
-    def decode(reqs):
-        time.sleep(0.02)
-        return real(reqs)
+    def step(decodes, chunks):
+        if decodes:
+            time.sleep(0.02)
+        return real(decodes, chunks)
 
-    monkeypatch.setattr(llm.runner, "decode", decode)
+    monkeypatch.setattr(llm.runner, "step", step)
 
 
 def _aborted(llm) -> int:
@@ -646,10 +647,10 @@ sys.path.insert(0, {tests!r})
 from openai_models import sp_llm
 from jaxinfer.server import ServerConfig, serve
 llm = sp_llm(pathlib.Path(tempfile.mkdtemp()))
-real = llm.runner.decode
-def slow(reqs):
-    import time; time.sleep(0.02); return real(reqs)
-llm.runner.decode = slow
+real = llm.runner.step
+def slow(decodes, chunks):
+    import time; time.sleep(0.02 if decodes else 0); return real(decodes, chunks)
+llm.runner.step = slow
 serve(llm, ServerConfig(port=0, http_port=0, grace_period=20),
       ready=lambda s: print("READY", s.port, s.http_port, flush=True))
 llm.close()

@@ -170,8 +170,9 @@ def test_every_step_takes_at_least_its_floor(served):
     for o in outs:
         steps = o.metrics.steps
         kinds = {s[0] for s in steps}
-        assert kinds == {"prefill", "decode"}
-        assert sum(1 for s in steps if s[0] == "decode") == o.metrics.decode_steps
+        # ragged steps: prompt chunks alone, decode rows alone, or both ("mixed")
+        assert kinds <= {"prefill", "decode", "mixed"} and kinds & {"prefill", "mixed"} and kinds & {"decode", "mixed"}
+        assert len(steps) == len(o.metrics.prefill_chunks) + o.metrics.decode_steps  # every step it was in, once
         for kind, tokens, measured, floor in steps:
             assert tokens >= 1 and 0 < floor <= measured
 

@@ -60,13 +60,14 @@ def client(server):
 @pytest.fixture()
 def slow_decode(llm, monkeypatch):
     """Make every decode step take at least 20 ms, so requests stay in flight long enough to act on."""
-    real = llm.runner.decode
+    real = llm.runner.step
 
-    def decode(reqs):
-        time.sleep(0.02)
-        return real(reqs)
+    def step(decodes, chunks):
+        if decodes:
+            time.sleep(0.02)
+        return real(decodes, chunks)
 
-    monkeypatch.setattr(llm.runner, "decode", decode)
+    monkeypatch.setattr(llm.runner, "step", step)
 
 
 def prompt(i: int, n: int = 6) -> list:
@@ -504,10 +505,10 @@ import jaxinfer
 from conftest import TINY, TINY_ENGINE, tiny_params
 from jaxinfer.server import ServerConfig, serve
 llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE)
-real = llm.runner.decode
-def slow(reqs):
-    import time; time.sleep(0.02); return real(reqs)
-llm.runner.decode = slow
+real = llm.runner.step
+def slow(decodes, chunks):
+    import time; time.sleep(0.02 if decodes else 0); return real(decodes, chunks)
+llm.runner.step = slow
 serve(llm, ServerConfig(port=0, grace_period=20), ready=lambda s: print("READY", s.port, flush=True))
 llm.close()
 print("STOPPED", flush=True)

@@ -474,7 +474,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     try:
         table = llm.engine.runner.programs
         keys = llm.engine.program_keys()
-        attention = "CPU kernel, full-width page table" if table.full_width else "pure-JAX gather, page buckets"
+        attention = "CPU kernel" if table.kernels.cpu_attention else "pure JAX"
         if args.list:
             lines = [f"{len(keys)} programs for {llm.model_name} ({llm.engine_config.name} preset, "
                      f"{llm.engine_config.dtype}, attention: {attention}); cache: {table.cache_dir() or 'off'}"]

@@ -31,12 +31,11 @@ from typing import Optional
 
 import jax
 
-from jaxinfer.engine.buckets import bucket_for, pages_needed
+from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.engine.engine_stats import EngineStats
 from jaxinfer.engine.distributed import to_host
 from jaxinfer.outputs import Logprob, StreamDelta
 from jaxinfer.engine.page_allocator import PageAllocator
-from jaxinfer.engine.programs import ProgramKey
 from jaxinfer.engine.request import Request, TokenRef
 from jaxinfer.engine.roofline import EngineRoofline
 from jaxinfer.engine.runner import ModelRunner, read_output
@@ -310,12 +309,20 @@ class Engine:
         sched = self.scheduler.schedule()
         now = time.perf_counter()
         n_before = len(self._pending)
-        if sched.prefill:
-            out = self.runner.prefill(sched.prefill)
+        if not sched.empty:  # one ragged step: the decode rows, then the prefill chunks
+            out = self.runner.step(sched.decode, sched.prefill)
             if self.roofline is not None:
-                self.roofline.prefill(sched.prefill, out.tokens, self.runner.dispatched_at)
+                self.roofline.step(sched.decode, sched.prefill, out.tokens, self.runner.dispatched_at)
             rows, scored = [], []
-            for i, c in enumerate(sched.prefill):
+            for i, r in enumerate(sched.decode):
+                r.num_computed += 1
+                r.num_sampled += 1
+                r.last_token = TokenRef(out.tokens, i)
+                r.metrics.decode_steps += 1
+                rows.append((r, i))
+            at = len(sched.decode)  # the first chunk's first token in the step's flat list
+            for j, c in enumerate(sched.prefill):
+                i = len(sched.decode) + j
                 r = c.request
                 if r.metrics.scheduled_time is None:
                     r.metrics.scheduled_time = now
@@ -324,24 +331,15 @@ class Engine:
                 r.num_computed += new
                 self.stats.prompt_tokens += new
                 if r.prompt_logprobs is not None and c.start + 1 < r.prompt_len:
-                    scored.append((r, i, c.start, c.length))
+                    scored.append((r, at, c.start, c.length))
                 if r.prefill_done:
                     r.num_sampled += 1
                     r.last_token = TokenRef(out.tokens, i)
                     rows.append((r, i))
                 self.scheduler.register_full_pages(r)
+                at += c.length
             if rows or scored:
                 self._pending.append((rows, out, scored))
-        if sched.decode:
-            out = self.runner.decode(sched.decode)
-            if self.roofline is not None:
-                self.roofline.decode(sched.decode, out.tokens, self.runner.dispatched_at)
-            for i, r in enumerate(sched.decode):
-                r.num_computed += 1
-                r.num_sampled += 1
-                r.last_token = TokenRef(out.tokens, i)
-                r.metrics.decode_steps += 1
-            self._pending.append(([(r, i) for i, r in enumerate(sched.decode)], out, ()))
         self.stats.steps += 1
         # read everything but what this step dispatched: the device stays busy meanwhile
         keep = len(self._pending) - n_before
@@ -424,7 +422,7 @@ class Engine:
 
     def program_keys(self) -> list:
         """Every step program the engine can run (`jaxinfer.engine.programs.ProgramKey`), in one list."""
-        return self.runner.programs.keys(self.scheduler.prefill_area)
+        return self.runner.programs.keys()
 
     def request_program_keys(self, prompt_len: int, max_tokens: int, prompt_logprobs: bool = False) -> list:
         """The programs one request run alone needs: its prefill chunks and its decode steps.
@@ -432,17 +430,15 @@ class Engine:
         ``prompt_logprobs``: the request asks for them, so its chunks after the first start a
         token back (`jaxinfer.engine.scheduler.overlap`)."""
         e, table = self.ecfg, self.runner.programs
-        b = bucket_for(1, e.batch_buckets)
         keys = set()
         start = 0
         while start < prompt_len:
             back = int(prompt_logprobs and start > 0)
             n = min(prompt_len - start, self.scheduler.budget - back, self.scheduler.max_chunk - back)
-            width = table.page_width(pages_needed(start + n, e.page_size))
-            keys.add(ProgramKey("prefill", b, bucket_for(n + back, e.chunk_buckets), width))
+            keys.add(table.step_key(n + back, 1, pages_needed(start + n, e.page_size)))
             start += n
         for context in range(prompt_len + 1, prompt_len + max(max_tokens, 1)):
-            keys.add(ProgramKey("decode", b, 1, table.page_width(pages_needed(context, e.page_size))))
+            keys.add(table.step_key(1, 1, pages_needed(context, e.page_size)))
         return sorted(keys)
 
     def warmup(self) -> int:
@@ -461,9 +457,10 @@ class Engine:
 def read_prompt_logprobs(out, scored) -> None:
     """Fill ``Request.prompt_logprobs`` from a prefill step's output (`jaxinfer.engine.step.prompt_logprobs`).
 
-    ``scored``: [(request, row, chunk start, chunk length)]. Chunk index j scores the token at
-    position start + j + 1; positions past the prompt (a recompute after preemption) are not
-    prompt tokens and are left out, and one already filled is filled again with the same value.
+    ``scored``: [(request, the chunk's first token in the step, chunk start, chunk length)]. Chunk
+    index j scores the token at position start + j + 1; positions past the prompt (a recompute after
+    preemption) are not prompt tokens and are left out, and one already filled is filled again with
+    the same value.
     """
     lp, ids, top = to_host(out.prompt_logprob), to_host(out.prompt_top_ids), to_host(out.prompt_top_logprobs)
     rank = to_host(out.prompt_rank)
@@ -474,5 +471,5 @@ def read_prompt_logprobs(out, scored) -> None:
         prompt = r.prompt_ids
         for j in range(min(length - 1, r.prompt_len - 1 - start)):
             p = start + j + 1
-            alts = {int(t): float(v) for t, v in zip(ids[i, j, :k], top[i, j, :k])}
-            r.prompt_logprobs[p] = Logprob(prompt[p], float(lp[i, j]), alts, int(rank[i, j]))
+            alts = {int(t): float(v) for t, v in zip(ids[i + j, :k], top[i + j, :k])}
+            r.prompt_logprobs[p] = Logprob(prompt[p], float(lp[i + j]), alts, int(rank[i + j]))

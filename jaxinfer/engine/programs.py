@@ -1,12 +1,16 @@
 """The program table: every XLA program the engine runs, listed in advance and compiled ahead of time.
 
-A program is one of the two step functions (`jaxinfer.engine.step`) at one padded
-shape, named by a `ProgramKey` (kind, batch rows, tokens per row, page-table
-width). Sampler settings, logprobs counts, prompt logprobs (a `lax.cond` on a
-data flag inside every prefill program) and context lengths are data, so
-the list depends only on the engine config: `ProgramTable.keys()` is the
-whole set (22 programs for the ``cpu`` preset), printed by ``jaxinfer
-programs`` and compiled by `ProgramTable.warmup`.
+A program is the ragged step (`jaxinfer.engine.step.ragged_step`: every scheduled token of every
+request in one flat list, decode rows and prefill chunks alike) at one padded shape, named by a
+`ProgramKey` (requests, tokens, page-table width). Steps are padded only by their token count, to a
+token bucket (`ProgramTable.token_buckets`: the batch buckets, then the chunk buckets), and by
+their request count, to a request bucket a step of that many tokens can take
+(`ProgramTable.request_buckets`). The page table goes at full width: both attention paths stop at
+each request's context (the CPU kernel per row; the pure-JAX path skips the blocks past the step's
+last position), so pages are no compile key. Sampler settings, logprobs counts, prompt logprobs (a
+`lax.cond` on a data flag) and context lengths are data, so the list depends only on the engine
+config: `ProgramTable.keys()` is the whole set (27 programs for the ``cpu`` preset), printed by
+``jaxinfer programs`` and compiled by `ProgramTable.warmup`.
 
 The runner dispatches every step through this table (`ProgramTable.get`), so
 nothing is traced at serving time. Each program is lowered and compiled with
@@ -51,7 +55,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import step
 from jaxinfer.env import cpu_flags
 from jaxinfer.ops import backend
-from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.attention import RaggedMetadata
+from jaxinfer.engine import buckets
 from jaxinfer.engine.buckets import bucket_for, pages_needed
 from jaxinfer.engine.compile_cache import cache_root, caching_enabled, jax_cache_active
 from jaxinfer.ops.mesh import cache_sharding, replicated
@@ -59,14 +64,14 @@ from jaxinfer.engine.sampling import build_metadata
 
 log = logging.getLogger("jaxinfer")
 
-FORMAT = 4  # bump when the serialized program layout changes, or the step's arguments (`_abstract_args`)
+FORMAT = 5  # bump when the serialized program layout changes, or the step's arguments (`_abstract_args`)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class ProgramKey:
-    kind: str  # "prefill" | "decode"
-    batch: int  # padded rows
-    tokens: int  # padded tokens per row (1 for decode)
+    kind: str  # "step": the ragged step
+    batch: int  # padded requests
+    tokens: int  # padded tokens of the step
     pages: int  # page-table width
 
     def __str__(self) -> str:
@@ -121,14 +126,6 @@ class ProgramTable:
 
     # -- the list --------------------------------------------------------------------
 
-    @property
-    def full_width(self) -> bool:
-        """Whether the page table goes at full width (the attention reads each row's length)."""
-        r = self.runner
-        shards = r.layout.shards  # one device's heads
-        return self.kernels.reads_row_lengths(r.cfg.num_heads // shards, r.cfg.num_kv_heads // shards,
-                                              r.cfg.head_dim, self.ecfg.cache_dtype, self.ecfg.page_size)
-
     @functools.cached_property
     def page_buckets(self) -> tuple[int, ...]:
         """The page buckets up to the first that holds a whole context (``max_model_len`` tokens)."""
@@ -136,47 +133,26 @@ class ProgramTable:
         top = bucket_for(pages_needed(self.runner.max_model_len, e.page_size), e.page_buckets, "pages attended")
         return tuple(p for p in e.page_buckets if p <= top)
 
-    @functools.cached_property
-    def chunk_buckets(self) -> tuple[int, ...]:
-        """The chunk buckets a prompt chunk can pad to: none beyond the one a whole prompt fits in."""
-        e = self.ecfg
-        longest = min(self.runner.max_model_len - 1, e.chunk_buckets[-1])
-        top = bucket_for(max(longest, 1), e.chunk_buckets)
-        return tuple(t for t in e.chunk_buckets if t <= top)
-
     def page_width(self, need: int) -> int:
-        """The page-table width for a step whose longest row needs ``need`` pages."""
-        buckets = self.page_buckets
-        if self.full_width:
-            if need > buckets[-1]:
-                raise ValueError(f"pages attended {need} exceeds the largest bucket ({buckets[-1]})")
-            return buckets[-1]
-        return bucket_for(need, buckets, "pages attended")
+        """The page-table width of every step: the largest page bucket (a ValueError naming it when a
+        request needs more pages)."""
+        top = self.page_buckets[-1]
+        if need > top:
+            raise ValueError(f"pages attended {need} exceeds the largest bucket ({top})")
+        return top
 
-    def batch_buckets(self) -> list[int]:
-        e = self.ecfg
-        top = bucket_for(min(e.max_num_seqs, e.batch_buckets[-1]), e.batch_buckets)
-        return [b for b in e.batch_buckets if b <= top]
+    def step_key(self, tokens: int, requests: int, pages: int) -> ProgramKey:
+        """The program of a step of ``tokens`` real tokens from ``requests`` requests, the longest
+        needing ``pages`` pages (`jaxinfer.engine.buckets`: token and request buckets)."""
+        t = bucket_for(tokens, buckets.token_buckets(self.ecfg), "step tokens")
+        r = bucket_for(requests, buckets.request_buckets(self.ecfg, t), "step requests")
+        return ProgramKey("step", r, t, self.page_width(pages))
 
-    def keys(self, prefill_area: int) -> list[ProgramKey]:
-        """Every program a workload can reach: prefill (batch x chunk [x pages]) and decode (batch [x pages]).
-
-        ``prefill_area`` bounds a prefill's padded rows x chunk (the scheduler's `prefill_area`).
-        """
-        e = self.ecfg
-        area = prefill_area
-        batches = self.batch_buckets()
-        out = []
-        prev_t = 0
-        for t in self.chunk_buckets:
-            # a chunk of this bucket is longer than the previous bucket, so it attends at least that many pages
-            min_pages = self.page_width(pages_needed(prev_t + 1, e.page_size))
-            widths = [min_pages] if self.full_width else [p for p in self.page_buckets if p >= min_pages]
-            out += [ProgramKey("prefill", b, t, p) for b in batches if b * t <= area for p in widths]
-            prev_t = t
-        widths = list(self.page_buckets[-1:] if self.full_width else self.page_buckets)
-        out += [ProgramKey("decode", b, 1, p) for b in batches for p in widths]
-        return out
+    def keys(self) -> list[ProgramKey]:
+        """Every program a workload can reach: each token bucket with each request bucket it takes."""
+        width = self.page_buckets[-1]
+        return [ProgramKey("step", r, t, width) for t in buckets.token_buckets(self.ecfg)
+                for r in buckets.request_buckets(self.ecfg, t)]
 
     # -- dispatch --------------------------------------------------------------------
 
@@ -240,7 +216,7 @@ class ProgramTable:
 
     def _abstract_args(self, key: ProgramKey):
         r = self.runner
-        b, t, p = key.batch, key.tokens, key.pages
+        b, n, p = key.batch, key.tokens, key.pages
         rep = replicated(r.mesh)  # host inputs go to every device
 
         def host(*shape, dtype=jnp.int32):
@@ -248,13 +224,10 @@ class ProgramTable:
 
         md = _sds(build_metadata([None] * b, b, num_slots=self.ecfg.max_num_seqs,
                                  max_logprobs=self.ecfg.max_logprobs, vocab_size=r.model_cfg.vocab_size), rep)
-        attn = AttentionMetadata(host(b, t), host(b, t), host(b, p), host(b))
+        attn = RaggedMetadata(host(n), host(n), host(b + 1), host(b, p), host(b))
         state = (_sds(r.params), _sds(r.kv_cache), _sds(r.sampler_state))
         fn = step.on_mesh(key.kind, cache_sharding(r.mesh), rep)
-        if key.kind == "prefill":
-            args = (*state, host(b, t), attn, host(b), md)
-        else:
-            args = (*state, host(b), host(b, dtype=jnp.bool_), attn, md)
+        args = (*state, host(n), host(n, dtype=jnp.bool_), attn, host(b), host(b, dtype=jnp.bool_), md)
         return fn, args
 
     def _load_or_compile(self, key: ProgramKey):

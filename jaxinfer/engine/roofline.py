@@ -160,7 +160,7 @@ def measure_peaks(buffer_bytes: int = BUFFER_BYTES, reps: int = 5, native_kernel
     mat = buf[: (n // 4096) * 4096].reshape(-1, 4096)
     vec = np.ones(4096, np.float32)
     reads["numpy BLAS gemv"] = mat.nbytes / _best(lambda: mat @ vec, reps) / 1e9
-    del mat
+    mat = None  # free it (not del: the timed lambda names it)
     dev = jnp.asarray(buf)
     del buf
     xsum = jax.jit(jnp.sum)
@@ -182,7 +182,7 @@ def measure_peaks(buffer_bytes: int = BUFFER_BYTES, reps: int = 5, native_kernel
         xk = jnp.ones((256, 1024), jnp.float32)
         flops["native matmul 256x1024x4096"] = (
             2 * 256 * 1024 * 4096 / _best(lambda: one(xk, wk).block_until_ready(), reps) / 1e9)
-    del dev
+    dev = None  # free it (not del: the timed lambda names it)
     bw_method = max(reads, key=reads.get)
     fl_method = max(flops, key=flops.get)
     return MachinePeaks(reads[bw_method], flops[fl_method], bw_method, fl_method,
@@ -546,6 +546,23 @@ class EngineRoofline:
                 logits += 1
         self.program("prefill", [c.length for c in chunks], [c.start for c in chunks], logits,
                      [c.request for c in chunks], output, dispatched)
+
+    def step(self, decodes: Sequence[Any], chunks: Sequence[Any], output: Any, dispatched: float) -> None:
+        """A ragged step: ``decodes`` (one token each after ``num_computed``) then ``chunks``
+        (`jaxinfer.engine.scheduler.PrefillChunk`: ``length`` tokens after ``start``); logits at each
+        decode row, where a chunk ends its prompt, or at every chunk position for prompt logprobs.
+        Its kind: "decode", "prefill" or "mixed"."""
+        logits = len(decodes)
+        for c in chunks:
+            r = c.request
+            if r.prompt_logprobs is not None:
+                logits += c.length
+            elif c.start + c.length >= r.prefill_target:
+                logits += 1
+        kind = "mixed" if decodes and chunks else "decode" if decodes else "prefill"
+        self.program(kind, [1] * len(decodes) + [c.length for c in chunks],
+                     [r.num_computed for r in decodes] + [c.start for c in chunks], logits,
+                     list(decodes) + [c.request for c in chunks], output, dispatched)
 
     def decode(self, reqs: Sequence[Any], output: Any, dispatched: float) -> None:
         """A decode program: one token per request after its ``num_computed`` cached ones."""

@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxinfer.ops import backend
 from jaxinfer.engine import distributed
-from jaxinfer.ops.attention import AttentionMetadata
-from jaxinfer.engine.buckets import bucket_for, pages_needed
+from jaxinfer.ops.attention import RaggedMetadata
+from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.distributed import to_host
 from jaxinfer.ops.kv_cache import init_cache, slots_for
@@ -83,17 +83,6 @@ class ModelRunner:
 
     # -- padded inputs ---------------------------------------------------
 
-    def _page_table(self, reqs: Sequence[Request], num_tokens: Sequence[int], batch: int) -> np.ndarray:
-        ps = self.ecfg.page_size
-        p = self.programs.page_width(max(pages_needed(n, ps) for n in num_tokens))
-        table = np.zeros((batch, p), np.int32)
-        for i, (r, n) in enumerate(zip(reqs, num_tokens)):
-            k = pages_needed(n, ps)
-            if len(r.pages) < k:
-                raise RuntimeError(f"{r.request_id} has {len(r.pages)} pages, needs {k}")
-            table[i, :k] = r.pages[:k]
-        return table
-
     def _sampling(self, rows: list, batch: int):
         local = self.plans is None
         t0 = time.perf_counter()
@@ -127,76 +116,61 @@ class ModelRunner:
 
     # -- steps -------------------------------------------------------------
 
-    def prefill(self, chunks: Sequence[PrefillChunk]) -> SamplerOutput:
-        """Dispatch one prefill step (asynchronously); rows follow `chunks`' order."""
+    def step(self, decodes: Sequence[Request], chunks: Sequence[PrefillChunk]) -> SamplerOutput:
+        """Dispatch one engine step (asynchronously): the decode rows, then the prefill chunks, as one
+        ragged batch (`jaxinfer.engine.step.ragged_step`). Output row i is the i-th of that order;
+        prompt logprobs are per token, the chunks' tokens following the decode rows' one each."""
+        return self._run(*self.step_inputs(decodes, chunks))
+
+    def step_inputs(self, decodes: Sequence[Request], chunks: Sequence[PrefillChunk]) -> tuple[ProgramKey, tuple]:
+        """The step of ``decodes`` and ``chunks`` undispatched: its program's key and its host inputs
+        (tokens, from_state, ragged attention metadata, logits index, prompt rows, sampling metadata),
+        which follow the runner's params, KV cache and sampler state. Benchmarks time the program on
+        them directly.
+
+        A decode row's input token still on device (`TokenRef`: drawn by a step not yet read back)
+        is taken from the sampler state's per-slot last token, inside the step: no host round trip."""
         ps = self.ecfg.page_size
-        b = bucket_for(len(chunks), self.ecfg.batch_buckets, "prefill batch size")
-        t = bucket_for(max(c.length for c in chunks), self.ecfg.chunk_buckets, "prefill chunk length")
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.full((b, t), -1, np.int32)
-        slots = np.zeros((b, t), np.int32)
-        kv_lens = np.zeros((b,), np.int32)
-        last = np.zeros((b,), np.int32)
-        table = self._page_table([c.request for c in chunks], [c.start + c.length for c in chunks], b)
-        rows: list[Optional[RowSampling]] = [None] * b
-        for i, c in enumerate(chunks):
-            r, s, n = c.request, c.start, c.length
-            ids = r.all_token_ids(s, n)
+        work = [(r, r.num_computed, 1, False) for r in decodes] + [(c.request, c.start, c.length, True) for c in chunks]
+        real = sum(n for _, _, n, _ in work)
+        key = self.programs.step_key(real, len(work), max(pages_needed(s + n, ps) for _, s, n, _ in work))
+        r_pad, n_pad = key.batch, key.tokens
+        tokens = np.zeros(n_pad, np.int32)
+        from_state = np.zeros(n_pad, np.bool_)
+        positions = np.full(n_pad, -1, np.int32)
+        slots = np.zeros(n_pad, np.int32)
+        query_start = np.full(r_pad + 1, real, np.int32)
+        table = np.zeros((r_pad, key.pages), np.int32)
+        kv_lens = np.zeros(r_pad, np.int32)
+        logits_index = np.zeros(r_pad, np.int32)
+        prompt_rows = np.zeros(r_pad, np.bool_)
+        rows: list[Optional[RowSampling]] = [None] * r_pad
+        at = 0
+        for i, (r, s, n, prefill) in enumerate(work):
+            k = pages_needed(s + n, ps)
+            if len(r.pages) < k:
+                raise RuntimeError(f"{r.request_id} has {len(r.pages)} pages, needs {k}")
+            table[i, :k] = r.pages[:k]
             pos = np.arange(s, s + n, dtype=np.int32)
-            tokens[i, :n] = ids
-            positions[i, :n] = pos
-            slots[i, :n] = slots_for(table[i], pos, ps)
-            kv_lens[i] = s + n
-            last[i] = n - 1
-            rows[i] = RowSampling(
-                r.params,
-                r.seed,
-                s + n,
-                r.slot,
-                is_output=(s + n == r.prefill_target),
-                banned=r.banned_ids(),
-                prompt_len=r.prompt_len,
-                constraint=r.constraint if s + n == r.prefill_target else None,
-            )
-        attn = AttentionMetadata(positions, slots, table, kv_lens)
-        md = self._sampling(rows, b)
-        return self._run(ProgramKey("prefill", b, t, table.shape[1]), (tokens, attn, last, md))
-
-    def decode(self, reqs: Sequence[Request]) -> SamplerOutput:
-        """Dispatch one decode step: each request's last drawn token goes in, the next comes out.
-
-        A token still on device (`TokenRef`: drawn by a step not yet read back) is taken from
-        the sampler state's per-slot last token, inside the step: no host round trip.
-        """
-        return self._run(*self.decode_inputs(reqs))
-
-    def decode_inputs(self, reqs: Sequence[Request]) -> tuple[ProgramKey, tuple]:
-        """The decode step of ``reqs`` undispatched: its program's key and its host inputs
-        (tokens, from_state, attention and sampling metadata), which follow the runner's
-        params, KV cache and sampler state. Benchmarks time the program on them directly."""
-        ps = self.ecfg.page_size
-        b = bucket_for(len(reqs), self.ecfg.batch_buckets, "decode batch size")
-        pos = np.full((b, 1), -1, np.int32)
-        slots = np.zeros((b, 1), np.int32)
-        kv_lens = np.zeros((b,), np.int32)
-        tokens = np.zeros((b,), np.int32)
-        from_state = np.zeros((b,), np.bool_)
-        table = self._page_table(reqs, [r.num_computed + 1 for r in reqs], b)
-        rows: list[Optional[RowSampling]] = [None] * b
-        for i, r in enumerate(reqs):
-            p = r.num_computed
-            pos[i, 0] = p
-            slots[i, 0] = slots_for(table[i], p, ps)
-            kv_lens[i] = p + 1
-            if isinstance(r.last_token, TokenRef):
-                from_state[i] = True
+            if prefill:
+                tokens[at:at + n] = r.all_token_ids(s, n)
+            elif isinstance(r.last_token, TokenRef):
+                from_state[at] = True
             else:
-                tokens[i] = r.last_token
-            rows[i] = RowSampling(r.params, r.seed, p + 1, r.slot, is_output=True, banned=r.banned_ids(),
-                                  constraint=r.constraint)
-        attn = AttentionMetadata(pos, slots, table, kv_lens)
-        md = self._sampling(rows, b)
-        return ProgramKey("decode", b, 1, table.shape[1]), (tokens, from_state, attn, md)
+                tokens[at] = r.last_token
+            positions[at:at + n] = pos
+            slots[at:at + n] = slots_for(table[i], pos, ps)
+            query_start[i] = at
+            kv_lens[i] = s + n
+            logits_index[i] = at + n - 1
+            prompt_rows[i] = prefill
+            ends = not prefill or s + n == r.prefill_target
+            rows[i] = RowSampling(r.params, r.seed, s + n, r.slot, is_output=ends, banned=r.banned_ids(),
+                                  prompt_len=r.prompt_len, constraint=r.constraint if ends else None)
+            at += n
+        attn = RaggedMetadata(positions, slots, query_start, table, kv_lens)
+        md = self._sampling(rows, r_pad)
+        return key, (tokens, from_state, attn, logits_index, prompt_rows, md)
 
     def _run(self, key: ProgramKey, host_args: tuple) -> SamplerOutput:
         """Dispatch the program ``key`` on the host inputs; the leader of several processes

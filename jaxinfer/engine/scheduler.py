@@ -31,12 +31,13 @@ position lies in is named for the prefix cache only after it is rewritten.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from jaxinfer.engine.buckets import bucket_for, pages_needed
+from jaxinfer.engine.buckets import pages_needed, token_budget
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.prefix_cache import extend_hashes
@@ -88,17 +89,9 @@ class Scheduler:
         self.ecfg = ecfg
         self.allocator = allocator
         self.page_size = ecfg.page_size
-        self.max_chunk = ecfg.chunk_buckets[-1]
-        self.budget = max(max_num_batched_tokens, ecfg.max_num_seqs)
-        # the largest padded prefill batch (rows x chunk bucket) we allow: bounds the programs
-        self.prefill_area = max(self.budget, self.max_chunk)
-        smallest = ecfg.batch_buckets[0] * ecfg.chunk_buckets[0]
-        if smallest > self.prefill_area:
-            raise ValueError(
-                f"no prompt could ever be prefilled: the smallest prefill shape (batch bucket "
-                f"{ecfg.batch_buckets[0]} x chunk bucket {ecfg.chunk_buckets[0]} = {smallest} tokens) exceeds "
-                f"max_num_batched_tokens ({self.budget}); raise it to {smallest} or add smaller buckets"
-            )
+        # the step's tokens (decode rows and prefill chunks together), at most the largest token bucket
+        self.budget = token_budget(dataclasses.replace(ecfg, max_num_batched_tokens=max_num_batched_tokens))
+        self.max_chunk = min(ecfg.chunk_buckets[-1], self.budget)  # one request's tokens in a step
         self.policy = policy
         # > 0: every layer attends at most this many positions back, so pages behind it are given back
         self.kv_window = kv_window
@@ -211,20 +204,6 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------
 
-    def _fit_chunk(self, prefill: list, n: int) -> int:
-        """Shrink a new chunk so the padded prefill batch (rows x chunk bucket) stays within
-        the area bound; 0 if it cannot join this step's prefill at all."""
-        rows = len(prefill) + 1
-        if rows > self.ecfg.batch_buckets[-1]:
-            return 0
-        rows_b = bucket_for(rows, self.ecfg.batch_buckets)
-        cur_t = bucket_for(max(c.length for c in prefill), self.ecfg.chunk_buckets) if prefill else 0
-        best = 0
-        for t in self.ecfg.chunk_buckets:
-            if t >= cur_t and rows_b * t <= self.prefill_area:
-                best = t
-        return min(n, best)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.budget
@@ -243,7 +222,6 @@ class Scheduler:
             else:
                 back = overlap(r)
                 n = min(r.prefill_target - r.num_computed, budget - back, self.max_chunk - back)
-                n = self._fit_chunk(out.prefill, n + back) - back if n > 0 else 0
                 if n <= 0 or not self._grow(r, r.num_computed + n, out):
                     continue
                 out.prefill.append(PrefillChunk(r, r.num_computed - back, n + back))
@@ -307,7 +285,6 @@ class Scheduler:
                 hit = self.allocator.lookup(hashes)
         cached = (behind + len(hit)) * ps
         n = min(len(tokens) - cached, budget, self.max_chunk)
-        n = self._fit_chunk(prefill, n)
         if n <= 0:
             return None
         new_pages = pages_needed(cached + n, ps) - behind - len(hit)

@@ -445,9 +445,9 @@ def time_decode_step(llm, context: int, calls: int, rounds: int, rng: random.Ran
     req.num_computed = context - 1
     req.num_sampled = 1
     req.last_token = int(ids[-1])
-    key, inputs = runner.decode_inputs([req])
+    key, inputs = runner.step_inputs([req], [])
     t0 = time.perf_counter()
-    runner.decode([req]).tokens.block_until_ready()
+    runner.step([req], []).tokens.block_until_ready()
     first_s = time.perf_counter() - t0
     prog = runner.programs.get(key)
 

@@ -46,7 +46,7 @@ from jaxinfer.engine import step
 from jaxinfer.engine.sampling import build_metadata
 from jaxinfer.ops import kernels as native_kernels
 from jaxinfer.ops import kv_cache
-from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.attention import AttentionMetadata, RaggedMetadata
 from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.mesh import DP_AXIS, TP_AXIS
 from jaxinfer.ops.sampler import init_sampler_state
@@ -105,16 +105,21 @@ def step_inputs(cfg: ModelConfig, ecfg: EngineConfig, kind: str, batch: int, tok
     md = jax.tree.map(lambda x: sds(np.shape(x), x.dtype),
                       build_metadata([None] * batch, batch, num_slots=ecfg.max_num_seqs,
                                      max_logprobs=ecfg.max_logprobs, vocab_size=cfg.vocab_size))
+    if kind == "step":  # the engine's ragged step: ``batch`` requests, ``tokens`` tokens in all
+        meta = RaggedMetadata(sds((tokens,), i32), sds((tokens,), i32), sds((batch + 1,), i32),
+                              sds((batch, pages), i32), sds((batch,), i32))
+        return (params, cache, state, sds((tokens,), i32), sds((tokens,), jnp.bool_), meta, sds((batch,), i32),
+                sds((batch,), jnp.bool_), md)
     t = tokens if kind == "prefill" else 1
     attn = AttentionMetadata(sds((batch, t), i32), sds((batch, t), i32), sds((batch, pages), i32), sds((batch,), i32))
     if kind == "prefill":
         return params, cache, state, sds((batch, t), i32), attn, sds((batch,), i32), md
     if kind == "decode":
         return params, cache, state, sds((batch,), i32), sds((batch,), jnp.bool_), attn, md
-    raise ValueError(f"kind must be prefill or decode, got {kind!r}")
+    raise ValueError(f"kind must be step, prefill or decode, got {kind!r}")
 
 
-def lower_step(cfg: ModelConfig, ecfg: EngineConfig, platform: str, kind: str = "decode", *, batch: int = 2,
+def lower_step(cfg: ModelConfig, ecfg: EngineConfig, platform: str, kind: str = "step", *, batch: int = 2,
                tokens: int = 16, pages: int = 4, kernels: Optional[KernelChoice] = None,
                debug_info: bool = False) -> StepProgram:
     """The engine's step ``kind`` lowered for ``platform`` ("cuda", "tpu"; "rocm" and "cpu" too) on this
@@ -124,7 +129,7 @@ def lower_step(cfg: ModelConfig, ecfg: EngineConfig, platform: str, kind: str = 
     choice = (kernels or KernelChoice.for_platform(platform)).with_precision(ecfg.matmul_precision)
     if choice.platform != platform:
         raise ValueError(f"the kernel choice is for {choice.platform}, not {platform}")
-    fn = step.prefill if kind == "prefill" else step.decode_step
+    fn = {"step": step.ragged_step, "prefill": step.prefill, "decode": step.decode_step}[kind]
     args = step_inputs(cfg, ecfg, kind, batch, tokens, pages)
     with abstract_device(platform) if platform in DEVICE_KINDS else contextlib.nullcontext():
         lowered = fn.trace(*args, cfg=cfg, kernels=choice).lower(lowering_platforms=(platform,))

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from jaxinfer.metrics import ROOFLINE_KINDS
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import describe
 
@@ -993,7 +994,7 @@ def summarize(bench: BenchmarkResult, info: Optional[dict] = None) -> dict:
         engine["peak_running"] = bench.peaks["running"]
     if "waiting" in bench.peaks:
         engine["peak_waiting"] = bench.peaks["waiting"]
-    for kind in ("prefill", "decode"):  # floor / measured time of the run's steps of each kind
+    for kind in ROOFLINE_KINDS:  # floor / measured time of the run's steps of each kind
         n, measured = c.get(f"roofline_{kind}_count", 0), c.get(f"roofline_{kind}_measured_s", 0.0)
         if n and measured > 0:
             floor = c[f"roofline_{kind}_floor_s"]
@@ -1104,7 +1105,7 @@ def format_table(s: dict) -> str:
             row("Peak waiting requests:", e["peak_waiting"])
         if "engine_steps" in e:
             row("Engine steps:", e["engine_steps"])
-        for kind in ("prefill", "decode"):
+        for kind in ROOFLINE_KINDS:
             r = e.get(f"{kind}_step_roofline")
             if r:
                 row(f"{kind.capitalize()} step floor/measured:", r["fraction"])
