@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import math
 import re
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
