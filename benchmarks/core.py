@@ -159,9 +159,8 @@ class StepBench:
             r.num_sampled = 1
             r.last_token = int(prompt[-1])
             self.requests.append(r)
-        ragged = hasattr(runner, "step_inputs")  # the one ragged step; before it, a decode program of its own
-        key, host_inputs = runner.step_inputs(self.requests, []) if ragged else runner.decode_inputs(self.requests)
-        self.runner_step = (lambda: runner.step(self.requests, [])) if ragged else (lambda: runner.decode(self.requests))
+        key, host_inputs = runner.step_inputs(self.requests, [])  # a decode step: the ragged step of decode rows
+        self.runner_step = lambda: runner.step(self.requests, [])
         self.runner_step().tokens.block_until_ready()
         self.program = runner.programs.get(key)
         self.inputs = jax.device_put(host_inputs)  # tokens, from_state, attention and sampling metadata

@@ -56,8 +56,8 @@ WORKER = textwrap.dedent('''
         itl = [g for r in res for g in gaps(r.metrics)]
         out.update(throughput=toks / wall, ttft_p50=percentile(ttft, 50), itl_p99=percentile(itl, 99), wall=wall)
     elif which == "arrival":
-        streams = [llm.submit(llm.make_request(prompt(64), sp(160))) for _ in range(16)]
-        reqs = [llm.engine._requests[s.request_id] for s in streams]
+        reqs = [llm.make_request(prompt(64), sp(160)) for _ in range(16)]
+        streams = [llm.submit(r) for r in reqs]
         while min(len(r.metrics.token_times) for r in reqs) < 40:
             time.sleep(0.005)
         before = [g for r in reqs for g in gaps(r.metrics)[10:]]

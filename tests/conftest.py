@@ -106,3 +106,19 @@ def smollm2_llm():
 
     engine = EngineConfig.preset("cpu").replace(num_pages=320, max_num_seqs=8, dtype="float32")
     return jaxinfer.LLM("smollm2-135m-instruct", engine_config=engine)
+
+
+@pytest.fixture()
+def slow_decode(llm, monkeypatch):
+    """Every engine step with decode rows takes at least 20 ms (of the test module's ``llm``), so requests stay
+    in flight long enough to act on (cancel, time out, count)."""
+    import time
+
+    real = llm.runner.step
+
+    def step(decodes, chunks):
+        if decodes:
+            time.sleep(0.02)
+        return real(decodes, chunks)
+
+    monkeypatch.setattr(llm.runner, "step", step)

@@ -160,10 +160,10 @@ def test_layout_examples_follow_the_documented_rules():
 
 def test_a_layout_that_changes_nothing_needs_no_relayout():
     cfg = model(8, 4, intermediate=12)
-    assert mesh._relayouts(cfg, TPLayout.of(cfg, 1)) == {}
+    assert mesh.family_relayouts(cfg, TPLayout.of(cfg, 1)) == {}
     # at 4 shards only the fused projections (and the Q/K/V biases, for a model that has them) are
     # reordered: wo's and w_down's rows stay in place
-    assert set(mesh._relayouts(cfg, TPLayout.of(cfg, 4))) == {("wqkv", 2), ("bqkv", 1), ("w_gate_up", 2)}
+    assert set(mesh.family_relayouts(cfg, TPLayout.of(cfg, 4))) == {("wqkv", 2), ("bqkv", 1), ("w_gate_up", 2)}
 
 
 # ---------------------------------------------------------------------------
@@ -184,10 +184,10 @@ def random_params(cfg: ModelConfig, seed: int) -> dict:
 
 def relayout_with_numpy(params: dict, cfg: ModelConfig, lay: TPLayout) -> dict:
     """The layout applied on the host: take each re-laid-out leaf's index map, zeros at -1."""
-    maps = mesh._relayouts(cfg, lay)
+    maps = mesh.family_relayouts(cfg, lay)
 
     def apply(path, x):
-        m = maps.get((mesh._leaf_name(path), x.ndim))
+        m = maps.get((mesh.leaf_name(path), x.ndim))
         if m is None:
             return x
         axis, idx = m

@@ -30,17 +30,6 @@ def llm():
     llm.close()
 
 
-@pytest.fixture()
-def slow_decode(llm, monkeypatch):
-    """Every decode step takes at least 20 ms, so a request is still running when the client cancels it."""
-    real = llm.runner.step
-
-    def step(decodes, chunks):
-        if decodes:
-            time.sleep(0.02)
-        return real(decodes, chunks)
-
-    monkeypatch.setattr(llm.runner, "step", step)
 
 
 def prompt(i: int, n: int) -> list:

@@ -386,16 +386,6 @@ def test_a_bad_request_leaves_the_others_unharmed(server, llm):
 # --------------------------------------------------------------------------- #
 
 
-@pytest.fixture()
-def slow_decode(llm, monkeypatch):
-    real = llm.runner.step
-
-    def step(decodes, chunks):
-        if decodes:
-            time.sleep(0.02)
-        return real(decodes, chunks)
-
-    monkeypatch.setattr(llm.runner, "step", step)
 
 
 def _aborted(llm) -> int:

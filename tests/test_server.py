@@ -57,17 +57,6 @@ def client(server):
         yield c
 
 
-@pytest.fixture()
-def slow_decode(llm, monkeypatch):
-    """Make every decode step take at least 20 ms, so requests stay in flight long enough to act on."""
-    real = llm.runner.step
-
-    def step(decodes, chunks):
-        if decodes:
-            time.sleep(0.02)
-        return real(decodes, chunks)
-
-    monkeypatch.setattr(llm.runner, "step", step)
 
 
 def prompt(i: int, n: int = 6) -> list:

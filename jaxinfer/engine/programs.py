@@ -9,7 +9,7 @@ their request count, to a request bucket a step of that many tokens can take
 each request's context (the CPU kernel per row; the pure-JAX path skips the blocks past the step's
 last position), so pages are no compile key. Sampler settings, logprobs counts, prompt logprobs (a
 `lax.cond` on a data flag) and context lengths are data, so the list depends only on the engine
-config: `ProgramTable.keys()` is the whole set (27 programs for the ``cpu`` preset), printed by
+config: `ProgramTable.keys()` is the whole set (25 programs for the ``cpu`` preset), printed by
 ``jaxinfer programs`` and compiled by `ProgramTable.warmup`.
 
 The runner dispatches every step through this table (`ProgramTable.get`), so

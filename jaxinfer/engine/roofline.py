@@ -1,7 +1,7 @@
 """Each step's physical floor: the least time the machine needs for the bytes and flops a step must do.
 
-A dispatched step program, whatever its kind (a ``[B, T]`` prefill, a ``[B, 1]`` decode, or one
-ragged batch of both), is some token rows, some KV read per row and some KV written. It must at
+A dispatched step program (the engine's ragged step: prompt chunks, decode rows, or both) is
+some token rows, some KV read per row and some KV written. It must at
 least read the weights once (only the experts a token is routed to, only the embedding rows it
 looks up), read the KV cache its queries attend (each row's context before the step, capped at a
 sliding window), write the new tokens' KV, and do 2 flops per weight element per token plus
@@ -395,7 +395,7 @@ def step_cost(model_cfg: ModelConfig, params: Any, cache_dtype: Any, rows: Seque
 class StepTiming:
     """One dispatched program, measured: its kind, token rows, cost, floor and device time."""
 
-    kind: str  # "prefill" | "decode" (a ragged step: whatever the engine names it)
+    kind: str  # "prefill" | "decode" | "mixed": the step's rows all prompt chunks, all decode rows, or both
     tokens: int
     cost: StepCost
     floor_s: float
@@ -484,7 +484,7 @@ class StepClock:
 class EngineRoofline:
     """The engine's side: the cost of each program it dispatches, its floor, and its measured time.
 
-    `prefill` / `decode` take what the scheduler handed the runner (chunks, requests) right after
+    `step` takes what the scheduler handed the runner (decode rows, prompt chunks) right after
     the dispatch and before the requests' counters move; `settle` (the engine thread, when it reads
     a step's output) hands every program timed so far to ``sink`` in dispatch order."""
 
@@ -533,20 +533,6 @@ class EngineRoofline:
         timing = StepTiming(kind, int(sum(rows)), cost, floor_seconds(cost, self.peaks), dispatched, requests)
         self._seq[id(output)] = self.clock.submit(timing, output)
 
-    def prefill(self, chunks: Sequence[Any], output: Any, dispatched: float) -> None:
-        """A prefill program over ``chunks`` (`jaxinfer.engine.scheduler.PrefillChunk`): each computes
-        ``length`` tokens after ``start`` cached ones; logits where it ends the prompt, or at every
-        position for prompt logprobs."""
-        logits = 0
-        for c in chunks:
-            r = c.request
-            if r.prompt_logprobs is not None:
-                logits += c.length
-            elif c.start + c.length >= r.prefill_target:
-                logits += 1
-        self.program("prefill", [c.length for c in chunks], [c.start for c in chunks], logits,
-                     [c.request for c in chunks], output, dispatched)
-
     def step(self, decodes: Sequence[Any], chunks: Sequence[Any], output: Any, dispatched: float) -> None:
         """A ragged step: ``decodes`` (one token each after ``num_computed``) then ``chunks``
         (`jaxinfer.engine.scheduler.PrefillChunk`: ``length`` tokens after ``start``); logits at each
@@ -563,11 +549,6 @@ class EngineRoofline:
         self.program(kind, [1] * len(decodes) + [c.length for c in chunks],
                      [r.num_computed for r in decodes] + [c.start for c in chunks], logits,
                      list(decodes) + [c.request for c in chunks], output, dispatched)
-
-    def decode(self, reqs: Sequence[Any], output: Any, dispatched: float) -> None:
-        """A decode program: one token per request after its ``num_computed`` cached ones."""
-        self.program("decode", [1] * len(reqs), [r.num_computed for r in reqs], len(reqs), list(reqs),
-                     output, dispatched)
 
     def settle(self, output: Any = None) -> None:
         """Hand the programs timed so far to the sink; with ``output``, first wait until its program

@@ -25,7 +25,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.distributed import to_host
 from jaxinfer.ops.kv_cache import init_cache, slots_for
 from jaxinfer.ops.mesh import TPLayout, cache_sharding, make_mesh, place_params, replicated, sharding_for
-from jaxinfer.ops.mesh import _leaf_name, _relayouts
+from jaxinfer.ops.mesh import leaf_name, family_relayouts
 from jaxinfer.models import get_family
 from jaxinfer.outputs import Logprob
 from jaxinfer.engine.programs import ProgramKey, ProgramTable
@@ -214,10 +214,10 @@ class ModelRunner:
             )
         specs = jax.tree.leaves(canonical_specs(self.model_cfg), is_leaf=is_spec)
         flat, treedef = jax.tree_util.tree_flatten_with_path(self.params, is_leaf=is_quantized)
-        maps = _relayouts(self.model_cfg, self.layout)
+        maps = family_relayouts(self.model_cfg, self.layout)
         out = []
         for (path, x), spec in zip(flat, specs, strict=True):
-            name = _leaf_name(path)
+            name = leaf_name(path)
             m = maps.get((name, 2 if is_quantized(x) else np.ndim(x)))
             if m is None and not is_quantized(x):
                 out.append(x)

@@ -203,7 +203,7 @@ def relayouts(descs, cfg: ModelConfig, layout: TPLayout) -> dict:
     return {k: v for k, v in maps.items() if not np.array_equal(v[1], np.arange(len(v[1])))}
 
 
-def _relayouts(cfg: ModelConfig, layout: TPLayout) -> dict:
+def family_relayouts(cfg: ModelConfig, layout: TPLayout) -> dict:
     """`relayouts` of every weight the family of ``cfg`` describes (`jaxinfer.ops.spec.family_descs`)."""
     return relayouts(family_descs(cfg.architecture), cfg, layout)
 
@@ -252,11 +252,11 @@ def load_shardings(cfg: ModelConfig, layout: TPLayout, mesh: Mesh, dtype: Any = 
     out and place one leaf at a time (so the devices never hold a second copy of those leaves)."""
     specs = model_specs(cfg, dtype)
     final = param_shardings(layout.config(cfg), mesh, dtype)
-    maps = _relayouts(cfg, layout)
+    maps = family_relayouts(cfg, layout)
 
     def pick(path, spec, sharding):
         rank = 2 if _in_quantized(path) else len(spec.shape)
-        return sharding if (_leaf_name(path), rank) not in maps else None
+        return sharding if (leaf_name(path), rank) not in maps else None
 
     return jax.tree_util.tree_map_with_path(pick, specs, final, is_leaf=is_spec)
 
@@ -274,7 +274,7 @@ def _in_quantized(path) -> bool:
     return len(path) > 1 and _key_name(path[-1]) in _QUANTIZED_FIELDS
 
 
-def _leaf_name(path) -> str:
+def leaf_name(path) -> str:
     """The parameter's name (a quantized weight's fields are named by their weight)."""
     return _key_name(path[-2] if _in_quantized(path) else path[-1])
 
@@ -330,7 +330,7 @@ def _put(x: Any, sharding: NamedSharding) -> jax.Array:
 def place_params(params: Any, cfg: ModelConfig, layout: TPLayout, mesh: Mesh) -> Any:
     """The parameter tree of ``cfg`` (host arrays, device arrays, or restored by `load_shardings`)
     laid out by ``layout`` and placed on ``mesh``, leaf by leaf."""
-    maps = _relayouts(cfg, layout)
+    maps = family_relayouts(cfg, layout)
     floats = [x for x in jax.tree.leaves(params, is_leaf=is_quantized) if not is_quantized(x)]
     final = param_shardings(layout.config(cfg), mesh, floats[0].dtype)
 
@@ -341,7 +341,7 @@ def place_params(params: Any, cfg: ModelConfig, layout: TPLayout, mesh: Mesh) ->
         return _permute(axis, sharding)(staged, _put(idx.astype(np.int32), replicated(mesh))).block_until_ready()
 
     def place(path, x, sharding):
-        m = maps.get((_leaf_name(path), 2 if is_quantized(x) else np.ndim(x)))
+        m = maps.get((leaf_name(path), 2 if is_quantized(x) else np.ndim(x)))
         if is_quantized(x):
             # the laid-out weight's meta (a per-column scale's group grows with padded rows)
             if m is None:
