@@ -13,6 +13,7 @@ one. The same tokens as ``[B, T]`` rows (`paged_attention`) give bitwise the ker
 from __future__ import annotations
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,7 @@ def random_mix(rng, h, kvh, d, cache_dtype):
         left = N - 4 - at  # keep a few padding tokens at the end
         if left <= 0:
             continue
-        count = 1 if rng.random() < 0.4 else int(rng.integers(2, min(20, left) + 1))
+        count = 1 if rng.random() < 0.4 or left < 2 else int(rng.integers(2, min(20, left) + 1))
         count = min(count, left)
         first = int(rng.integers(0, P * PAGE - count + 1)) if rng.random() < 0.7 else 0
         last = first + count
@@ -124,7 +125,7 @@ TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-5}  # both paths read the same (rou
 
 @pytest.mark.parametrize("h,kvh,d,cache_dtype,window", CONFIGS)
 def test_kernel_and_pure_jax_agree_with_the_float64_reference(h, kvh, d, cache_dtype, window):
-    rng = np.random.default_rng(hash((h, kvh, d, cache_dtype, window)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((h, kvh, d, cache_dtype, window)).encode()))  # the same every run
     scale = d**-0.5
     paths = {"pure JAX": PURE} | ({"CPU kernel": CPU} if KERNEL else {})
     for _ in range(3):

@@ -104,11 +104,11 @@ def test_relayouts_name_existing_leaves_with_maps_of_their_laid_out_size(cfg):
     by_name = {(d.name, len(d.shape(cfg))) for d in T.ALL}
     for shards in (2, 3):
         lay = TPLayout.of(cfg, shards)
-        maps = mesh._relayouts(cfg, lay)
+        maps = mesh.family_relayouts(cfg, lay)
         assert set(maps) <= by_name
         big = T.param_specs(lay.config(cfg))
         for path, s in jax.tree_util.tree_flatten_with_path(big, is_leaf=is_spec)[0]:
-            m = maps.get((mesh._leaf_name(path), len(s.shape)))
+            m = maps.get((mesh.leaf_name(path), len(s.shape)))
             if m is not None:
                 axis, idx = m
                 assert len(idx) == s.shape[axis], (path, axis)
