@@ -226,7 +226,7 @@ class ProgramTable:
                                  max_logprobs=self.ecfg.max_logprobs, vocab_size=r.model_cfg.vocab_size), rep)
         attn = RaggedMetadata(host(n), host(n), host(b + 1), host(b, p), host(b))
         state = (_sds(r.params), _sds(r.kv_cache), _sds(r.sampler_state))
-        fn = step.on_mesh(key.kind, cache_sharding(r.mesh), rep)
+        fn = step.on_mesh(cache_sharding(r.mesh), rep)
         args = (*state, host(n), host(n, dtype=jnp.bool_), attn, host(b), host(b, dtype=jnp.bool_), md)
         return fn, args
 

@@ -306,10 +306,9 @@ decode_step = _Step(_decode_step)
 ragged_step = _Step(_ragged_step)
 
 
-def on_mesh(kind: str, cache_sharding: Any, replicated: Any):
-    """The step ``kind`` ("step": the ragged step, the engine's; "prefill" | "decode") jitted for a device mesh: the KV cache comes back in
+def on_mesh(cache_sharding: Any, replicated: Any):
+    """The engine's step (`ragged_step`) jitted for a device mesh: the KV cache comes back in
     ``cache_sharding`` and the rest (drawn tokens, sampler state) replicated, as they went in,
     so every step's outputs are the next step's inputs as compiled. Static: ``cfg`` and ``kernels``
     (the program table passes its `KernelChoice`)."""
-    fn = {"step": _ragged_step, "prefill": _prefill, "decode": _decode_step}[kind]
-    return jax.jit(fn, out_shardings=(replicated, cache_sharding, replicated), **_JIT)
+    return jax.jit(_ragged_step, out_shardings=(replicated, cache_sharding, replicated), **_JIT)

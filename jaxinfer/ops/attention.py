@@ -59,12 +59,9 @@ Batch invariance (a query token's output bitwise the same whatever else is compu
   slower, so it was not kept. On GPU and TPU the same einsums and reduction go to cuBLAS/XLA's
   emitters and the MXU, whose orders also follow the shapes; not measured here.
 
-Compile keys: the kernels read each request's real context length (they stop at
-its last position), so with them the page table is passed at its full
-width and pages attended are not a compile key
-(`jaxinfer.ops.backend.KernelChoice.reads_row_lengths`). The pure-JAX path
-reads the table's page columns in blocks and skips the blocks past every token at run time, but
-its loop and gathers are sized by the table's width, so it keeps page buckets.
+Compile keys: every path stops at each request's context (the kernels at its last position; the
+pure-JAX path skips, at run time, the blocks of page columns past the step's last position), so the
+engine passes the page table at its full width and pages attended are not a compile key.
 """
 
 from __future__ import annotations
@@ -77,7 +74,6 @@ import numpy as np
 
 from jaxinfer.ops import backend, kernels, mesh
 from jaxinfer.ops.attention_pallas import from_ragged, rows_as_ragged, to_ragged, tpu_ragged_attention
-from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.gather_attention import (
     AttentionMetadata,
     RaggedMetadata,
@@ -86,7 +82,7 @@ from jaxinfer.ops.gather_attention import (
 )
 
 __all__ = ["AttentionMetadata", "RaggedMetadata", "gather_attention", "paged_attention", "prepare_cpu_kernel",
-           "ragged_gather_attention", "ragged_paged_attention", "reads_row_lengths"]
+           "ragged_gather_attention", "ragged_paged_attention"]
 
 
 def ragged_paged_attention(
@@ -189,14 +185,6 @@ def prepare_cpu_kernel() -> bool:
         return False
     return kernels.prepare(CPU_SOURCE)
 
-
-def reads_row_lengths(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype, page_size: int,
-                      kernels_choice: KernelChoice | None = None) -> bool:
-    """Whether steps traced with ``kernels_choice`` (default: the host's now) attend with a kernel (CPU,
-    or Pallas on TPU) that stops at each row's length, so the page table can be passed at full width.
-    Head counts are one device's."""
-    choice = kernels_choice if kernels_choice is not None else KernelChoice.loaded()
-    return choice.reads_row_lengths(num_heads, num_kv_heads, head_dim, cache_dtype, page_size)
 
 
 def cpu_kernel_call(target: str = CPU_TARGET, share: bool = True):

@@ -164,12 +164,6 @@ class KernelChoice:
             return "tpu"
         return None
 
-    def reads_row_lengths(self, num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype,
-                          page_size: int) -> bool:
-        """Whether attention stops at each row's length (a kernel), so the page table can go at full
-        width: one program for every context length instead of page buckets."""
-        return self.attention_kernel(num_heads, num_kv_heads, head_dim, page_size, cache_dtype) is not None
-
     def __str__(self) -> str:
         used = [n for n, on in (("cpu matmul", self.cpu_matmul), ("cpu attention", self.cpu_attention),
                                 ("tpu attention", self.tpu_attention)) if on]
