@@ -163,12 +163,13 @@ def test_forward_is_a_pure_function_research_code_can_differentiate(params):
     seq = np.array([[5, 6, 7, 8, 9, 10]], np.int32)
     cache = kv_cache.init_cache(TINY, EngineConfig(page_size=PS, num_pages=4))
 
-    def loss(p):
-        h, _ = llama.forward(p, TINY, seq[:, :-1], cache, chunk_attn([1, 2], 0, 5, 5, 2))
+    def loss(p, cache, attn):
+        h, _ = llama.forward(p, TINY, seq[:, :-1], cache, attn)
         lg = llama.logits(p, TINY, h)
         return -jnp.take_along_axis(jax.nn.log_softmax(lg), seq[:, 1:, None], axis=-1).mean()
 
-    g = jax.grad(loss)(params)
+    # jitted as one program (op by op, each op of the backward pass would compile on its own: 20 s)
+    g = jax.jit(jax.grad(loss))(params, cache, chunk_attn([1, 2], 0, 5, 5, 2))
     leaves = jax.tree.leaves(g)
     assert all(bool(jnp.isfinite(x).all()) for x in leaves)
     assert float(jnp.abs(g.layers[0].attention.wqkv).sum()) > 0
