@@ -1,6 +1,7 @@
 """One process of the two-process test (tests/test_multihost.py): a tiny random Llama on a
-tensor-parallel mesh over every process's CPU devices. Process 0 generates and writes the
-tokens as JSON to argv[1]; the other process follows its steps.
+tensor-parallel mesh over every process's CPU devices. Process 0 generates, updates the weights to a
+second init and generates again, then back, and writes the tokens as JSON to argv[1]; the other
+process follows its steps and its weight updates.
 
 Run by the test with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and
 XLA_FLAGS=--xla_force_host_platform_device_count=N set.
@@ -34,15 +35,20 @@ def main() -> None:
         # the follower compiles these when the leader does (a warm-up plan), not one by one later
         llm.engine.runner.warmup(llm.engine.request_program_keys(len(PROMPTS[0]), 8), complete=False)
         sp = jaxinfer.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        outs = llm.generate(PROMPTS, sp)
+        draw = lambda: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]  # noqa: E731
+        got = {"tokens": draw(), "devices": jax.device_count(), "processes": jax.process_count()}
+        # new weights mid-run (`LLM.update_params`): the leader broadcasts them, the follower takes them
+        llm.update_params(init_random(llama.param_specs(TINY), jax.random.PRNGKey(1)))
+        got["tokens_b"] = draw()
+        llm.update_params(params)
+        got["tokens_again"] = draw()
         llm.close()
         with open(sys.argv[1], "w") as f:
-            json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "devices": jax.device_count(),
-                       "processes": jax.process_count()}, f)
+            json.dump(got, f)
     else:
         steps = llm.follow()
         print(f"process {jax.process_index()} followed {steps} steps and "
-              f"{llm.runner.warmups_followed} warm-up", flush=True)
+              f"{llm.runner.warmups_followed} warm-up and {llm.runner.params_updates} updates", flush=True)
     jax.distributed.shutdown()
 
 

@@ -1,6 +1,8 @@
 """Two processes x four CPU devices, one tensor-parallel engine: JAX's distributed runtime over
 loopback (gloo collectives), process 0 leading and publishing each step's plan, process 1
-following (`jaxinfer.engine.distributed`). Greedy tokens must equal one process's."""
+following (`jaxinfer.engine.distributed`). Greedy tokens must equal one process's, before and after
+the leader updates the weights (`LLM.update_params`: broadcast, the follower takes them; the
+two-process update check of tests/test_update_params.py, run here to start the pair once)."""
 
 from __future__ import annotations
 
@@ -51,13 +53,17 @@ def test_two_processes_draw_the_tokens_of_one(tmp_path):
         assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
     got = json.loads(out.read_text())
     assert got["devices"] == 8 and got["processes"] == 2
-    assert "followed" in logs[1] and "and 1 warm-up" in logs[1], logs[1][-2000:]
+    assert "followed" in logs[1] and "and 1 warm-up and 2 updates" in logs[1], logs[1][-2000:]
 
     params = init_random(llama.param_specs(TINY), jax.random.PRNGKey(0))
     llm = jaxinfer.LLM.from_params(TINY, params, engine_config=TINY_ENGINE)
     try:
         sp = jaxinfer.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+        llm.update_params(init_random(llama.param_specs(TINY), jax.random.PRNGKey(1)))
+        want_b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
     finally:
         llm.close()
-    assert got["tokens"] == want
+    assert got["tokens"] == want and got["tokens_again"] == want
+    # the follower took the new weights too: a step's tokens are the leader's only if both shards are B's
+    assert got["tokens_b"] == want_b != want
