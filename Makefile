@@ -29,19 +29,22 @@ demo: setup
 	$(BIN)/jaxinfer generate "$(PROMPT)"
 
 # The whole suite in two worker processes (a file stays on one worker: its module fixtures load once; much of
-# a test's time is compiling and waiting, which two workers overlap), then the model-level tests again with the CPU kernels off (the model's logits and
-# every family's logits): GPU and TPU run that pure-JAX path, and CI has neither. The engine above the model (test_engine, test_llm) does not depend on the
-# path. Then tensor parallelism on 8 fake CPU devices (tests/multidevice skips in a one-device process),
-# kernel on, and with the kernel off the logits at every position at every TP size, plain and quantized (the
-# engine-level TP tests above follow from those logits). One file, so its tests are
-# spread over the two workers by group (--dist loadgroup): the tests that share an expensive module fixture
-# (the TP engines, SmolLM2 at TP 3) form a group each and stay on one worker.
+# a test's time is compiling and waiting, which two workers overlap). Then tensor parallelism on 8 fake CPU
+# devices (tests/multidevice skips in a one-device process), kernels on: one file, so its tests are spread over
+# the two workers by group (--dist loadgroup): the tests that share an expensive module fixture (the TP engines,
+# SmolLM2 at TP 3) form a group each and stay on one worker. Then, in one process pair with the CPU kernels off
+# (GPU and TPU run that pure-JAX path, and CI has neither), the model-level tests again: the model's logits and
+# every family's logits, and the logits at every position at every TP size, plain and quantized (the 8 fake
+# devices change nothing for the one-device tests; the engine above the model, and the engine-level TP tests,
+# follow from those logits and do not depend on the path).
 MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
+TP = tests/multidevice/test_tensor_parallel.py
 test: setup-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
-	JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests/test_paged_model.py tests/test_families.py::test_logits_match_transformers_at_every_position
 	$(MESH8) $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider tests/multidevice
-	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider tests/multidevice -k "logits_at_every_position"
+	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider \
+	  tests/test_paged_model.py tests/test_families.py::test_logits_match_transformers_at_every_position \
+	  $(TP)::test_logits_at_every_position_match_tp1 $(TP)::test_quantized_logits_at_every_position_match_tp1
 
 # Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers,
 # accelerate). The peer benchmarks live in benchmarks/ (not installed) and run from the repository root;
