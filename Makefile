@@ -29,7 +29,8 @@ demo: setup
 	$(BIN)/jaxinfer generate "$(PROMPT)"
 
 # The whole suite in two worker processes (a file stays on one worker: its module fixtures load once; much of
-# a test's time is compiling and waiting, which two workers overlap). Then tensor parallelism on 8 fake CPU
+# a test's time is compiling and waiting, which two workers overlap), the slowest files first
+# (tests/conftest.py: SLOWEST_FIRST). Then tensor parallelism on 8 fake CPU
 # devices (tests/multidevice skips in a one-device process), kernels on: one file, so its tests are spread over
 # the two workers by group (--dist loadgroup): the tests that share an expensive module fixture (the TP engines,
 # SmolLM2 at TP 3) form a group each and stay on one worker. Then, in one process pair with the CPU kernels off
@@ -40,7 +41,7 @@ demo: setup
 MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
 TP = tests/multidevice/test_tensor_parallel.py
 test: setup-test
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 	$(MESH8) $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider tests/multidevice
 	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider \
 	  tests/test_paged_model.py tests/test_families.py::test_logits_match_transformers_at_every_position \

