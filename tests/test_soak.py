@@ -46,11 +46,13 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 def test_short_soak_passes_every_check(model_dir, tmp_path):
+    # 200 items, seed 5: a plan with every kind, every constraint and every refused one (kills and a burst
+    # past max_waiting among them; not every seed's 200 has all, test_the_plan_is_a_function_of_the_seed)
     out = tmp_path / "soak.json"
     engine = tmp_path / "tiny-engine.json"
     engine.write_text(json.dumps(TINY_SERVE_ENGINE))
-    cmd = [sys.executable, "-m", "jaxinfer.tools.soak", "--model", model_dir, "--engine-config", str(engine), *SERVE, "--requests", "300",
-           "--concurrency", "16", "--max-tokens", "24", "--seed", "0", "--duration", "120", "--json", str(out)]
+    cmd = [sys.executable, "-m", "jaxinfer.tools.soak", "--model", model_dir, "--engine-config", str(engine), *SERVE, "--requests", "200",
+           "--concurrency", "16", "--max-tokens", "24", "--seed", "5", "--duration", "120", "--json", str(out)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     wall = time.monotonic() - t0
