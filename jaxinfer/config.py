@@ -168,6 +168,68 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's names (``speculative_config``): each step a running request
+    proposes up to ``num_speculative_tokens`` draft tokens, which the target verifies in the same
+    ragged step (`jaxinfer.engine.speculative`).
+
+    ``method``: "ngram" (prompt lookup: the last ``prompt_lookup_max`` down to ``prompt_lookup_min``
+    tokens matched earlier in the prompt and output, the tokens that followed proposed) or
+    "draft_model" (``model``, a smaller model with the same vocabulary, proposing its argmax).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: Optional[str] = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}.")
+        for nm, lo in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1)):
+            v = getattr(self, nm)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"speculative_config {nm} must be an integer >= {lo}, got {v!r}.")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}).")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's path or name.")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config 'model' is for method 'draft_model', not 'ngram'.")
+
+    @classmethod
+    def of(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """A `SpeculativeConfig` from itself, a dict of its fields, or that dict as JSON text (the CLI's
+        ``--speculative-config``); None stays None. Unknown keys are a ValueError naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}.")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes of the engine: the paged KV cache, the bucket sets, the dtype.
@@ -213,8 +275,17 @@ class EngineConfig:
     peak_tflops: float = field(default=0.0, repr=False)
     # set by `resolved`: dtype was "auto" (the load line says why it chose); not part of what programs key on
     dtype_auto: bool = field(default=False, repr=False, compare=False)
+    # Speculative decoding (`SpeculativeConfig`, or its dict / JSON); None: off. Programs key on
+    # num_speculative_tokens (a step's logits rows: `jaxinfer.engine.buckets.logits_buckets`).
+    speculative_config: Optional[SpeculativeConfig] = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most draft tokens a request verifies in one step (0: no speculative decoding)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}.")
         if self.num_pages < 2:

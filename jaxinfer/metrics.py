@@ -33,6 +33,11 @@ class RequestMetrics:
     # each step program the request had rows in, timed against its physical floor
     # (`jaxinfer.engine.roofline`): (kind "prefill" | "decode", the step's tokens, measured s, floor s)
     steps: list = field(default_factory=list)
+    # speculative decoding (`jaxinfer.engine.speculative`): verify segments with drafts, their draft tokens,
+    # and the drafts accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     # -- derived -------------------------------------------------------------
 
@@ -86,6 +91,8 @@ class RequestMetrics:
             "itl_max_s": max(itl) if itl else None,
             "e2e_s": self.e2e_s,
             **roofline_summary(self.steps),
+            **({"spec_drafts": self.spec_drafts, "spec_draft_tokens": self.spec_draft_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens} if self.spec_drafts else {}),
         }
 
     def to_dict(self) -> dict:
@@ -121,8 +128,18 @@ def format_trace(s: dict, where: str = "") -> str:
         f"inter-token gap   mean {ms(s.get('itl_mean_s'))}, p50 {ms(s.get('itl_p50_s'))}, "
         f"p99 {ms(s.get('itl_p99_s'))}, max {ms(s.get('itl_max_s'))}",
         f"output tokens     {out}" + (f" ({out / e2e:.1f} tok/s end to end)" if e2e else ""),
+    ] + spec_trace_lines(s) + [
         f"total             {ms(e2e)}" + (f" ({where})" if where else ""),
     ] + roofline_trace_lines(s))
+
+
+def spec_trace_lines(s: dict) -> list:
+    """The trace's speculative-decoding line (none without drafts)."""
+    n, d, a = s.get("spec_drafts"), s.get("spec_draft_tokens", 0), s.get("spec_accepted_tokens", 0)
+    if not n:
+        return []
+    return [f"speculative       {n} verifies, {a} of {d} draft tokens accepted ({a / d:.0%}), "
+            f"mean {1 + a / n:.2f} tokens a verify"]
 
 
 # -- each step against its physical floor (`jaxinfer.engine.roofline`) ------------------------------

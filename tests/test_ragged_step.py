@@ -135,7 +135,9 @@ def one_ragged_step(params, cache, state, chunks, decodes, kernels, width=16, n_
     query_start[r:] = at
     md = build_metadata(rows, r_pad, num_slots=SLOTS, max_logprobs=ENGINE.max_logprobs, vocab_size=TINY.vocab_size)
     meta = RaggedMetadata(pos, slots, query_start, table, kv_lens)
-    out, cache, state = step.ragged_step(params, cache, state, tokens, from_state, meta, logits_index, prompt_rows, md,
+    request = np.array([i if row is not None else r_pad for i, row in enumerate(rows)], np.int32)
+    out, cache, state = step.ragged_step(params, cache, state, tokens, from_state, meta,
+                                         step.LogitsRows(logits_index, request), prompt_rows, md,
                                          cfg=TINY, kernels=kernels)
     return out, query_start, cache, state
 

@@ -56,3 +56,12 @@ def request_buckets(ecfg: EngineConfig, tokens: int) -> list[int]:
     if tokens <= batches[-1]:  # up to the bucket that holds a request for each token
         return [b for b in batches if b < tokens] + [bucket_for(tokens, batches)]
     return sorted({batches[min(2, len(batches) - 1)], batches[-1]})
+
+
+def logits_buckets(ecfg: EngineConfig, requests: int, tokens: int) -> list[int]:
+    """The logits-row counts of a step of ``requests`` and ``tokens`` (padded): one row a request; with
+    speculative decoding (``num_speculative_tokens`` k) also the most a step of them can need, each
+    request verifying 1 + k tokens, at most one row a token (the verify programs)."""
+    k = ecfg.num_speculative_tokens
+    verify = min(tokens, requests * (1 + k))
+    return [requests, verify] if verify > requests else [requests]

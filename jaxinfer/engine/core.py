@@ -40,6 +40,7 @@ from jaxinfer.engine.request import Request, TokenRef
 from jaxinfer.engine.roofline import EngineRoofline
 from jaxinfer.engine.runner import ModelRunner, read_output
 from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.speculative import speculator_for
 
 log = logging.getLogger("jaxinfer")
 
@@ -147,6 +148,8 @@ class Engine:
         budget = max_num_batched_tokens or self.ecfg.max_num_batched_tokens
         self.scheduler = Scheduler(self.ecfg, self.allocator, max_num_batched_tokens=budget, policy=policy,
                                    kv_window=runner.cfg.kv_window)
+        # speculative decoding (`jaxinfer.engine.speculative`): None unless the engine config asks for it
+        self.speculator = speculator_for(self.ecfg, self.scheduler.budget, runner.max_model_len)
         self.stats = EngineStats(self)
         # each step program's physical floor and measured time; None where the peaks are unknown
         self.roofline = EngineRoofline.for_runner(runner, self.stats.on_step_timed)
@@ -300,29 +303,38 @@ class Engine:
         t_step = time.perf_counter()
         wait_before = self.stats.wait_s
         self._drain_inbox()
+        spec = self.speculator
         if self._pending and any(r.constraint is not None for r in self.scheduler.running):
             # a constrained row's next mask needs the token it drew last: read every step in flight
             # first (one batched dispatch cannot wait for some rows only), and finish what ended
             self.stats.grammar_syncs += 1
-            while self._pending:
-                self._read(*self._pending.popleft())
+            self._read_pending()
+        elif self._pending and spec is not None and any(spec.must_read(r) for r in self.scheduler.running):
+            # drafts follow the tokens just accepted
+            t0 = time.perf_counter()
+            self.stats.spec_syncs += 1
+            self._read_pending()
+            spec.stats.sync_s += time.perf_counter() - t0
+        if spec is not None:
+            spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         now = time.perf_counter()
         n_before = len(self._pending)
-        if not sched.empty:  # one ragged step: the decode rows, then the prefill chunks
+        if not sched.empty:  # one ragged step: the decode rows (each with its drafts), then the prefill chunks
             out = self.runner.step(sched.decode, sched.prefill)
             if self.roofline is not None:
                 self.roofline.step(sched.decode, sched.prefill, out.tokens, self.runner.dispatched_at)
             rows, scored = [], []
-            for i, r in enumerate(sched.decode):
+            row = 0  # the step's logits rows: each decode's verify segment, then one a chunk
+            for r in sched.decode:
                 r.num_computed += 1
                 r.num_sampled += 1
-                r.last_token = TokenRef(out.tokens, i)
+                r.last_token = TokenRef(out.tokens, row)
                 r.metrics.decode_steps += 1
-                rows.append((r, i))
-            at = len(sched.decode)  # the first chunk's first token in the step's flat list
-            for j, c in enumerate(sched.prefill):
-                i = len(sched.decode) + j
+                rows.append((r, row, 1 + len(r.drafts)))
+                row += 1 + len(r.drafts)
+            at = sum(1 + len(r.drafts) for r in sched.decode)  # the first chunk's first token in the flat list
+            for c in sched.prefill:
                 r = c.request
                 if r.metrics.scheduled_time is None:
                     r.metrics.scheduled_time = now
@@ -334,10 +346,11 @@ class Engine:
                     scored.append((r, at, c.start, c.length))
                 if r.prefill_done:
                     r.num_sampled += 1
-                    r.last_token = TokenRef(out.tokens, i)
-                    rows.append((r, i))
+                    r.last_token = TokenRef(out.tokens, row)
+                    rows.append((r, row, 1))
                 self.scheduler.register_full_pages(r)
                 at += c.length
+                row += 1
             if rows or scored:
                 self._pending.append((rows, out, scored))
         self.stats.steps += 1
@@ -350,37 +363,54 @@ class Engine:
             self.stats.busy_s += total
             self.stats.host_s += total - (self.stats.wait_s - wait_before)
 
+    def _read_pending(self) -> None:
+        while self._pending:
+            self._read(*self._pending.popleft())
+
     def _read(self, rows: list, out, scored=()) -> None:
         """Bring one step's results home: prompt logprobs of the chunks in ``scored`` first (the
-        request may finish on the token below), then the tokens drawn for ``rows``."""
+        request may finish on the token below), then the tokens drawn for ``rows`` [(request, first
+        logits row, rows)]: one token a row, or a verify segment's accepted drafts and the token after."""
         t0 = time.perf_counter()
         if scored:
             read_prompt_logprobs(out, scored)
         if not rows:
             self.stats.wait_s += time.perf_counter() - t0
             return
-        reqs = [r for r, _ in rows]
-        results = read_output(out, reqs, [i for _, i in rows])
+        results = read_output(out, rows)
         now = time.perf_counter()
         self.stats.wait_s += now - t0
         if self.roofline is not None:  # the steps timed so far, onto their requests before any finishes
             self.roofline.settle(out.tokens)
-        for (r, _), (tok, lp) in zip(rows, results):
+        for (r, _, n), drawn in zip(rows, results):
             if r.finished:
                 continue  # drawn in the step after it stopped, or aborted meanwhile
+            if n > 1:  # a verify segment: the accepted drafts' KV is in the cache too
+                accepted = len(drawn) - 1
+                r.num_computed += accepted
+                r.num_sampled += accepted
+                self.speculator.verified(r, n - 1, accepted)
             if isinstance(r.last_token, TokenRef) and r.last_token.array is out.tokens:
-                r.last_token = tok
+                r.last_token = drawn[-1][0]
             m = r.metrics
             if m.first_token_time is None:
                 m.first_token_time = m.prefill_done_time = now
-            m.token_times.append(now)
-            text = r.add_token(tok, lp)
+            text, toks, lps = "", [], []
+            for tok, lp in drawn:
+                m.token_times.append(now)
+                text += r.add_token(tok, lp)
+                toks.append(tok)
+                if lp is not None:
+                    lps.append(lp)
+                self.stats.generation_tokens += 1
+                if r.finished:
+                    break  # a stop inside an accepted run: the rest is dropped
             m.output_tokens = len(r.output_ids)
-            self.stats.generation_tokens += 1
             self.scheduler.register_full_pages(r)
             stream = self._streams.get(r.request_id)
-            delta = StreamDelta(r.request_id, text, [tok], [lp] if lp is not None else None, r.finish_reason)
-            if r.prompt_logprobs is not None and len(r.output_ids) == 1:
+            delta = StreamDelta(r.request_id, text, toks, lps if r.params.logprobs is not None else None,
+                                r.finish_reason)
+            if r.prompt_logprobs is not None and len(r.output_ids) == len(toks):
                 delta.prompt_logprobs = list(r.prompt_logprobs)
             if r.finished:
                 self._finish(r, text, delta)

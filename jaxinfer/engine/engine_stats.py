@@ -24,12 +24,15 @@ class EngineStats:
         self.busy_s = 0.0  # wall time of steps that dispatched work
         self.host_s = 0.0  # of which the host was working (not waiting for the device)
         self.grammar_syncs = 0  # steps that read the previous step's tokens first (a constrained row ran)
+        self.spec_syncs = 0  # steps that read the previous step first so drafts follow its tokens (speculation)
         self.finished: dict = {}
         self.recent: deque = deque(maxlen=4096)  # summaries of finished requests
         # each step program against its physical floor (`jaxinfer.engine.roofline`), by kind
         self.roofline: dict = {k: RooflineHistogram() for k in ROOFLINE_KINDS}
         self._mark = (time.perf_counter(), 0, 0)
         self._roofline_mark: dict = {}  # kind -> (measured s, floor s) at the last line
+        spec = getattr(engine, "speculator", None)
+        self._spec_mark = (0, 0, 0, [0] * len(spec.stats.accepted_per_pos) if spec else [])
 
     def on_step_timed(self, t) -> None:
         """One dispatched program timed (`jaxinfer.engine.roofline.StepTiming`): into the kind's
@@ -62,13 +65,33 @@ class EngineStats:
             "forks": e.scheduler.num_forks,  # choices of a group started on another's prompt pages
             "host_share": self.host_s / self.busy_s if self.busy_s else 0.0,
             "grammar_syncs": self.grammar_syncs,
+            "spec_syncs": self.spec_syncs,
             "mask_s": e.runner.mask_s,  # host time computing structured-output masks
             "mask_rows": e.runner.mask_rows,
             "finished": dict(self.finished),
             # floor / measured of every step of the kind since start, its measured and floor seconds
             "roofline": {k: {"fraction": h.fraction, "steps": h.count, "measured_s": h.measured_s,
                              "floor_s": h.floor_s} for k, h in self.roofline.items() if h.count},
+            # speculative decoding (`jaxinfer.engine.speculative.SpecStats`); absent when off
+            **({"spec": e.speculator.stats.snapshot()} if e.speculator is not None else {}),
         }
+
+    def _spec_since_mark(self) -> str:
+        """vLLM's speculative-decoding line, since the previous one: mean acceptance length, accepted and
+        drafted tokens, acceptance rate, and the acceptance rate per draft position."""
+        spec = self._engine.speculator
+        if spec is None:
+            return ""
+        st = spec.stats
+        d0, t0, a0, pos0 = self._spec_mark
+        self._spec_mark = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos))
+        drafts, drafted, accepted = st.num_drafts - d0, st.num_draft_tokens - t0, st.num_accepted_tokens - a0
+        if not drafts:
+            return ", SpecDecoding: no drafts"
+        per_pos = ", ".join(f"{(b - a) / drafts:.3f}" for a, b in zip(pos0, st.accepted_per_pos))
+        return (f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, Accepted: {accepted} tokens, "
+                f"Drafted: {drafted} tokens, Acceptance rate: {100 * accepted / max(drafted, 1):.1f}%, "
+                f"Per-position acceptance rate: {per_pos}")
 
     def _roofline_since_mark(self) -> str:
         parts = []
@@ -92,5 +115,6 @@ class EngineStats:
             f"Running: {s['running']} reqs, Waiting: {s['waiting']} reqs, "
             f"KV cache usage: {100 * s['kv_usage']:.1f}%, "
             f"Prefix cache hit rate: {100 * s['prefix_hit_rate']:.1f}%"
+            + self._spec_since_mark()
             + self._roofline_since_mark()
         )

@@ -64,7 +64,7 @@ from jaxinfer.engine.sampling import build_metadata
 
 log = logging.getLogger("jaxinfer")
 
-FORMAT = 5  # bump when the serialized program layout changes, or the step's arguments (`_abstract_args`)
+FORMAT = 6  # bump when the serialized program layout changes, or the step's arguments (`_abstract_args`)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -73,13 +73,19 @@ class ProgramKey:
     batch: int  # padded requests
     tokens: int  # padded tokens of the step
     pages: int  # page-table width
+    logits: int = 0  # logits rows (`jaxinfer.engine.buckets.logits_buckets`); 0: one a request (``batch``)
+
+    def __post_init__(self):
+        if not self.logits:
+            object.__setattr__(self, "logits", self.batch)
 
     def __str__(self) -> str:
-        return f"{self.kind} batch={self.batch} tokens={self.tokens} pages={self.pages}"
+        verify = f" logits={self.logits}" if self.logits != self.batch else ""
+        return f"{self.kind} batch={self.batch} tokens={self.tokens} pages={self.pages}{verify}"
 
     @property
     def file_name(self) -> str:
-        return f"{self.kind}-b{self.batch}-t{self.tokens}-p{self.pages}.bin"
+        return f"{self.kind}-b{self.batch}-t{self.tokens}-p{self.pages}-l{self.logits}.bin"
 
 
 def _sds(tree, sharding=None):
@@ -141,18 +147,21 @@ class ProgramTable:
             raise ValueError(f"pages attended {need} exceeds the largest bucket ({top})")
         return top
 
-    def step_key(self, tokens: int, requests: int, pages: int) -> ProgramKey:
+    def step_key(self, tokens: int, requests: int, pages: int, logits: int = 0) -> ProgramKey:
         """The program of a step of ``tokens`` real tokens from ``requests`` requests, the longest
-        needing ``pages`` pages (`jaxinfer.engine.buckets`: token and request buckets)."""
+        needing ``pages`` pages, drawing ``logits`` rows (0: one a request; more: speculative decoding's
+        verify segments) (`jaxinfer.engine.buckets`: token, request and logits buckets)."""
         t = bucket_for(tokens, buckets.token_buckets(self.ecfg), "step tokens")
         r = bucket_for(requests, buckets.request_buckets(self.ecfg, t), "step requests")
-        return ProgramKey("step", r, t, self.page_width(pages))
+        rows = bucket_for(max(logits, requests), buckets.logits_buckets(self.ecfg, r, t), "step logits rows")
+        return ProgramKey("step", r, t, self.page_width(pages), rows)
 
     def keys(self) -> list[ProgramKey]:
-        """Every program a workload can reach: each token bucket with each request bucket it takes."""
+        """Every program a workload can reach: each token bucket with each request bucket it takes, and
+        with speculative decoding each of those with its verify rows too."""
         width = self.page_buckets[-1]
-        return [ProgramKey("step", r, t, width) for t in buckets.token_buckets(self.ecfg)
-                for r in buckets.request_buckets(self.ecfg, t)]
+        return [ProgramKey("step", r, t, width, rows) for t in buckets.token_buckets(self.ecfg)
+                for r in buckets.request_buckets(self.ecfg, t) for rows in buckets.logits_buckets(self.ecfg, r, t)]
 
     # -- dispatch --------------------------------------------------------------------
 
@@ -216,18 +225,21 @@ class ProgramTable:
 
     def _abstract_args(self, key: ProgramKey):
         r = self.runner
-        b, n, p = key.batch, key.tokens, key.pages
+        b, n, p, rows = key.batch, key.tokens, key.pages, key.logits
         rep = replicated(r.mesh)  # host inputs go to every device
+        spec = self.ecfg.num_speculative_tokens
 
         def host(*shape, dtype=jnp.int32):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
 
-        md = _sds(build_metadata([None] * b, b, num_slots=self.ecfg.max_num_seqs,
-                                 max_logprobs=self.ecfg.max_logprobs, vocab_size=r.model_cfg.vocab_size), rep)
+        md = _sds(build_metadata([None] * rows, rows, num_slots=self.ecfg.max_num_seqs,
+                                 max_logprobs=self.ecfg.max_logprobs, vocab_size=r.model_cfg.vocab_size,
+                                 prior_width=spec), rep)
         attn = RaggedMetadata(host(n), host(n), host(b + 1), host(b, p), host(b))
+        logits_rows = step.LogitsRows(host(rows), host(rows), host(rows) if spec else None)
         state = (_sds(r.params), _sds(r.kv_cache), _sds(r.sampler_state))
         fn = step.on_mesh(cache_sharding(r.mesh), rep)
-        args = (*state, host(n), host(n, dtype=jnp.bool_), attn, host(b), host(b, dtype=jnp.bool_), md)
+        args = (*state, host(n), host(n, dtype=jnp.bool_), attn, logits_rows, host(b, dtype=jnp.bool_), md)
         return fn, args
 
     def _load_or_compile(self, key: ProgramKey):

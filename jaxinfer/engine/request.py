@@ -81,6 +81,10 @@ class Request:
         self.num_sampled = 0
         self.prefill_target = len(self.prompt_ids)  # tokens to prefill before decoding (prompt + outputs on recompute)
         self.last_token: Any = None  # int or TokenRef
+        # speculative decoding (`jaxinfer.engine.speculative`): this step's draft tokens, verified after
+        # the input token, and the request's speculation history (`SpecState`)
+        self.drafts: list = []
+        self.spec: Any = None
         # host-side results
         self.output_ids: list = []
         self.text = ""
@@ -126,9 +130,10 @@ class Request:
         """No more tokens need drawing (known on the host without reading the device)."""
         return self.finished or self.num_sampled >= self.max_tokens
 
-    def banned_ids(self) -> tuple:
-        """Stop tokens suppressed while fewer than min_tokens outputs are drawn."""
-        if self.num_sampled < self.params.min_tokens:
+    def banned_ids(self, ahead: int = 0) -> tuple:
+        """Stop tokens suppressed while fewer than min_tokens outputs are drawn; ``ahead``: for the token
+        drawn after that many more (the rows of a verify segment, speculative decoding)."""
+        if self.num_sampled + ahead < self.params.min_tokens:
             ends = self.constraint.end_ids if self.constraint is not None else ()
             return tuple(sorted(self.stop_token_ids.union(ends)))
         return ()

@@ -534,11 +534,12 @@ class EngineRoofline:
         self._seq[id(output)] = self.clock.submit(timing, output)
 
     def step(self, decodes: Sequence[Any], chunks: Sequence[Any], output: Any, dispatched: float) -> None:
-        """A ragged step: ``decodes`` (one token each after ``num_computed``) then ``chunks``
+        """A ragged step: ``decodes`` (one token each after ``num_computed``, and their drafts) then ``chunks``
         (`jaxinfer.engine.scheduler.PrefillChunk`: ``length`` tokens after ``start``); logits at each
         decode row, where a chunk ends its prompt, or at every chunk position for prompt logprobs.
         Its kind: "decode", "prefill" or "mixed"."""
-        logits = len(decodes)
+        segments = [1 + len(r.drafts) for r in decodes]  # a decode's input and its drafts (speculation)
+        logits = sum(segments)
         for c in chunks:
             r = c.request
             if r.prompt_logprobs is not None:
@@ -546,7 +547,7 @@ class EngineRoofline:
             elif c.start + c.length >= r.prefill_target:
                 logits += 1
         kind = "mixed" if decodes and chunks else "decode" if decodes else "prefill"
-        self.program(kind, [1] * len(decodes) + [c.length for c in chunks],
+        self.program(kind, segments + [c.length for c in chunks],
                      [r.num_computed for r in decodes] + [c.start for c in chunks], logits,
                      list(decodes) + [c.request for c in chunks], output, dispatched)
 

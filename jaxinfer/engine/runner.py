@@ -34,9 +34,10 @@ from jaxinfer.engine.request import Request, TokenRef
 from jaxinfer.engine.scheduler import PrefillChunk
 from jaxinfer.ops.sampler import SamplerOutput, init_sampler_state
 from jaxinfer.engine.sampling import RowSampling, build_metadata
+from jaxinfer.engine.step import LogitsRows
 from jaxinfer.sampling_params import MAX_LOGIT_BIAS
 from jaxinfer.ops.spec import is_spec
-from jaxinfer.engine.structured import bitmask_width
+from jaxinfer.engine.structured import bitmask_width, segment_masks
 from jaxinfer.loading.weights import canonical_specs, check_param_tree, stored_tree
 
 
@@ -89,7 +90,8 @@ class ModelRunner:
         md = build_metadata(rows, batch, num_slots=self.ecfg.max_num_seqs, max_logprobs=self.ecfg.max_logprobs,
                             neutral_bias=self._neutral_bias_arrays if local else None,
                             vocab_size=self.model_cfg.vocab_size,
-                            neutral_mask=self._neutral_mask_array if local else None)
+                            neutral_mask=self._neutral_mask_array if local else None,
+                            prior_width=self.ecfg.num_speculative_tokens)
         constrained = sum(1 for r in rows if r is not None and r.constraint is not None)
         if constrained:
             self.mask_s += time.perf_counter() - t0
@@ -124,17 +126,22 @@ class ModelRunner:
 
     def step_inputs(self, decodes: Sequence[Request], chunks: Sequence[PrefillChunk]) -> tuple[ProgramKey, tuple]:
         """The step of ``decodes`` and ``chunks`` undispatched: its program's key and its host inputs
-        (tokens, from_state, ragged attention metadata, logits index, prompt rows, sampling metadata),
+        (tokens, from_state, ragged attention metadata, logits rows, prompt rows, sampling metadata),
         which follow the runner's params, KV cache and sampler state. Benchmarks time the program on
         them directly.
 
         A decode row's input token still on device (`TokenRef`: drawn by a step not yet read back)
-        is taken from the sampler state's per-slot last token, inside the step: no host round trip."""
+        is taken from the sampler state's per-slot last token, inside the step: no host round trip.
+        A decode row with draft tokens (``Request.drafts``, speculative decoding) feeds its input and
+        its drafts, and asks for logits at each: its verify segment (`jaxinfer.ops.sampler.Drafts`)."""
         ps = self.ecfg.page_size
-        work = [(r, r.num_computed, 1, False) for r in decodes] + [(c.request, c.start, c.length, True) for c in chunks]
+        work = [(r, r.num_computed, 1 + len(r.drafts), False) for r in decodes]
+        work += [(c.request, c.start, c.length, True) for c in chunks]
         real = sum(n for _, _, n, _ in work)
-        key = self.programs.step_key(real, len(work), max(pages_needed(s + n, ps) for _, s, n, _ in work))
-        r_pad, n_pad = key.batch, key.tokens
+        num_rows = sum(n for _, _, n, prefill in work if not prefill) + len(chunks)
+        key = self.programs.step_key(real, len(work), max(pages_needed(s + n, ps) for _, s, n, _ in work), num_rows)
+        r_pad, n_pad, l_pad = key.batch, key.tokens, key.logits
+        spec = self.ecfg.num_speculative_tokens
         tokens = np.zeros(n_pad, np.int32)
         from_state = np.zeros(n_pad, np.bool_)
         positions = np.full(n_pad, -1, np.int32)
@@ -142,10 +149,12 @@ class ModelRunner:
         query_start = np.full(r_pad + 1, real, np.int32)
         table = np.zeros((r_pad, key.pages), np.int32)
         kv_lens = np.zeros(r_pad, np.int32)
-        logits_index = np.zeros(r_pad, np.int32)
         prompt_rows = np.zeros(r_pad, np.bool_)
-        rows: list[Optional[RowSampling]] = [None] * r_pad
-        at = 0
+        index = np.zeros(l_pad, np.int32)
+        request = np.full(l_pad, r_pad, np.int32)
+        draft = np.full(l_pad, -1, np.int32)
+        rows: list[Optional[RowSampling]] = [None] * l_pad
+        at = row = 0
         for i, (r, s, n, prefill) in enumerate(work):
             k = pages_needed(s + n, ps)
             if len(r.pages) < k:
@@ -155,22 +164,40 @@ class ModelRunner:
             if prefill:
                 tokens[at:at + n] = r.all_token_ids(s, n)
             elif isinstance(r.last_token, TokenRef):
+                if r.drafts:
+                    raise RuntimeError(f"{r.request_id}: drafts need the input token on the host")
                 from_state[at] = True
             else:
-                tokens[at] = r.last_token
+                tokens[at:at + n] = [r.last_token, *r.drafts]
             positions[at:at + n] = pos
             slots[at:at + n] = slots_for(table[i], pos, ps)
             query_start[i] = at
             kv_lens[i] = s + n
-            logits_index[i] = at + n - 1
             prompt_rows[i] = prefill
             ends = not prefill or s + n == r.prefill_target
-            rows[i] = RowSampling(r.params, r.seed, s + n, r.slot, is_output=ends, banned=r.banned_ids(),
-                                  prompt_len=r.prompt_len, constraint=r.constraint if ends else None)
+            # a constrained verify segment: each row masked by the grammar after the drafts before it
+            masks = None
+            if r.constraint is not None and not prefill and r.drafts:
+                t0 = time.perf_counter()
+                masks = segment_masks(r.constraint, r.drafts, self.model_cfg.vocab_size)
+                self.mask_s += time.perf_counter() - t0
+                self.mask_rows += n
+            for j in range(1 if prefill else n):  # a chunk's last token; each token of a verify segment
+                tok = at + n - 1 if prefill else at + j
+                index[row], request[row] = tok, i
+                if not prefill and j < n - 1:
+                    draft[row] = r.drafts[j]
+                rows[row] = RowSampling(r.params, r.seed, s + (n if prefill else j + 1), r.slot, is_output=ends,
+                                        banned=r.banned_ids(j), prompt_len=r.prompt_len,
+                                        constraint=r.constraint if ends and masks is None else None,
+                                        prior=tuple(r.drafts[:j]) if not prefill else (),
+                                        mask=None if masks is None else masks[j])
+                row += 1
             at += n
         attn = RaggedMetadata(positions, slots, query_start, table, kv_lens)
-        md = self._sampling(rows, r_pad)
-        return key, (tokens, from_state, attn, logits_index, prompt_rows, md)
+        logits_rows = LogitsRows(index, request, draft if spec else None)
+        md = self._sampling(rows, l_pad)
+        return key, (tokens, from_state, attn, logits_rows, prompt_rows, md)
 
     def _run(self, key: ProgramKey, host_args: tuple) -> SamplerOutput:
         """Dispatch the program ``key`` on the host inputs; the leader of several processes
@@ -353,22 +380,25 @@ def _canonical_fn(axis: int, transpose: bool, out_sharding: Any):
     return jax.jit(f, out_shardings=out_sharding)
 
 
-def read_output(out: SamplerOutput, reqs: Sequence[Request], rows: Optional[Sequence[int]] = None) -> list:
-    """Bring a step's results to the host: [(token, Logprob or None)] per request.
-
-    ``rows`` gives each request's row in the step (default: row i for request i).
-    """
-    rows = list(range(len(reqs))) if rows is None else list(rows)
+def read_output(out: SamplerOutput, rows: Sequence[tuple]) -> list:
+    """Bring a step's results to the host: for each (request, first logits row, rows) in ``rows``, its
+    tokens [(token, Logprob or None)]: one a row; a verify segment's (rows > 1, speculative decoding)
+    are its emitted rows (``out.emitted``): the accepted drafts, then the token drawn after them."""
     tokens = to_host(out.tokens)
+    emitted = to_host(out.emitted) if out.emitted is not None and any(n > 1 for _, _, n in rows) else None
     lps = None
-    if out.logprob is not None and any(r.params.logprobs is not None for r in reqs):
+    if out.logprob is not None and any(r.params.logprobs is not None for r, _, _ in rows):
         lps = (to_host(out.logprob), to_host(out.top_ids), to_host(out.top_logprobs))
     res = []
-    for i, r in zip(rows, reqs):
-        lp = None
-        if lps is not None and r.params.logprobs is not None:
-            n = r.params.logprobs
-            top = {int(k): float(v) for k, v in zip(lps[1][i, :n], lps[2][i, :n])}
-            lp = Logprob(int(tokens[i]), float(lps[0][i]), top)
-        res.append((int(tokens[i]), lp))
+    for r, first, n in rows:
+        m = int(emitted[first:first + n].sum()) if n > 1 else 1
+        drawn = []
+        for i in range(first, first + m):
+            lp = None
+            if lps is not None and r.params.logprobs is not None:
+                k = r.params.logprobs
+                top = {int(t): float(v) for t, v in zip(lps[1][i, :k], lps[2][i, :k])}
+                lp = Logprob(int(tokens[i]), float(lps[0][i]), top)
+            drawn.append((int(tokens[i]), lp))
+        res.append(drawn)
     return res

@@ -22,6 +22,7 @@ def build_metadata(
     neutral_bias=None,
     vocab_size: Optional[int] = None,
     neutral_mask=None,
+    prior_width: int = 0,
 ) -> SamplingMetadata:
     """Pad per-row host values into a `SamplingMetadata` of ``batch_size`` rows.
 
@@ -33,6 +34,8 @@ def build_metadata(
     ``vocab_size`` (the logits' width) adds the allowed-token bitmask: rows whose `RowSampling`
     carries a constraint get their grammar's next-token mask (`jaxinfer.engine.structured.fill_bitmasks`),
     others all ones; ``neutral_mask(batch_size)`` likewise supplies an all-ones one kept on device.
+    ``prior_width`` > 0 (an engine that speculates ``prior_width`` tokens) adds each row's `RowSampling.prior`,
+    the drafts before it in its verify segment, padded with -1.
     """
     f32 = lambda: np.zeros(batch_size, np.float32)  # noqa: E731
     temp, top_p, min_p = f32(), np.ones(batch_size, np.float32), f32()
@@ -58,13 +61,19 @@ def build_metadata(
     allowed = None
     if vocab_size is not None:
         constrained = [(r.constraint, i) for i, r in enumerate(rows) if r is not None and r.constraint is not None]
-        if constrained or neutral_mask is None:
+        given = [(i, r.mask) for i, r in enumerate(rows) if r is not None and r.mask is not None]
+        if constrained or given or neutral_mask is None:
             allowed = fill_bitmasks(constrained, batch_size, vocab_size)
+            for i, mask in given:
+                allowed[i] = mask
         else:
             allowed = neutral_mask(batch_size)
+    prior = np.full((batch_size, prior_width), -1, np.int32) if prior_width else None
     for i, r in enumerate(rows):
         if r is None:
             continue
+        if r.prior:
+            prior[i, : len(r.prior)] = r.prior
         sp = r.params
         temp[i], top_p[i], min_p[i], top_k[i] = sp.temperature, sp.top_p, sp.min_p, sp.top_k
         pres[i], freq[i], rep[i] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
@@ -94,6 +103,7 @@ def build_metadata(
         bias_ids=bias_ids,
         bias_values=bias_values,
         allowed=allowed,
+        prior=prior,
         max_logprobs=int(max_logprobs),
     )
 
@@ -110,3 +120,5 @@ class RowSampling:
     banned: tuple = ()
     prompt_len: Optional[int] = None  # None: everything before sample_pos is prompt
     constraint: object = None  # `jaxinfer.engine.structured.Constraint` of a row that draws a constrained output token
+    prior: tuple = ()  # speculative decoding: the drafts before this row in its verify segment (outputs for penalties)
+    mask: Optional[np.ndarray] = None  # an allowed-token bitmask computed already (a constrained verify row)

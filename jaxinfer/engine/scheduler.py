@@ -1,8 +1,9 @@
 """The continuous-batching scheduler (in the spirit of vLLM's v1 scheduler).
 
 Each step hands a token budget (``max_num_batched_tokens``) first to the
-running requests — one decode token each, or the next chunk of a prompt still
-being prefilled — and then to waiting requests, which join at once with a
+running requests — one decode token each (with speculative decoding, its input
+token and its drafts, `Request.drafts`: all of them or, where they do not fit,
+none this step), or the next chunk of a prompt still being prefilled — and then to waiting requests, which join at once with a
 prefill chunk (after reusing whatever prefix the cache holds). Pages are
 allocated on demand as requests grow; when none are left, the newest running
 request is preempted (its pages freed, its tokens recomputed later — with the
@@ -143,6 +144,7 @@ class Scheduler:
         self._free(r)
         r.num_computed = 0
         r.last_token = None
+        r.drafts = []
         r.num_preemptions += 1
         self.num_preemptions += 1
         self._push(r)
@@ -215,10 +217,11 @@ class Scheduler:
             if r.prefill_done:
                 if r.done_sampling:
                     continue  # its last token is still in flight
-                if budget < 1 or not self._grow(r, r.num_computed + 1, out):
+                need = 1 + len(r.drafts)  # the input token and its drafts (speculative decoding)
+                if budget < need or not self._grow(r, r.num_computed + need, out):
                     continue
                 out.decode.append(r)
-                budget -= 1
+                budget -= need
             else:
                 back = overlap(r)
                 n = min(r.prefill_target - r.num_computed, budget - back, self.max_chunk - back)

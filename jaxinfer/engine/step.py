@@ -43,7 +43,8 @@ from jaxinfer.ops.attention import AttentionMetadata, RaggedMetadata
 from jaxinfer.ops.gather_attention import request_of_token
 from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.sampler import (
-    SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, record_tokens, sample, token_logprobs,
+    Drafts, SamplerOutput, SamplerState, SamplingMetadata, record_prompt_if_needed, record_tokens, sample,
+    token_logprobs,
 )
 
 # Prompt logprobs make at most this many bytes of float32 logits at once, in blocks of at most
@@ -158,6 +159,23 @@ def _step_body(params, kv_cache, sampler_state, tokens, attn, last_index, sampli
     return out, kv_cache, sampler_state
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LogitsRows:
+    """Where a ragged step makes logits, L rows (the sampling metadata's rows, in this order).
+
+    index: [L] i32, the flat token whose hidden state gives the row's logits; request: [L] i32, the
+    request the row belongs to (a request's rows are contiguous; padding rows: R or more); draft: [L]
+    i32 or None: speculative decoding, the draft token that follows the row's token in its request's
+    verify segment (-1: none). None where the engine does not speculate: one row per request (L = R)
+    and no verification in the program.
+    """
+
+    index: jax.Array
+    request: jax.Array
+    draft: Optional[jax.Array] = None
+
+
 def _ragged_step(
     params: Any,
     kv_cache: list,
@@ -165,7 +183,7 @@ def _ragged_step(
     tokens: jax.Array,
     from_state: jax.Array,
     attn: RaggedMetadata,
-    logits_index: jax.Array,
+    rows: LogitsRows,
     prompt_rows: jax.Array,
     sampling: SamplingMetadata,
     *,
@@ -178,9 +196,11 @@ def _ragged_step(
     tokens: [N] int32; from_state: [N] bool, take the token instead from the one its request's slot drew
     last (``sampler_state.last_tokens``: a decode row whose input is still on device);
     attn: `RaggedMetadata` of R requests (request r owns tokens ``query_start[r]`` up to
-    ``query_start[r + 1]``); logits_index: [R] int32, the flat index of each request's last token, whose
-    logits draw its next token (sampling has R rows); prompt_rows: [R] bool, the request's tokens are
-    prompt (a prefill chunk: recorded for penalties, scored for prompt logprobs), not a decode row's input.
+    ``query_start[r + 1]``); rows: `LogitsRows`, the L positions whose logits draw a token (sampling has
+    L rows): each request's last token, and with speculative decoding every token of a verify segment
+    (a decode row's input and its drafts: `jaxinfer.ops.sampler.Drafts`); prompt_rows: [R] bool, the
+    request's tokens are prompt (a prefill chunk: recorded for penalties, scored for prompt logprobs),
+    not a decode row's input.
 
     A request's results are bitwise those of the same tokens run as a `prefill` chunk or a
     `decode_step` row where the products and attention are batch-invariant (the CPU kernels).
@@ -188,34 +208,44 @@ def _ragged_step(
     """
     with backend.using(kernels) if kernels is not None else contextlib.nullcontext():
         with backend.precision_scope(backend.current()):
-            return _ragged_body(params, kv_cache, sampler_state, tokens, from_state, attn, logits_index, prompt_rows,
+            return _ragged_body(params, kv_cache, sampler_state, tokens, from_state, attn, rows, prompt_rows,
                                 sampling, cfg)
 
 
-def _ragged_body(params, kv_cache, sampler_state, tokens, from_state, attn, logits_index, prompt_rows, sampling, cfg):
+def _ragged_body(params, kv_cache, sampler_state, tokens, from_state, attn, rows, prompt_rows, sampling, cfg):
     n = tokens.shape[0]
-    r = logits_index.shape[0]
+    r = prompt_rows.shape[0]
     chex.assert_shape((from_state, attn.positions), (n,))
     chex.assert_shape((prompt_rows, attn.kv_lens), (r,))
+    chex.assert_equal_shape((rows.index, rows.request, sampling.slot_ids))
+
+    def per_request(x, fill):  # a row-wise value every row of a request shares -> [R]
+        return jnp.full((r,), fill, x.dtype).at[rows.request].set(x, mode="drop")
+
+    num_slots = sampler_state.last_tokens.shape[0]
+    slot_of, plen_of = per_request(sampling.slot_ids, num_slots), per_request(sampling.prompt_lens, 0)
+    want_plp = per_request(sampling.want_prompt_logprobs, False)
     req = request_of_token(attn.query_start, jnp.arange(n, dtype=jnp.int32))  # [N]
     valid = (attn.positions >= 0) & (jnp.arange(n) < attn.query_start[r])
-    slots = jnp.where(valid, sampling.slot_ids[req], sampler_state.last_tokens.shape[0])
+    slots = jnp.where(valid, slot_of[req], num_slots)
     on_device = sampler_state.last_tokens.at[slots].get(mode="fill", fill_value=0)
     tokens = jnp.where(from_state, on_device, tokens)
     family = get_family(cfg.architecture)
     hidden, kv_cache = family.forward(params, cfg, tokens[None], kv_cache, attn)
     hidden = hidden[0]  # [N, D]
-    logits = family.logits(params, cfg, hidden[logits_index])
+    logits = family.logits(params, cfg, hidden[rows.index])
     prompt = valid & prompt_rows[req]
     sampler_state = jax.lax.cond(
         sampling.any_penalties(),
-        lambda st: record_tokens(st, tokens, attn.positions, prompt, slots, sampling.prompt_lens[req]),
+        lambda st: record_tokens(st, tokens, attn.positions, prompt, slots, plen_of[req]),
         lambda st: st,
         sampler_state,
     )
-    out, sampler_state = sample(logits, sampling, sampler_state)
+    drafts = None if rows.draft is None else Drafts(rows.draft, rows.request, r)
+    out, sampler_state = sample(logits, sampling, sampler_state, drafts)
     targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)])
-    scored = prompt & sampling.want_prompt_logprobs[req] & (jnp.arange(n) < logits_index[req])
+    last = attn.query_start[jnp.minimum(req + 1, r)] - 1  # each token's request's last token
+    scored = prompt & want_plp[req] & (jnp.arange(n) < last)
     lp, ids, top, rank = scored_logprobs(params, cfg, hidden, targets, scored, sampling.max_logprobs)
     out = dataclasses.replace(out, prompt_logprob=lp, prompt_top_ids=ids, prompt_top_logprobs=top, prompt_rank=rank)
     return out, kv_cache, sampler_state

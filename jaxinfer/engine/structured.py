@@ -317,6 +317,33 @@ def fill_bitmasks(rows: list, batch: int, vocab_size: int) -> np.ndarray:
     return out
 
 
+def draft_prefix(c: "Constraint", drafts: list) -> list:
+    """The leading drafts the grammar accepts from its state now (speculative decoding: a draft the grammar
+    forbids would be rejected anyway, so it and those after it are not verified). Consumes nothing."""
+    if c.error is not None or not drafts:
+        return []
+    return list(drafts[: c.matcher.validate_tokens([int(t) for t in drafts])])
+
+
+def segment_masks(c: "Constraint", drafts: list, vocab_size: int) -> np.ndarray:
+    """The masks of a verify segment's rows ``[len(drafts) + 1, ceil(vocab_size / 32)]``: row j the tokens
+    the grammar allows after the tokens so far and ``drafts[:j]`` (each `draft_prefix`-valid). The matcher
+    consumes the drafts to compute them and rolls them back: its state is unchanged."""
+    out = np.empty((len(drafts) + 1, bitmask_width(vocab_size)), np.int32)
+    taken = 0
+    try:
+        for j in range(len(drafts) + 1):
+            out[j] = fill_bitmasks([(c, 0)], 1, vocab_size)[0]
+            if j < len(drafts):
+                if not c.matcher.consume_token(int(drafts[j])):
+                    raise RuntimeError(f"draft token {drafts[j]} refused after validation")
+                taken += 1
+    finally:
+        if taken:
+            c.matcher.rollback(taken)
+    return out
+
+
 def _clear_from(row: np.ndarray, n: int) -> None:
     """Clear bits n.. of one bitmask row (ids past the tokenizer's vocabulary are never allowed)."""
     word, bit = divmod(n, 32)

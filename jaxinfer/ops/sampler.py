@@ -29,6 +29,19 @@ too (vLLM reports them after it), so they are what a trainer scoring the text wo
 ``logit_bias`` (OpenAI's: token id -> bias added to its logit) is a padded
 per-row list of `MAX_LOGIT_BIAS` (token id, bias) pairs, id -1 for none: data
 of a fixed width, so a request with a bias runs the same program as any other.
+
+Speculative decoding (`Drafts`): a request's rows are a segment — the distribution after its input
+token and after each of its k draft tokens — and row j verifies draft j + 1 (a single chosen token,
+so p_draft = 1 at it). A greedy row accepts while the draft is its argmax; a sampled row accepts with
+probability p_target(draft) (min(1, p/q) with q = 1), where p_target is the row's distribution after
+every stage above, and on a rejection draws from the residual, p_target without the draft,
+renormalised (Gumbel-max with the draft left out). Each segment keeps its rows up to its first
+rejection (or its last row, the bonus draw): every kept row but the last emits its draft, the last
+its own draw — so greedy output is the argmax chain, and sampled output has exactly the target's
+distribution (Leviathan et al., 2023). Row j's draws use the request's seed and the position it
+draws (the acceptance's uniform from a key folded once more), so a seeded request stays
+reproducible and independent of the batch; its penalties count the drafts before it in its
+segment (``SamplingMetadata.prior``) as outputs.
 """
 
 from __future__ import annotations
@@ -72,6 +85,9 @@ class SamplingMetadata:
     # [B, ceil(V / 32)] i32 allowed-token bitmask (structured output; all ones = no constraint).
     # None (metadata built without a vocabulary size, e.g. by research code): no such stage.
     allowed: Optional[jax.Array] = None
+    # [B, K] i32: the draft tokens before this row in its request's verify segment (speculative decoding),
+    # counted as outputs by the penalties; -1 = none. None (no speculation configured): no such stage.
+    prior: Optional[jax.Array] = None
     max_logprobs: int = field(default=0, metadata=dict(static=True))
 
     # Stage switches, read from the data on device (padding rows hold neutral values).
@@ -120,6 +136,21 @@ class SamplerOutput:
     prompt_top_ids: Optional[jax.Array] = None  # [B, T, N] i32
     prompt_top_logprobs: Optional[jax.Array] = None  # [B, T, N] f32
     prompt_rank: Optional[jax.Array] = None  # [B, T] i32, rank of token j + 1 at j (1: the likeliest)
+    # speculative decoding (`Drafts`): the row's token is an output (the rows of its segment up to the first
+    # rejection); None where every row's token is
+    emitted: Optional[jax.Array] = None  # [B] bool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """What each row verifies (speculative decoding): ``token`` [B] i32, the draft that follows the row's
+    input in its request's segment (-1: none: the segment's last row, or a plain row); ``segment`` [B] i32,
+    the row's request (a segment's rows are contiguous; padding rows: any value >= ``num_segments``)."""
+
+    token: jax.Array
+    segment: jax.Array
+    num_segments: int = field(metadata=dict(static=True))
 
 
 def init_sampler_state(num_slots: int, vocab_size: int) -> SamplerState:
@@ -190,6 +221,10 @@ def _apply_bias(logits, md: SamplingMetadata):
 
 def _apply_penalties(logits, md: SamplingMetadata, state: SamplerState):
     counts = state.output_counts.at[md.slot_ids].get(mode="fill", fill_value=0)
+    if md.prior is not None:  # a verify row: the drafts before it in its segment are outputs too
+        b, v = logits.shape
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], md.prior.shape)
+        counts = counts.at[rows, jnp.where(md.prior < 0, v, md.prior)].add(1, mode="drop")
     prompt = state.prompt_mask.at[md.slot_ids].get(mode="fill", fill_value=False)
     seen = prompt | (counts > 0)
     rep = md.repetition_penalty[:, None]
@@ -263,13 +298,23 @@ def _row_keys(seeds, positions):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tuple[SamplerOutput, SamplerState]:
+def _accept_key(key):
+    """The key of a verify row's acceptance draw: the row's own key folded once more, so it never
+    repeats the Gumbel noise of the row's draw."""
+    return jax.random.fold_in(key, 0x5EC)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState,
+           drafts: Optional[Drafts] = None) -> tuple[SamplerOutput, SamplerState]:
     """logits: [B, V] float32 -> drawn tokens (and top logprobs), updated sampler state.
 
     One program for every mix of settings: each stage below that some rows may
     not need (logit bias, penalties, filters, the random draw, logprobs) sits under
     a `lax.cond` on a flag read from the data, so it costs nothing when no row
     needs it and never selects another compiled program.
+
+    ``drafts``: the rows verify speculative tokens (the module's docstring); the output's ``emitted``
+    says which rows' tokens are outputs, and the state counts only those.
     """
     b, v = logits.shape
     raw = logits
@@ -285,6 +330,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tupl
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned.shape)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    draft = drafts.token if drafts is not None else jnp.full((b,), -1, jnp.int32)
+    has_draft = draft >= 0
 
     def draw(lg):
         is_greedy = ~md.sampling_rows()
@@ -292,29 +339,49 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState) -> tupl
         scaled = jax.lax.cond(md.any_filters(), lambda x: _apply_filters(x, md), lambda x: x, scaled)
         keys = _row_keys(md.seeds, md.sample_pos)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-        return jnp.where(is_greedy, greedy, drawn)
+        if drafts is None:
+            drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+            return jnp.where(is_greedy, greedy, drawn), jnp.zeros((b,), jnp.bool_)
+        # a verify row: accept its draft d with probability p(d); else draw from p without d
+        p_draft = jnp.take_along_axis(invariant.softmax(scaled), jnp.maximum(draft, 0)[:, None], axis=-1)[:, 0]
+        u = jax.vmap(lambda k: jax.random.uniform(_accept_key(k), (), jnp.float32))(keys)
+        residual = jnp.where(has_draft[:, None] & (jnp.arange(v)[None, :] == draft[:, None]), -jnp.inf, scaled)
+        drawn = jnp.argmax(residual + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(is_greedy, greedy, drawn), ~is_greedy & (u < p_draft)
 
-    tokens = jax.lax.cond(md.any_sampling(), draw, lambda lg: greedy, logits)
+    candidate, sampled_ok = jax.lax.cond(md.any_sampling(), draw, lambda lg: (greedy, jnp.zeros((b,), jnp.bool_)),
+                                         logits)
+    if drafts is None:
+        tokens, emitted, last = candidate, None, jnp.ones((b,), jnp.bool_)
+    else:
+        ok = has_draft & jnp.where(md.sampling_rows(), sampled_ok, greedy == draft)
+        # each segment stops at its first row that does not accept (a rejection, or its last row)
+        seg = jnp.clip(drafts.segment, 0, drafts.num_segments)
+        j = jnp.arange(b, dtype=jnp.int32)
+        stop = jnp.full((drafts.num_segments + 1,), b, jnp.int32).at[seg].min(jnp.where(ok, b, j))[seg]
+        emitted = (j <= stop) & (drafts.segment < drafts.num_segments)
+        last = j == stop
+        tokens = jnp.where(j < stop, draft, candidate)
     num_slots = state.last_tokens.shape[0]
-    out_slots = jnp.where(md.is_output, md.slot_ids, num_slots)  # padding / mid-prompt rows: dropped
+    out_slots = jnp.where(md.is_output & (True if emitted is None else emitted), md.slot_ids, num_slots)
     counts = jax.lax.cond(
         md.any_penalties(),
         lambda c: c.at[out_slots, tokens].add(1, mode="drop"),
         lambda c: c,
         state.output_counts,
     )
-    state = SamplerState(counts, state.prompt_mask, state.last_tokens.at[out_slots].set(tokens, mode="drop"))
+    last_slots = jnp.where(last, out_slots, num_slots)  # a segment's last emitted token feeds its next step
+    state = SamplerState(counts, state.prompt_mask, state.last_tokens.at[last_slots].set(tokens, mode="drop"))
     n = md.max_logprobs
     if n == 0:
-        return SamplerOutput(tokens=tokens), state
+        return SamplerOutput(tokens=tokens, emitted=emitted), state
 
     def none(raw_logits):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)
 
     top = functools.partial(token_logprobs, tokens=tokens, n=n)
     chosen, top_ids, top_lp = jax.lax.cond(jnp.any(md.want_logprobs), top, none, raw)
-    return SamplerOutput(tokens, chosen, top_ids, top_lp), state
+    return SamplerOutput(tokens, chosen, top_ids, top_lp, emitted=emitted), state
 
 
 def token_logprobs(raw_logits: jax.Array, tokens: jax.Array, n: int, *, rank: bool = False) -> tuple:

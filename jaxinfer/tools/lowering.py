@@ -108,7 +108,8 @@ def step_inputs(cfg: ModelConfig, ecfg: EngineConfig, kind: str, batch: int, tok
     if kind == "step":  # the engine's ragged step: ``batch`` requests, ``tokens`` tokens in all
         meta = RaggedMetadata(sds((tokens,), i32), sds((tokens,), i32), sds((batch + 1,), i32),
                               sds((batch, pages), i32), sds((batch,), i32))
-        return (params, cache, state, sds((tokens,), i32), sds((tokens,), jnp.bool_), meta, sds((batch,), i32),
+        rows = step.LogitsRows(sds((batch,), i32), sds((batch,), i32))
+        return (params, cache, state, sds((tokens,), i32), sds((tokens,), jnp.bool_), meta, rows,
                 sds((batch,), jnp.bool_), md)
     t = tokens if kind == "prefill" else 1
     attn = AttentionMetadata(sds((batch, t), i32), sds((batch, t), i32), sds((batch, pages), i32), sds((batch,), i32))
