@@ -106,6 +106,18 @@ class _EngineCollector:
         yield counter("num_preemptions", "Requests preempted (to be recomputed) because KV pages ran out.",
                       snap["preemptions"])
         yield gauge("grpc_requests_active", "Generate calls in flight on this server.", owner.active_calls())
+        spec = snap.get("spec")
+        if spec is not None:  # speculative decoding, as vLLM names it
+            yield counter("spec_decode_num_drafts", "Verify segments that carried draft tokens.", spec["num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                          spec["num_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec["num_accepted_tokens"])
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft (0: the first).",
+                                          labels=labels + ["position"])
+            for i, n in enumerate(spec["accepted_per_pos"]):
+                per_pos.add_metric(values + [str(i)], float(n))
+            yield per_pos
 
 
 class ServerMetrics:

@@ -59,7 +59,7 @@ from typing import Any, Optional
 
 from jaxinfer import progress
 from jaxinfer.cli.argtypes import DTYPE_CHOICES, DTYPE_HELP, int_in, non_negative_number, number, unescape
-from jaxinfer.config import DEFAULT_MODEL, EngineConfig
+from jaxinfer.config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -88,7 +88,15 @@ STRUCTURED_FLAG_OF = {kind: "--" + dest.replace("_", "-") for dest, kind in STRU
 
 # Engine flags that override a field of the preset (None: not given), as LLM(...) keywords.
 ENGINE_OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "num_pages", "max_num_batched_tokens",
-                    "tensor_parallel_size", "quantization", "batch_invariant")
+                    "tensor_parallel_size", "quantization", "batch_invariant", "speculative_config")
+
+def speculative_config_arg(text: str):
+    """--speculative-config: a JSON object of `jaxinfer.config.SpeculativeConfig` fields, checked here."""
+    try:
+        return SpeculativeConfig.of(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 positive_int = int_in(1)
 non_negative_int = int_in(0)
@@ -145,6 +153,11 @@ def add_engine_flags(p: argparse.ArgumentParser, *, warmup: Optional[str] = None
                    help="batch-invariant mode for the pure-JAX path (GPU, TPU, CPU without native kernels): a "
                    "request's numbers do not depend on the rest of the batch, at some cost in speed (also "
                    "JAXINFER_BATCH_INVARIANT=1); CPU's native kernels are invariant without it")
+    g.add_argument("--speculative-config", type=speculative_config_arg, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: e.g. \'{"method": "ngram", "num_speculative_tokens": '
+                   '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup: drafts copied from the prompt '
+                   'and output, verified in the same step; greedy output unchanged, sampled output the same '
+                   'distribution)')
     if warmup is not None:
         g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                        help=f"compile (or load from the program cache) every program the engine can run {warmup}")

@@ -476,8 +476,11 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         keys = llm.engine.program_keys()
         attention = "CPU kernel" if table.kernels.cpu_attention else "pure JAX"
         if args.list:
+            verify = sum(1 for k in keys if k.logits != k.batch)
+            spec = (f", {verify} of them speculative decoding's verify programs (logits rows per draft token)"
+                    if verify else "")
             lines = [f"{len(keys)} programs for {llm.model_name} ({llm.engine_config.name} preset, "
-                     f"{llm.engine_config.dtype}, attention: {attention}); cache: {table.cache_dir() or 'off'}"]
+                     f"{llm.engine_config.dtype}, attention: {attention}){spec}; cache: {table.cache_dir() or 'off'}"]
             lines += [f"  {str(k):44s} {state}" for k, state in table.status(keys)]
             _write(sys.stdout, "\n".join(lines) + "\n")
             return 0

@@ -292,6 +292,8 @@ class LibraryBackend(Backend):
             "prefix_queries": e.allocator.queries,
             "prefix_hits": e.allocator.hits,
             "engine_steps": e.stats.steps,
+            **({"spec_drafts": e.speculator.stats.num_drafts, "spec_draft_tokens": e.speculator.stats.num_draft_tokens,
+                "spec_accepted_tokens": e.speculator.stats.num_accepted_tokens} if e.speculator is not None else {}),
             # each step program against its physical floor (`jaxinfer.engine.roofline`), by kind
             **{f"roofline_{k}_{f}": getattr(h, f) for k, h in e.stats.roofline.items()
                for f in ("count", "measured_s", "floor_s")},
@@ -441,6 +443,11 @@ _METRIC_GAUGES = {
 }
 _METRIC_COUNTERS = {
     "preemptions": ("jaxinfer:num_preemptions_total", "jaxinfer:num_preemptions", "vllm:num_preemptions_total"),
+    # speculative decoding (a server that speculates)
+    "spec_drafts": ("jaxinfer:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
+    "spec_draft_tokens": ("jaxinfer:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+    "spec_accepted_tokens": ("jaxinfer:spec_decode_num_accepted_tokens_total",
+                             "vllm:spec_decode_num_accepted_tokens_total"),
 }
 
 
@@ -988,6 +995,9 @@ def summarize(bench: BenchmarkResult, info: Optional[dict] = None) -> dict:
         engine["prefix_cache_hit_rate"] = c.get("prefix_hits", 0) / q if q else 0.0
     if "engine_steps" in c:
         engine["engine_steps"] = c["engine_steps"]
+    if c.get("spec_drafts"):  # speculative decoding: vLLM's acceptance rate and mean acceptance length
+        engine["spec_acceptance_rate"] = c.get("spec_accepted_tokens", 0) / max(c.get("spec_draft_tokens", 0), 1)
+        engine["spec_mean_acceptance_length"] = 1 + c.get("spec_accepted_tokens", 0) / c["spec_drafts"]
     if "kv_usage" in bench.peaks:
         engine["peak_kv_usage"] = bench.peaks["kv_usage"]
     if "running" in bench.peaks:
@@ -1097,6 +1107,9 @@ def format_table(s: dict) -> str:
             row("Preemptions:", e["preemptions"])
         if "prefix_cache_hit_rate" in e:
             row("Prefix cache hit rate (%):", 100 * e["prefix_cache_hit_rate"])
+        if "spec_acceptance_rate" in e:
+            row("Draft acceptance rate (%):", 100 * e["spec_acceptance_rate"])
+            row("Mean acceptance length:", e["spec_mean_acceptance_length"])
         if "peak_kv_usage" in e:
             row("Peak KV cache usage (%):", 100 * e["peak_kv_usage"])
         if "peak_running" in e:
