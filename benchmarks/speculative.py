@@ -2,9 +2,10 @@
 
     python -m benchmarks.speculative [--rounds 3] [--k 4] [--quick] [--json FILE]
 
-Two engines of the same weights in one process (SmolLM2-135M-Instruct in float32 on the ``cpu`` preset
-by default), one with ``speculative_config={"method": "ngram", "num_speculative_tokens": k}``; each round
-runs every workload on both, the order alternating. Greedy decoding, so both must give the same tokens
+Engines of the same weights in one process (SmolLM2-135M-Instruct in float32 on the ``cpu`` preset by
+default): plain, ``speculative_config={"method": "ngram", "num_speculative_tokens": k}``, and a draft model
+(the same model's int4 weights, ``{"method": "draft_model", "quantization": "int4", ...}``: a pair that
+shares one tokenizer offline); each round runs every workload on each, the order rotating. Greedy decoding, so both must give the same tokens
 (checked every round). Workloads:
 
 * **grounded, batch 1**: the model copies or edits a passage it was given (the kind of task prompt lookup
@@ -57,10 +58,15 @@ def measure(bench) -> None:
 
     a = bench.args
     spec_cfg = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    draft_cfg = {"method": "draft_model", "model": a.model, "quantization": "int4", "num_speculative_tokens": a.k}
+    # every program compiled first (from the program cache after a first run): no round waits for a compile
     llms = {
-        "plain": jaxinfer.LLM(a.model, engine_config="cpu", dtype=a.dtype),
-        "ngram": jaxinfer.LLM(a.model, engine_config="cpu", dtype=a.dtype, speculative_config=spec_cfg),
+        "plain": jaxinfer.LLM(a.model, engine_config="cpu", dtype=a.dtype, warmup=True),
+        "ngram": jaxinfer.LLM(a.model, engine_config="cpu", dtype=a.dtype, speculative_config=spec_cfg, warmup=True),
     }
+    if not a.no_draft:
+        llms["draft"] = jaxinfer.LLM(a.model, engine_config="cpu", dtype=a.dtype, speculative_config=draft_cfg,
+                                     warmup=True)
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     grounded = [[{"role": "user", "content": t.format(p)}] for t, p in zip(GROUNDED, PASSAGES)]
     opened = [[{"role": "user", "content": q}] for q in OPEN]
@@ -109,7 +115,7 @@ def measure(bench) -> None:
                for w in workloads}
     bench.figures["results"] = {w: {n: rs for n, rs in r.items()} for w, r in results.items()}
     bench.figures["medians"] = {w: {n: medians([x for x in rs if x["acceptance"] is not None] or rs,
-                                               ["tok_s"] + (["acceptance", "mean_len"] if n == "ngram" else []))
+                                               ["tok_s"] + (["acceptance", "mean_len"] if n != "plain" else []))
                                     for n, rs in r.items()} for w, r in results.items()}
     st = llms["ngram"].engine.speculator.stats
     bench.figures["host"] = {"propose_s": st.propose_s, "sync_s": st.sync_s,
@@ -129,12 +135,14 @@ def report(res: dict) -> str:
         p, s = med[w]["plain"]["tok_s"], med[w]["ngram"]["tok_s"]
         rows.append((names[w], s, p, ".1f"))
         targets.append(target(f"{w}: ngram / plain >= {goal}", s / p >= goal, f"{s / p:.2f}x"))
-    acc = [(names[w], fmt(med[w]["ngram"].get("acceptance"), ".2f"), fmt(med[w]["ngram"].get("mean_len"), ".2f"))
-           for w in goals]
+        if "draft" in med[w]:
+            rows.append(("  draft model (int4 of itself)", med[w]["draft"]["tok_s"], p, ".1f"))
+    acc = [(f"{names[w]}, {n}", fmt(med[w][n].get("acceptance"), ".2f"), fmt(med[w][n].get("mean_len"), ".2f"))
+           for w in goals for n in ("ngram", "draft") if n in med[w]]
     h = res["host"]
     return "\n".join([
-        *heading(f"speculative decoding (n-gram, k = {res['k']}) vs plain, same weights, same run", res["system"]),
-        compare(rows, names=("ngram", "plain"), label="median of rounds"),
+        *heading(f"speculative decoding (k = {res['k']}) vs plain, same weights, same run", res["system"]),
+        compare(rows, names=("speculative", "plain"), label="median of rounds"),
         table(["workload", "acceptance rate", "mean accepted length"], acc),
         f"host: proposing {h['propose_s'] * 1e3:.0f} ms, waiting for the previous step before proposing "
         f"{h['sync_s']:.1f} s over {h['spec_syncs']} syncs in {h['steps']} steps",
@@ -146,6 +154,8 @@ def main(argv=None) -> int:
     p = parser("python -m benchmarks.speculative", __doc__, rounds=(3, 1), quick="one round, 64 tokens",
                dtype=True)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    p.add_argument("--no-draft", action="store_true",
+                   help="leave out the draft-model engine (the model's own int4 weights drafting for it)")
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens a request (default 128, --quick 64)")
     args = settle(p, p.parse_args(argv), quick={"max_tokens": (128, 64), "dtype": ("float32", "float32")},
                   at_least={"k": 1, "max_tokens": 8})

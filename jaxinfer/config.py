@@ -179,7 +179,8 @@ class SpeculativeConfig:
 
     ``method``: "ngram" (prompt lookup: the last ``prompt_lookup_max`` down to ``prompt_lookup_min``
     tokens matched earlier in the prompt and output, the tokens that followed proposed) or
-    "draft_model" (``model``, a smaller model with the same vocabulary, proposing its argmax).
+    "draft_model" (``model``, a smaller model with the same vocabulary, proposing its argmax; its weights
+    quantized by ``quantization``, as vLLM's field).
     """
 
     method: str = "ngram"
@@ -187,6 +188,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: Optional[str] = None
+    quantization: Optional[str] = None  # the draft model's weights: None (the engine's dtype), "int8" or "int4"
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -204,8 +206,10 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max}).")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's path or name.")
-        if self.method == "ngram" and self.model:
-            raise ValueError("speculative_config 'model' is for method 'draft_model', not 'ngram'.")
+        if self.method == "ngram" and (self.model or self.quantization):
+            raise ValueError("speculative_config 'model' and 'quantization' are for method 'draft_model', not 'ngram'.")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"speculative_config quantization must be int8, int4 or None, got {self.quantization!r}.")
 
     @classmethod
     def of(cls, value: Any) -> Optional["SpeculativeConfig"]:

@@ -23,7 +23,7 @@ import jaxinfer
 from conftest import TINY, TINY_ENGINE, requires_smollm2, tiny_params
 from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer.config import EngineConfig, SpeculativeConfig
-from jaxinfer.engine.speculative import NgramProposer, Speculator, max_drafts
+from jaxinfer.engine.speculative import NgramProposer, max_drafts
 from jaxinfer.ops.sampler import Drafts, init_sampler_state, sample
 from jaxinfer.engine.sampling import RowSampling, build_metadata
 
@@ -285,6 +285,35 @@ def test_no_program_compiles_after_warm_up_with_speculation(engines):
     spec.engine.speculator.proposer = NgramProposer(1, 3)
     spec.generate(prompts_of(6, seed=44), SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3))
     assert spec.runner.programs.compiled_late == []
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    same = jaxinfer.save_model(root / "same", TINY, tiny_params())
+    other = jaxinfer.save_model(root / "other", TINY, tiny_params(seed=1))
+    return str(same), str(other)
+
+
+def test_a_draft_model_proposes_and_greedy_output_stays_the_plain_output(engines, draft_dirs):
+    """The target itself as its draft (from a saved copy): every draft is accepted — the draft's cache,
+    caught up over the target's pages chunk by chunk and then a token a step, gives the target's own
+    argmax; another random model of the vocabulary as the draft: drafts rejected, output unchanged."""
+    plain, _ = engines
+    prompts = prompts_of(6, seed=50)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = ids(plain.generate(prompts, sp))
+    for path, all_accepted in zip(draft_dirs, (True, False)):
+        cfg = TINY_ENGINE.replace(speculative_config={"method": "draft_model", "model": path,
+                                                      "num_speculative_tokens": K})
+        llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=cfg)
+        assert ids(llm.generate(prompts, sp)) == want
+        st = llm.engine.speculator.stats
+        assert st.num_draft_tokens > 0
+        assert (st.num_accepted_tokens == st.num_draft_tokens) if all_accepted else (
+            st.num_accepted_tokens < st.num_draft_tokens)
+        llm.engine.allocator.check_all_free()
+        llm.close()
 
 
 # -- the real model ------------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ class Engine:
         self.scheduler = Scheduler(self.ecfg, self.allocator, max_num_batched_tokens=budget, policy=policy,
                                    kv_window=runner.cfg.kv_window)
         # speculative decoding (`jaxinfer.engine.speculative`): None unless the engine config asks for it
-        self.speculator = speculator_for(self.ecfg, self.scheduler.budget, runner.max_model_len)
+        self.speculator = speculator_for(self.ecfg, self.scheduler.budget, runner.max_model_len, runner)
         self.stats = EngineStats(self)
         # each step program's physical floor and measured time; None where the peaks are unknown
         self.roofline = EngineRoofline.for_runner(runner, self.stats.on_step_timed)
@@ -318,6 +318,8 @@ class Engine:
         if spec is not None:
             spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if spec is not None:
+            spec.fill(sched.decode)  # a draft model proposes once its segments have their pages
         now = time.perf_counter()
         n_before = len(self._pending)
         if not sched.empty:  # one ragged step: the decode rows (each with its drafts), then the prefill chunks
@@ -477,7 +479,8 @@ class Engine:
         After it, serving compiles nothing: any mix of sampling settings, logprobs, prompt
         lengths and batch sizes runs one of these programs.
         """
-        return self.runner.warmup(self.program_keys())
+        n = self.runner.warmup(self.program_keys())
+        return n + (self.speculator.warmup() if self.speculator is not None else 0)
 
     @property
     def backend(self) -> str:

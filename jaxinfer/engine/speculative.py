@@ -43,6 +43,7 @@ from typing import Optional, Protocol
 import numpy as np
 
 from jaxinfer.config import EngineConfig, SpeculativeConfig
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.engine.structured import draft_prefix
 
 MISS_LIMIT = 3  # steps in a row without an accepted draft before a request pauses speculating
@@ -89,6 +90,8 @@ class SpecState:
     misses: int = 0  # verifies in a row that accepted nothing
     pause: int = 0  # length of the next pause, in output tokens
     resume_at: int = 0  # output count from which the request proposes again
+    draft_done: int = 0  # method "draft_model": positions whose keys and values are in the draft's cache
+    preemptions: int = 0  # the request's preemptions when draft_done was last valid (its pages are new since)
 
 
 class SpecStats:
@@ -137,9 +140,8 @@ class SpecStats:
 class Speculator:
     """The engine's speculative decoding on the host (the module's docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, ecfg: EngineConfig, budget: int, max_model_len: int):
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config method {config.method!r} is not available yet; use 'ngram'.")
+    def __init__(self, config: SpeculativeConfig, ecfg: EngineConfig, budget: int, max_model_len: int,
+                 runner=None):
         self.config = config
         self.k = max_drafts(ecfg, budget)
         if not self.k:
@@ -150,6 +152,8 @@ class Speculator:
                 f"or fewer max_num_seqs.")
         self.max_model_len = max_model_len
         self.proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # method "draft_model": the draft runs after the scheduler has given each segment its pages
+        self.draft: Optional[DraftModel] = DraftModel(config, runner, budget) if config.method == "draft_model" else None
         self.stats = SpecStats(config.num_speculative_tokens)
 
     def budget_for(self, r) -> int:
@@ -180,12 +184,31 @@ class Speculator:
             r.drafts = []
             if not self.wants_tokens(r) or not isinstance(r.last_token, int):
                 continue
+            if self.draft is not None:  # room for k drafts; `fill` runs the draft model once pages are given
+                r.drafts = [PLACEHOLDER] * self.budget_for(r)
+                continue
             r.drafts = self.proposer.propose(np.asarray(r.known_token_ids(), np.int64), self.budget_for(r))
             if r.constraint is not None:  # structured output: only the drafts its grammar allows
                 r.drafts = draft_prefix(r.constraint, r.drafts)
             if not r.drafts:
                 self._missed(r)
         self.stats.propose_s += time.perf_counter() - t0
+
+    def fill(self, decodes) -> None:
+        """The draft model's proposals for the scheduled ``decodes`` that hold room for drafts (their
+        pages already cover the segment); a no-op for prompt lookup."""
+        if self.draft is None:
+            return
+        t0 = time.perf_counter()
+        todo = [r for r in decodes if r.drafts]
+        if todo:
+            for r, drafts in zip(todo, self.draft.propose(todo)):
+                r.drafts = draft_prefix(r.constraint, drafts) if r.constraint is not None else drafts
+        self.stats.propose_s += time.perf_counter() - t0
+
+    def warmup(self) -> int:
+        """Compile the draft model's programs (none for prompt lookup)."""
+        return self.draft.runner.warmup(self.draft.runner.programs.keys()) if self.draft is not None else 0
 
     def verified(self, r, drafted: int, accepted: int) -> None:
         """``r``'s segment of ``drafted`` drafts accepted ``accepted`` (its tokens counted in
@@ -197,6 +220,7 @@ class Speculator:
         r.metrics.spec_draft_tokens += drafted
         r.metrics.spec_accepted_tokens += accepted
         st = r.spec
+        st.draft_done = min(st.draft_done, r.num_computed)  # the draft's KV of rejected drafts is stale
         st.k = self.k if accepted == drafted else min(self.k, accepted + 1)
         if accepted:
             st.misses, st.pause = 0, 0
@@ -214,8 +238,119 @@ class Speculator:
             st.misses = 0
 
 
-def speculator_for(ecfg: EngineConfig, budget: int, max_model_len: int) -> Optional[Speculator]:
-    """The engine's `Speculator`, or None when ``ecfg.speculative_config`` is None."""
+PLACEHOLDER = -1  # a draft token not drawn yet (method "draft_model", between `propose` and `fill`)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class DraftView:
+    """A target request as the draft model's runner sees it: the same pages and slot (the draft's KV cache
+    has the target's page layout, so the scheduler's pages serve both), its known tokens, greedy."""
+
+    params = GREEDY
+    constraint = None
+    seed = 0
+
+    def __init__(self, r, start: int):
+        self.request_id = r.request_id
+        self.pages, self.slot = r.pages, r.slot
+        self.tokens = r.known_token_ids()  # through the target's input token at position r.num_computed
+        self.prompt_len = self.prefill_target = len(self.tokens)
+        self.num_computed = start
+        self.drafts: list = []
+        self.last_token = None
+
+    def all_token_ids(self, start: int, n: int) -> list:
+        return self.tokens[start:start + n]
+
+    def banned_ids(self, ahead: int = 0) -> tuple:
+        return ()
+
+
+class DraftModel:
+    """Method "draft_model": a smaller model of the same vocabulary (``config.model``, loaded as the
+    engine loads its own, quantized by ``config.quantization``) proposes its argmax, k tokens a request.
+
+    Its KV cache has the target's pages and page size, so a request's pages (given by the scheduler for
+    the whole verify segment before the draft runs) hold the draft's keys and values too, and the
+    prefix cache and forks share them as they share the target's (the same tokens give the same values).
+    Each proposal first catches the draft's cache up to the target's input token (the request's tokens
+    from `SpecState.draft_done`: its whole prompt the first time; after a verify, the accepted tokens),
+    in chunks within the step budget, drawing the first draft; then k - 1 one-token steps, each fed the
+    token drawn before it on device, read back once at the end. A preempted request starts again from 0.
+    """
+
+    def __init__(self, config: SpeculativeConfig, target, budget: int):
+        from jaxinfer.engine.runner import ModelRunner
+        from jaxinfer.loading import model_cache
+        from jaxinfer.loading.weights import resolve_model
+        from jaxinfer.ops.mesh import mesh_placement
+
+        if target.cfg.kv_window:
+            raise ValueError("speculative_config method 'draft_model' is not supported for a model whose every layer "
+                             "slides (pages behind the window are given back): use 'ngram'.")
+        if target.plans is not None:
+            raise ValueError("speculative_config method 'draft_model' is not supported on several processes.")
+        ecfg = target.ecfg.replace(speculative_config=None, quantization=config.quantization)
+        loaded = model_cache.load(resolve_model(config.model), ecfg.dtype, placement=mesh_placement(ecfg),
+                                  quantization=ecfg.quantization)
+        if loaded.config.vocab_size != target.model_cfg.vocab_size:
+            raise ValueError(f"the draft model {config.model} has a vocabulary of {loaded.config.vocab_size} tokens, "
+                             f"the target {target.model_cfg.vocab_size}: a draft must share the target's tokenizer.")
+        self.runner = ModelRunner(loaded.config, ecfg, loaded.take_params())
+        self.budget = budget
+        self.max_chunk = min(ecfg.chunk_buckets[-1], budget)
+
+    def propose(self, requests) -> list:
+        """Each request's drafts (``len(r.drafts)`` of them: the room it was given), greedy."""
+        from jaxinfer.engine.distributed import to_host
+        from jaxinfer.engine.request import TokenRef
+        from jaxinfer.engine.scheduler import PrefillChunk
+
+        views = []
+        for r in requests:
+            st = r.spec
+            if st.preemptions != r.num_preemptions:
+                st.draft_done, st.preemptions = 0, r.num_preemptions
+            views.append(DraftView(r, min(st.draft_done, r.num_computed)))
+        drawn: list = [[] for _ in views]  # TokenRef of each draft
+        # catch up to the input token: chunks within the budget, the last one of each drawing its first draft
+        while any(v.num_computed < v.prefill_target for v in views):
+            chunks, budget = [], self.budget
+            for v in views:
+                n = min(v.prefill_target - v.num_computed, budget, self.max_chunk)
+                if n > 0:
+                    chunks.append((v, PrefillChunk(v, v.num_computed, n)))
+                    budget -= n
+            out = self.runner.step([], [c for _, c in chunks])
+            for row, (v, c) in enumerate(chunks):
+                v.num_computed += c.length
+                if v.num_computed == v.prefill_target:
+                    v.last_token = TokenRef(out.tokens, row)
+                    drawn[views.index(v)].append(v.last_token)
+        # then one token a step, each fed the draft drawn before it (still on device)
+        for step in range(1, max(len(r.drafts) for r in requests)):
+            live = [(i, v) for i, (r, v) in enumerate(zip(requests, views)) if step < len(r.drafts)]
+            out = self.runner.step([v for _, v in live], [])
+            for row, (i, v) in enumerate(live):
+                v.num_computed += 1
+                v.last_token = TokenRef(out.tokens, row)
+                drawn[i].append(v.last_token)
+        host: dict = {}
+        proposals = []
+        for r, v, refs in zip(requests, views, drawn):
+            r.spec.draft_done = v.num_computed
+            toks = []
+            for ref in refs:
+                if id(ref.array) not in host:
+                    host[id(ref.array)] = to_host(ref.array)
+                toks.append(int(host[id(ref.array)][ref.row]))
+            proposals.append(toks)
+        return proposals
+
+
+def speculator_for(ecfg: EngineConfig, budget: int, max_model_len: int, runner=None) -> Optional[Speculator]:
+    """The engine's `Speculator`, or None when ``ecfg.speculative_config`` is None; ``runner``: the target's
+    (a draft model takes its page layout and mesh)."""
     if ecfg.speculative_config is None:
         return None
-    return Speculator(ecfg.speculative_config, ecfg, budget, max_model_len)
+    return Speculator(ecfg.speculative_config, ecfg, budget, max_model_len, runner)
