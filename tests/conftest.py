@@ -142,3 +142,22 @@ def slow_decode(llm, monkeypatch):
         return real(decodes, chunks)
 
     monkeypatch.setattr(llm.runner, "step", step)
+
+
+class Oracle:
+    """A speculative-decoding proposer (`jaxinfer.engine.speculative.Proposer`) that knows each prompt's
+    expected greedy continuation (a plain run's, or transformers') and proposes it with every third position
+    spoiled (the token - 1): drafts that are partly right, so segments accept some and reject one. A
+    sequence off its expected path (or an unknown prompt) gets no drafts. Set it as
+    ``llm.engine.speculator.proposer``."""
+
+    def __init__(self, expected: dict):
+        self.expected = expected  # prompt tuple -> its expected output ids
+
+    def propose(self, tokens: np.ndarray, k: int) -> list:
+        seq = tokens.tolist()
+        for prompt, out in self.expected.items():
+            if tuple(seq[:len(prompt)]) == prompt and seq[len(prompt):] == out[:len(seq) - len(prompt)]:
+                done = len(seq) - len(prompt)
+                return [(t - 1 if t else 1) if (done + j) % 3 == 2 else t for j, t in enumerate(out[done:done + k])]
+        return []

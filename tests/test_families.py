@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import jaxinfer
+from conftest import Oracle
 from jaxinfer.ops import kv_cache
 from jaxinfer.loading import weights
 from jaxinfer.ops.attention import AttentionMetadata
@@ -167,15 +168,22 @@ def test_engine_greedy_tokens_through_chunks_preemption_and_prefix_hits(name):
     tokens (they need ~60), so some are preempted and recomputed; then a repeat is a prefix hit.
     A model whose every layer slides (Mistral) gives back the pages behind its window, so four
     requests fit in 40 pages: it is preempted in a second engine of 13 pages (less than one
-    sequence's 18, which only a model that gives pages back can serve)."""
+    sequence's 18, which only a model that gives pages back can serve).
+
+    With speculative decoding on (prompt lookup's programs, `Oracle` drafts along transformers' own greedy
+    continuation, partly spoiled): the two reference requests verify drafts, accepting some and rejecting
+    some, the other two decode plainly; the tokens are transformers' either way."""
     f = family(name)
     (short, g_short, _), (long, g_long, _) = f.cases
     batch = [long, short, long[::-1], long[3:] + long[:3]]
     eng = EngineConfig(page_size=PAGE, num_pages=41, max_num_seqs=4, dtype="float32", batch_buckets=(4,),
-                       chunk_buckets=(8,), page_buckets=(32,), max_num_batched_tokens=32, name="families")
+                       chunk_buckets=(8,), page_buckets=(32,), max_num_batched_tokens=32, name="families",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     for num_pages in (41, 14) if f.cfg.kv_window else (41,):
         llm = jaxinfer.LLM(str(f.dir), engine_config=eng.replace(num_pages=num_pages))
+        llm.engine.speculator.proposer = Oracle({tuple(long): g_long, tuple(short): g_short})
         outs = llm.generate(batch, GREEDY)
+        assert llm.engine.speculator.stats.num_accepted_tokens > 0
         assert outs[0].outputs[0].token_ids == g_long
         assert outs[1].outputs[0].token_ids == g_short
         if num_pages == 14 or not f.cfg.kv_window:

@@ -20,7 +20,7 @@ import pytest
 from scipy import stats
 
 import jaxinfer
-from conftest import TINY, TINY_ENGINE, requires_smollm2, tiny_params
+from conftest import TINY, TINY_ENGINE, Oracle, requires_smollm2, tiny_params
 from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer.config import EngineConfig, SpeculativeConfig
 from jaxinfer.engine.speculative import NgramProposer, max_drafts
@@ -34,8 +34,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, 
 # -- the rule as a pure function ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
-def test_rejection_rule_keeps_the_target_distribution(temperature, top_k):
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.7)])
+def test_rejection_rule_keeps_the_target_distribution(temperature, top_k, top_p):
     """Segments of two rows (draft d at row 0, the bonus at row 1), one seed each: a draft is accepted
     with probability p(d); after a rejection the token follows p without d, renormalised; so the first
     token's marginal is p itself."""
@@ -47,8 +47,12 @@ def test_rejection_rule_keeps_the_target_distribution(temperature, top_k):
         scaled = np.where(scaled >= np.sort(scaled)[-top_k], scaled, -np.inf)
     p = np.exp(scaled - scaled.max())
     p /= p.sum()
+    if top_p < 1.0:  # keep a token while the tokens likelier than it hold less than top_p
+        likelier = np.array([p[p > x].sum() for x in p])
+        p = np.where(likelier < top_p, p, 0.0)
+        p /= p.sum()
     b = 2 * m
-    params = SamplingParams(temperature=temperature, top_k=top_k, seed=0)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
     rows = [RowSampling(params, seed, 10 + j, 0, prior=(d,) if j else ()) for seed in range(m) for j in range(2)]
     md = build_metadata(rows, b, num_slots=1, max_logprobs=0, prior_width=1)
     drafts = Drafts(jnp.asarray(np.tile([d, -1], m), jnp.int32), jnp.asarray(np.repeat(np.arange(m), 2), jnp.int32), m)
@@ -129,22 +133,6 @@ def test_config_errors_name_the_field_and_the_limit():
 # -- through the engine, tiny random models --------------------------------------------------------------
 
 
-class Oracle:
-    """Proposes the plain run's own continuation of each prompt, spoiling every third position (a draft
-    token + 1): drafts that are partly right, so segments accept some and reject one."""
-
-    def __init__(self, expected: dict):
-        self.expected = expected  # prompt tuple -> its plain output ids
-
-    def propose(self, tokens: np.ndarray, k: int) -> list:
-        seq = tokens.tolist()
-        for prompt, out in self.expected.items():
-            if tuple(seq[:len(prompt)]) == prompt and seq[len(prompt):] == out[:len(seq) - len(prompt)]:
-                done = len(seq) - len(prompt)
-                return [t + 1 if (done + j) % 3 == 2 else t for j, t in enumerate(out[done:done + k])]
-        return []
-
-
 def prompts_of(n, seed=0, lo=3, hi=30):
     rng = np.random.default_rng(seed)
     return [rng.integers(5, TINY.vocab_size, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
@@ -152,9 +140,12 @@ def prompts_of(n, seed=0, lo=3, hi=30):
 
 @pytest.fixture(scope="module")
 def engines():
+    """The plain tiny engine and its speculating twin, every program of the latter compiled up front (the
+    tests below reuse them, and the last checks that nothing compiled after)."""
     params = tiny_params()
     plain = jaxinfer.LLM.from_params(TINY, params, engine_config=TINY_ENGINE)
     spec = jaxinfer.LLM.from_params(TINY, params, engine_config=TINY_ENGINE.replace(speculative_config=SPEC))
+    spec.engine.warmup()
     return plain, spec
 
 
@@ -246,7 +237,7 @@ class Guess:
 
 
 def test_sampled_speculation_draws_from_the_plain_distribution(engines):
-    """1,500 requests with and without drafts (temperature 1, top-k 3: nine joint outcomes for the second
+    """1,000 requests with and without drafts (temperature 1, top-k 3: nine joint outcomes for the second
     and third tokens, both verified): the joint counts are one distribution (chi-square, contingency)."""
     plain, spec = engines
     prompt = prompts_of(1, seed=33, lo=6, hi=7)[0]
@@ -259,7 +250,7 @@ def test_sampled_speculation_draws_from_the_plain_distribution(engines):
             return g[done:done + k]
 
     spec.engine.speculator.proposer = Likely()
-    n = 1500
+    n = 1000
     counts = []
     for llm in (plain, spec):
         sps = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
@@ -281,7 +272,7 @@ def test_no_program_compiles_after_warm_up_with_speculation(engines):
     keys = spec.engine.program_keys()
     verify = [k for k in keys if k.logits != k.batch]
     assert verify and all(dataclasses.replace(k, logits=k.batch) in keys for k in verify)
-    spec.engine.warmup()
+    assert spec.runner.programs.warmed_up  # by the fixture, before every test of this module
     spec.engine.speculator.proposer = NgramProposer(1, 3)
     spec.generate(prompts_of(6, seed=44), SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3))
     assert spec.runner.programs.compiled_late == []
@@ -326,13 +317,12 @@ COPY_TASKS = [
 
 
 @requires_smollm2
-def test_smollm2_greedy_with_prompt_lookup_equals_plain():
-    """The real model in float32, prompts it copies from (high acceptance), as a batch and alone, with a
-    stop string: token for token the plain engine's output. (A lean bucket set: few programs to compile.)"""
-    lean = EngineConfig.preset("cpu").replace(dtype="float32", num_pages=128, max_num_seqs=4, batch_buckets=(1, 4),
-                                              chunk_buckets=(128,), max_num_batched_tokens=128)
-    plain = jaxinfer.LLM("smollm2-135m-instruct", engine_config=lean)
-    spec = jaxinfer.LLM("smollm2-135m-instruct", engine_config=lean.replace(
+def test_smollm2_greedy_with_prompt_lookup_equals_plain(smollm2_llm):
+    """The real model in float32, prompts it copies from (high acceptance), as a batch, with a stop string
+    and with structured output: token for token the plain engine's output (the session's SmolLM2, whose
+    programs other test files compile too: the program cache shares them)."""
+    plain = smollm2_llm
+    spec = jaxinfer.LLM("smollm2-135m-instruct", engine_config=plain.engine_config.replace(
         speculative_config={"method": "ngram", "num_speculative_tokens": 4}))
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     msgs = [[{"role": "user", "content": t}] for t in COPY_TASKS]
