@@ -140,12 +140,10 @@ def prompts_of(n, seed=0, lo=3, hi=30):
 
 @pytest.fixture(scope="module")
 def engines():
-    """The plain tiny engine and its speculating twin, every program of the latter compiled up front (the
-    tests below reuse them, and the last checks that nothing compiled after)."""
+    """The plain tiny engine and its speculating twin."""
     params = tiny_params()
     plain = jaxinfer.LLM.from_params(TINY, params, engine_config=TINY_ENGINE)
     spec = jaxinfer.LLM.from_params(TINY, params, engine_config=TINY_ENGINE.replace(speculative_config=SPEC))
-    spec.engine.warmup()
     return plain, spec
 
 
@@ -265,16 +263,20 @@ def test_sampled_speculation_draws_from_the_plain_distribution(engines):
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens
 
 
-def test_no_program_compiles_after_warm_up_with_speculation(engines):
+def test_no_program_compiles_after_warm_up_with_speculation():
     """The verify programs are listed: each has the plain program of its shape as a twin (the list grows by
-    the logits-row bucket only), and a workload after warm-up compiles nothing."""
-    _, spec = engines
+    the logits-row bucket only), and a workload after warm-up compiles nothing. (A lean bucket set: few
+    programs.)"""
+    lean = TINY_ENGINE.replace(batch_buckets=(4,), chunk_buckets=(16,), max_num_batched_tokens=16,
+                               speculative_config=SPEC)
+    spec = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=lean)
     keys = spec.engine.program_keys()
     verify = [k for k in keys if k.logits != k.batch]
     assert verify and all(dataclasses.replace(k, logits=k.batch) in keys for k in verify)
-    assert spec.runner.programs.warmed_up  # by the fixture, before every test of this module
+    spec.engine.warmup()
     spec.engine.speculator.proposer = NgramProposer(1, 3)
     spec.generate(prompts_of(6, seed=44), SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3))
+    assert spec.engine.speculator.stats.num_draft_tokens > 0
     assert spec.runner.programs.compiled_late == []
 
 
@@ -324,26 +326,26 @@ def test_smollm2_greedy_with_prompt_lookup_equals_plain(smollm2_llm):
     plain = smollm2_llm
     spec = jaxinfer.LLM("smollm2-135m-instruct", engine_config=plain.engine_config.replace(
         speculative_config={"method": "ngram", "num_speculative_tokens": 4}))
-    sp = SamplingParams(temperature=0.0, max_tokens=32)
-    msgs = [[{"role": "user", "content": t}] for t in COPY_TASKS]
-    want = plain.chat(msgs, sp)
-    got = spec.chat(msgs, sp)
-    assert ids(got) == ids(want)
-    st = spec.engine.speculator.stats
-    assert st.acceptance_rate > 0.3, st.snapshot()
-    stop = want[0].outputs[0].text.split()[4]
-    stopped = spec.chat(msgs[:1], dataclasses.replace(sp, stop=[stop]))[0].outputs[0]
-    plain_stopped = plain.chat(msgs[:1], dataclasses.replace(sp, stop=[stop]))[0].outputs[0]
-    assert stopped.text == plain_stopped.text and stopped.finish_reason == "stop"
-    assert stopped.token_ids == plain_stopped.token_ids
-    # structured output: drafts the grammar allows, each row masked after the drafts before it
+    tok = plain.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in COPY_TASKS]
     people = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
         "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
         "required": ["name", "age"], "additionalProperties": False}}
-    task = [{"role": "user", "content": "List the people as JSON: Ann is 31, Bob is 42 and Cid is 27."}]
-    json_sp = SamplingParams(temperature=0.0, max_tokens=48,
-                             structured_outputs=StructuredOutputsParams(json=people))
-    accepted = st.num_accepted_tokens
-    constrained = spec.chat(task, json_sp)[0].outputs[0]
-    assert constrained.token_ids == plain.chat(task, json_sp)[0].outputs[0].token_ids
-    assert st.num_accepted_tokens > accepted  # the repeated keys were drafted and accepted
+    chats.append(tok.apply_chat_template(
+        [{"role": "user", "content": "List the people as JSON: Ann is 31, Bob is 42 and Cid is 27."}],
+        add_generation_prompt=True))
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    sps = [greedy] * len(COPY_TASKS) + [SamplingParams(temperature=0.0, max_tokens=48,
+                                                       structured_outputs=StructuredOutputsParams(json=people))]
+    want = plain.generate(chats, sps)
+    # the same batch again with a stop string cutting the first answer mid-run
+    stop = want[0].outputs[0].text.split()[4]
+    chats.append(chats[0])
+    sps.append(dataclasses.replace(greedy, stop=[stop]))
+    want.append(plain.generate(chats[-1:], sps[-1:])[0])
+    got = spec.generate(chats, sps)
+    assert ids(got) == ids(want)
+    assert got[-1].outputs[0].text == want[-1].outputs[0].text and got[-1].outputs[0].finish_reason == "stop"
+    st = spec.engine.speculator.stats
+    assert st.acceptance_rate > 0.3, st.snapshot()
+    assert got[3].metrics.spec_accepted_tokens > 0  # the JSON's repeated keys were drafted and accepted
