@@ -51,7 +51,8 @@ TINY_ENGINE = EngineConfig(
 # busy while the other has nothing to do; started first, it overlaps the many short ones. (xdist's own
 # order is by test count, which put a one-test 45-second file last.) Files not named keep their order after.
 SLOWEST_FIRST = (
-    "test_parity.py", "test_batch_invariance.py", "test_families.py", "test_engine.py", "test_server.py",
+    "test_parity.py", "test_batch_invariance.py", "test_families.py", "test_engine.py", "test_speculative.py",
+    "test_server.py",
     "test_model_cache.py", "test_openai_server.py", "test_soak.py", "test_cli.py", "test_cpu_matmul.py",
     "test_attention_invariance.py", "test_structured_output.py", "test_prompt_logprobs.py", "test_bench_http.py",
     "test_bench.py", "test_paged_model.py", "test_multihost.py", "test_update_params.py", "test_repl.py",
