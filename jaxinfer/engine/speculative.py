@@ -8,7 +8,7 @@ draft is the argmax, sampled rows by the rejection rule). The engine reads the s
 next one (a proposer needs the tokens just accepted: the engine's ``spec_syncs``), and
 `Speculator.verified` records what each request accepted.
 
-Proposers (`Proposer`: ``propose(request, k) -> drafts``):
+Proposers (`Proposer`: ``propose(tokens, k) -> drafts``, the request's prompt and output so far):
 
 - `NgramProposer` (``method: "ngram"``, prompt lookup): the request's last n tokens, n from
   ``prompt_lookup_max`` down to ``prompt_lookup_min``, matched against everything before them in its
@@ -43,8 +43,15 @@ from typing import Optional, Protocol
 import numpy as np
 
 from jaxinfer.config import EngineConfig, SpeculativeConfig
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.engine.distributed import to_host
+from jaxinfer.engine.request import TokenRef
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.scheduler import PrefillChunk
 from jaxinfer.engine.structured import draft_prefix
+from jaxinfer.loading import model_cache
+from jaxinfer.loading.weights import resolve_model
+from jaxinfer.ops.mesh import mesh_placement
+from jaxinfer.sampling_params import SamplingParams
 
 MISS_LIMIT = 3  # steps in a row without an accepted draft before a request pauses speculating
 PAUSE_START = 8  # output tokens of the first pause
@@ -280,10 +287,6 @@ class DraftModel:
     """
 
     def __init__(self, config: SpeculativeConfig, target, budget: int):
-        from jaxinfer.engine.runner import ModelRunner
-        from jaxinfer.loading import model_cache
-        from jaxinfer.loading.weights import resolve_model
-        from jaxinfer.ops.mesh import mesh_placement
 
         if target.cfg.kv_window:
             raise ValueError("speculative_config method 'draft_model' is not supported for a model whose every layer "
@@ -302,9 +305,6 @@ class DraftModel:
 
     def propose(self, requests) -> list:
         """Each request's drafts (``len(r.drafts)`` of them: the room it was given), greedy."""
-        from jaxinfer.engine.distributed import to_host
-        from jaxinfer.engine.request import TokenRef
-        from jaxinfer.engine.scheduler import PrefillChunk
 
         views = []
         for r in requests:
@@ -316,17 +316,18 @@ class DraftModel:
         # catch up to the input token: chunks within the budget, the last one of each drawing its first draft
         while any(v.num_computed < v.prefill_target for v in views):
             chunks, budget = [], self.budget
-            for v in views:
+            for i, v in enumerate(views):
                 n = min(v.prefill_target - v.num_computed, budget, self.max_chunk)
                 if n > 0:
-                    chunks.append((v, PrefillChunk(v, v.num_computed, n)))
+                    chunks.append((i, PrefillChunk(v, v.num_computed, n)))
                     budget -= n
             out = self.runner.step([], [c for _, c in chunks])
-            for row, (v, c) in enumerate(chunks):
+            for row, (i, c) in enumerate(chunks):
+                v = views[i]
                 v.num_computed += c.length
                 if v.num_computed == v.prefill_target:
                     v.last_token = TokenRef(out.tokens, row)
-                    drawn[views.index(v)].append(v.last_token)
+                    drawn[i].append(v.last_token)
         # then one token a step, each fed the draft drawn before it (still on device)
         for step in range(1, max(len(r.drafts) for r in requests)):
             live = [(i, v) for i, (r, v) in enumerate(zip(requests, views)) if step < len(r.drafts)]
