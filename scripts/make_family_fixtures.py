@@ -48,9 +48,31 @@ listed otherwise:
 * ``mixtral`` MixtralForCausalLM. 8 local experts, top-2, per-expert
   intermediate_size 16, sliding_window null, rope_theta 1e6,
   rms_norm_eps 1e-5, untied.
+* ``deepseek_v3`` DeepseekV3ForCausalLM (multi-head latent attention).
+  3 layers, num_key_value_heads 4 (= heads, as DeepSeek configs have it:
+  kv_b_proj already makes one key/value per head), q_lora_rank 24,
+  kv_lora_rank 32, qk_nope_head_dim 16, qk_rope_head_dim 8, v_head_dim 16,
+  intermediate_size 32 (the dense first layer: first_k_dense_replace 1),
+  8 routed experts (moe_intermediate_size 8), top-2, n_shared_experts 1,
+  n_group 4 / topk_group 2 (noaux_tc: sigmoid scores + e_score_correction_
+  bias), norm_topk_prob true, routed_scaling_factor 2.5, rope_interleave
+  true, rope_parameters yarn (theta 1e4, factor 4,
+  original_max_position_embeddings 64, beta_fast 32, beta_slow 1, mscale 1,
+  mscale_all_dim 1), rms_norm_eps 1e-6, untied; config.json also carries
+  scoring_func "sigmoid" and topk_method "noaux_tc" (hub V3 configs have
+  them; transformers 5 keeps them as extra attributes, its V3 router ignores
+  them) and the class default num_nextn_predict_layers 1 (no MTP weights).
+* ``deepseek_v2`` DeepseekV2ForCausalLM shaped like DeepSeek-V2-Lite:
+  q_lora_rank null (plain q_proj), v_head_dim 8 (!= qk_nope_head_dim 16, so
+  a swapped k/v split fails), 8 routed experts, top-3, n_shared_experts 2,
+  topk_method "group_limited_greedy" with n_group 4 / topk_group 2,
+  scoring_func "softmax", norm_topk_prob false, routed_scaling_factor 1.5,
+  yarn as deepseek_v3 but mscale = mscale_all_dim = 0.707 (V2-Lite's);
+  otherwise as deepseek_v3.
 
-Sizes are kept small so all seven families (safetensors and GGUF, float32)
-stay at a few MB.
+Sizes are kept small so all families (safetensors and GGUF, float32)
+stay at a few MB; the DeepSeek directories are ~1.2-1.3 MB (hidden 64 and
+vocab 320 untied, written twice, leave no room under 1 MB at 3 layers).
 
 Weights
 -------
@@ -67,6 +89,10 @@ parameter is overwritten, in ``named_parameters()`` order, from one
   output; at 0.3 every greedy step picked the same token); every other matrix,
   the 3-D fused expert tensors and the MoE routers: ``0.15*N(0,1)``.
 
+Then the buffers that are weights, in ``named_buffers()`` order from the same
+generator: DeepSeek-V3's ``mlp.gate.e_score_correction_bias`` (an
+``nn.Buffer``, saved in the checkpoint, zero after init): ``0.2*N(0,1)``.
+
 The weight seed starts at the family's base seed and is increased by one until
 the smallest top-1/top-2 logit gap along both greedy paths is >= 1e-3 and each
 greedy path has >= 8 distinct tokens (recorded as ``seeds.attempts``), so
@@ -81,7 +107,8 @@ Files per family
   is set to ``GenerationConfig(bos_token_id, eos_token_id=[...],
   pad_token_id)`` with the family's end-of-turn token among the eos ids
   (llama3 [<|end_of_text|>, <|eot_id|>]; qwen* [<|im_end|>, <|endoftext|>];
-  gemma3 [<eos>, <end_of_turn>]; mistral/mixtral </s>).
+  gemma3 [<eos>, <end_of_turn>]; mistral/mixtral </s>; deepseek_*
+  <｜end▁of▁sentence｜>).
 * ``config_v4.json``: the same config as transformers 4 wrote it (what most
   hub checkpoints carry). Differences from ``config.json``, and nothing else:
   - ``rope_parameters`` is removed; ``rope_theta`` goes to the top level and
@@ -94,6 +121,8 @@ Files per family
   - ``layer_types`` is also dropped where every layer is full_attention
     (qwen2, qwen3);
   - qwen3_moe: ``num_local_experts`` -> ``num_experts``;
+  - deepseek_*: ``head_dim`` and ``qk_head_dim`` dropped (the config class
+    derives them; hub DeepSeek configs carry neither);
   - ``dtype`` -> ``torch_dtype``; ``transformers_version`` removed.
   The script loads a directory with config_v4.json as its config.json and
   checks it gives bit-identical logits.
@@ -104,7 +133,12 @@ Files per family
   [E, 2*I, H] with gate rows first, ``mlp.experts.down_proj`` [E, H, I]); they
   are split back into per-expert tensors: qwen3_moe
   ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` and router
-  ``model.layers.N.mlp.gate.weight``; mixtral
+  ``model.layers.N.mlp.gate.weight``; deepseek_* the same per-expert names
+  plus ``mlp.shared_experts.{gate,up,down}_proj.weight``, the dense first
+  layer's ``mlp.{gate,up,down}_proj.weight``, the MLA tensors
+  (``self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
+  kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj``) and for V3
+  ``mlp.gate.e_score_correction_bias`` [E]; mixtral
   ``model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight`` (w1 gate,
   w3 up, w2 down) and router ``model.layers.N.block_sparse_moe.gate.weight``.
   qwen3_moe is sharded in two (``model-0000K-of-00002.safetensors`` +
@@ -125,7 +159,11 @@ Files per family
   and ``</think>`` are added non-special, as in real Qwen3; gemma3 also gets
   ``<unused0..14>`` so it has exactly 320 tokens (see the GGUF notes);
   (c) a ``TemplateProcessing`` post-processor prepending BOS for llama3,
-  gemma3, mistral and mixtral. ``tokenizer_config.json`` is written by this
+  gemma3, mistral, mixtral and deepseek_*. DeepSeek gets plain ``ByteLevel``
+  too (real DeepSeek tokenizers split with their own regexes, llama.cpp
+  pre "deepseek-llm" / "deepseek-v3", not reproduced here) and the specials
+  <｜begin▁of▁sentence｜>, <｜end▁of▁sentence｜>, <｜User｜>, <｜Assistant｜>,
+  <｜▁pad▁｜> (ids 300-304). ``tokenizer_config.json`` is written by this
   script: ``tokenizer_class`` PreTrainedTokenizerFast, ``bos_token`` (where
   the family has one), ``eos_token``, ``pad_token``, ``add_bos_token``,
   ``add_eos_token`` false, ``added_tokens_decoder``, ``model_max_length`` 256
@@ -147,9 +185,20 @@ Files per family
   the logits move (max |diff|, number of greedy argmax changes) when one
   config detail is dropped (``ABLATIONS``: llama3 rope scaling, qwen2 yarn,
   gemma3 sliding window / query_pre_attn_scalar / global linear scaling /
-  local rope theta, mistral sliding window, qwen3_moe norm_topk_prob), so an
-  engine that ignores one of them fails the comparison.
-* ``model.gguf`` (llama3, qwen2, qwen3, gemma3, qwen3_moe); see below.
+  local rope theta, mistral sliding window, qwen3_moe norm_topk_prob;
+  deepseek_v3 latent norm weight, rope interleave, mscale, yarn, shared
+  expert, group limit, bias correction, norm_topk_prob, routed scaling;
+  deepseek_v2 latent norm weight, mscale, shared experts, group limit,
+  routed scaling), so an engine that ignores one of them fails the
+  comparison. An ablation may also overwrite tensors (``"_state"``: name
+  suffix -> fill value, e.g. kv_a_layernorm.weight = 1, shared expert
+  down_proj = 0, e_score_correction_bias = 0) instead of config keys.
+* ``model.gguf`` (llama3, qwen2, qwen3, gemma3, qwen3_moe, deepseek_v3,
+  deepseek_v2); see below.
+* ``reference_gguf.npz`` (deepseek_v2 only): ``logits_0``/``logits_1`` of
+  the HF model as its GGUF describes it to llama.cpp (no group limit:
+  n_group = topk_group = 1), over the same ids + greedy tokens as
+  reference.npz; reference.json's ``gguf.reference_logits`` says so.
 * ``.gitignore`` (in families/): un-ignores ``*.gguf``/``*.safetensors``,
   which the repository's top-level .gitignore ignores.
 
@@ -246,6 +295,72 @@ the reference venv is that gguf-py; its ``get_tensor_name_map`` and
   - mixtral: skipped (``LlamaModel`` would stack block_sparse_moe experts into
     ffn_*_exps and permute Q/K; easy, left out to keep the fixtures small).
 
+GGUF: DeepSeek (arch ``deepseek2``)
+-----------------------------------
+``DeepseekV2Model`` in llama.cpp's ``conversion/deepseek.py`` serves both
+DeepseekV2ForCausalLM and DeepseekV3ForCausalLM; the runtime side read is
+``src/llama-model.cpp`` (LLM_ARCH_DEEPSEEK2 hparams), ``src/models/
+deepseek2.cpp`` and ``llm_graph_context::build_moe_ffn`` (llama-graph.cpp).
+Both files: vocab as above (``_set_vocab_gpt2`` is tried first), no Q/K
+permutation (deepseek2 uses LLAMA_ROPE_TYPE_NORM: adjacent rotary pairs,
+i.e. rope_interleave), experts stacked as qwen3moe (``ffn_{gate,up}_exps``
+numpy (E, I, H), ``ffn_down_exps`` (E, H, I)), router ``ffn_gate_inp``
+(E, H), ``e_score_correction_bias`` renamed ``e_score_correction.bias``
+(base.py ``filter_tensors``) -> ``exp_probs_b.bias`` (E,), shared experts
+``ffn_{gate,up,down}_shexp``, dense layers ``ffn_{gate,up,down}``, MLA
+``attn_q`` (no q-LoRA) or ``attn_q_a``/``attn_q_a_norm``/``attn_q_b``,
+``attn_kv_a_mqa`` (kv_lora_rank + qk_rope rows), ``attn_kv_a_norm``,
+``attn_output``. Two styles:
+
+* deepseek_v3, ``style="mla"``: as the current converter writes it.
+  ``TextModel.set_gguf_parameters`` after the class sets num_key_value_heads
+  = 1 (``head_count_kv`` 1: MLA as MQA), yarn keys from rope_parameters
+  (type, factor, original_context_length, yarn_beta_fast, yarn_beta_slow;
+  no attn/ext factor: the config has none), ``expert_count``,
+  ``expert_used_count``, ``expert_group_count`` (n_group),
+  ``expert_group_used_count`` (topk_group), ``expert_gating_func``
+  (scoring_func: 1 softmax, 2 sigmoid); then the class:
+  ``leading_dense_block_count``, ``vocab_size``, ``attention.q_lora_rank``
+  (only when set), ``attention.kv_lora_rank``, ``attention.key_length`` =
+  kv_lora_rank + qk_rope, ``attention.value_length`` = kv_lora_rank,
+  ``attention.key_length_mla`` = qk_nope + qk_rope,
+  ``attention.value_length_mla`` = v_head_dim,
+  ``expert_feed_forward_length``, ``expert_count`` (again),
+  ``expert_shared_count``, ``expert_weights_scale`` (routed_scaling_factor),
+  ``expert_weights_norm`` (only when norm_topk_prob is true),
+  ``rope.dimension_count`` = qk_rope_head_dim and
+  ``rope.scaling.yarn_log_multiplier`` = 0.1 * mscale_all_dim (written in
+  place of mscale/mscale_all_dim; [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX], llama.cpp
+  PR 17945). ``kv_b_proj`` is split (``modify_tensors``): viewed (H, qk_nope
+  + v, kv_lora_rank), split on dim 1 into k_b (H, qk_nope, r) and v_b
+  (H, v, r); ``attn_k_b`` = k_b.transpose(1, 2): numpy (H, r, qk_nope);
+  ``attn_v_b``: numpy (H, v, r).
+* deepseek_v2, ``style="legacy"``: as ``DeepseekV2Model`` wrote DeepSeek-V2
+  files before the DeepSeek-V3 additions (expert_gating_func,
+  expert_weights_norm, exp_probs_b, group keys) and before the MLA
+  absorption (kv_b split, *_mla keys, head_count_kv 1): ``head_count_kv`` =
+  num_key_value_heads (= heads), ``expert_used_count``, then the class:
+  leading_dense_block_count, vocab_size, (q_lora_rank when set),
+  kv_lora_rank, ``key_length`` = qk_nope + qk_rope, ``value_length`` =
+  v_head_dim, expert_feed_forward_length, expert_count, expert_shared_count,
+  expert_weights_scale, rope.dimension_count, rope.scaling.type yarn /
+  factor / original_context_length / yarn_log_multiplier; one whole
+  ``attn_kv_b`` (H*(qk_nope + v), r). No beta keys (llama.cpp's defaults
+  32 / 1 equal this config's), no gating func (llama.cpp defaults softmax),
+  no weights_norm (false), no group keys.
+* what llama.cpp's format loses (reference.json ``gguf.notes``): mscale
+  (only mscale_all_dim, via yarn_log_multiplier; llama.cpp assumes mscale ==
+  mscale_all_dim, so the fixtures keep them equal and the script refuses
+  otherwise); rope_interleave (always adjacent pairs); topk_method (llama.cpp
+  scores a group by its top-2 sum, V3's noaux_tc; V2's group_limited_greedy
+  uses the group max); in the legacy file the group limit itself (llama.cpp
+  then routes without it: the GGUF is the HF model with n_group =
+  topk_group = 1, whose logits are reference_gguf.npz); q_lora_rank is
+  absent without q-LoRA, which llama.cpp's loader (as read) requires unless
+  n_layer == 27 (V2-Lite), so llama.cpp itself would refuse the 3-layer V2
+  file. The MTP layers (num_nextn_predict_layers) are skipped by the
+  converter (``skip_mtp``); these models have none.
+
 Checks (all must pass or the script fails)
 ------------------------------------------
 * every greedy token is the argmax of the cache-free logits at the previous
@@ -259,7 +374,9 @@ Checks (all must pass or the script fails)
   some logit by >= 1e-2; BPE training gives the same tokenizer twice;
 * each ``model.gguf`` re-opened with ``gguf.GGUFReader`` has the expected
   keys and tensors; tensors are compared with the hub tensors after undoing
-  the permutation / +1 / stacking.
+  the permutation / +1 / stacking; deepseek2: every key above with its
+  value (and the legacy file's absent keys absent), attn_k_b / attn_v_b
+  rebuild kv_b_proj exactly.
 """
 
 from __future__ import annotations
@@ -285,6 +402,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import processors, trainers
 import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                          DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
@@ -490,9 +608,38 @@ MISTRAL_TEMPLATE = """\
 {%- endfor %}
 """
 
+DEEPSEEK_TEMPLATE = """\
+{{- bos_token }}
+{%- set ns = namespace(system="") %}
+{%- for message in messages %}
+    {%- if message.role == "system" %}
+        {%- set ns.system = ns.system + ("\\n\\n" if ns.system else "") + message.content %}
+    {%- endif %}
+{%- endfor %}
+{{- ns.system }}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- "<｜User｜>" + message.content }}
+    {%- elif message.role == "assistant" %}
+        {%- set answer = message.content %}
+        {%- if "</think>" in answer %}
+            {%- set answer = answer.split("</think>")[-1] %}
+        {%- endif %}
+        {{- "<｜Assistant｜>" + answer + eos_token }}
+    {%- elif message.role != "system" %}
+        {{- raise_exception("Only system, user and assistant roles are supported") }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- "<｜Assistant｜>" }}
+{%- endif %}
+"""
+
 QWEN_SPECIALS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
                  ("<think>", False), ("</think>", False)]
 MISTRAL_SPECIALS = [("<s>", True), ("</s>", True), ("[INST]", True), ("[/INST]", True)]
+DEEPSEEK_SPECIALS = [("<｜begin▁of▁sentence｜>", True), ("<｜end▁of▁sentence｜>", True),
+                     ("<｜User｜>", True), ("<｜Assistant｜>", True), ("<｜▁pad▁｜>", True)]
 
 # (content, special) in id order from BASE_VOCAB.
 SPECIALS = {
@@ -506,6 +653,8 @@ SPECIALS = {
                + [(f"<unused{i}>", True) for i in range(VOCAB_SIZE - BASE_VOCAB - 5)]),
     "mistral": MISTRAL_SPECIALS,
     "mixtral": MISTRAL_SPECIALS,
+    "deepseek_v3": DEEPSEEK_SPECIALS,
+    "deepseek_v2": DEEPSEEK_SPECIALS,
 }
 
 QWEN_TOK = dict(pretok="qwen2", bos=None, eos="<|im_end|>", pad="<|endoftext|>", add_bos=False,
@@ -514,10 +663,23 @@ QWEN_TOK = dict(pretok="qwen2", bos=None, eos="<|im_end|>", pad="<|endoftext|>",
 MISTRAL_TOK = dict(pretok="gpt2", bos="<s>", eos="</s>", pad=None, add_bos=True,
                    config_ids=dict(bos="<s>", eos="</s>", pad=None),
                    gen_ids=dict(bos="<s>", eos="</s>", pad=None))
+DEEPSEEK_TOK = dict(pretok="gpt2", bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>",
+                    pad="<｜▁pad▁｜>", add_bos=True,
+                    config_ids=dict(bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad=None),
+                    gen_ids=dict(bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>",
+                                 pad="<｜▁pad▁｜>"))
 
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=64, vocab_size=VOCAB_SIZE, max_position_embeddings=256,
               num_hidden_layers=2)
+# DeepSeek (MLA): head_dim is derived (= qk_rope_head_dim) and num_key_value_heads must equal
+# num_attention_heads (kv_b_proj makes one key/value per query head; transformers repeats kv
+# heads by num_attention_heads // num_key_value_heads on top of that).
+DEEPSEEK_COMMON = dict({k: v for k, v in COMMON.items() if k != "head_dim"}, num_key_value_heads=4,
+                       num_hidden_layers=3, intermediate_size=32, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, kv_lora_rank=32, qk_nope_head_dim=16,
+                       qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=8,
+                       first_k_dense_replace=1)
 
 FAMILIES = {
     "llama3": dict(
@@ -586,6 +748,28 @@ FAMILIES = {
         gguf_skip=("not needed: llama.cpp writes Mixtral as arch 'llama' (LlamaModel stacks "
                    "block_sparse_moe.experts.E.w1/w2/w3 into ffn_gate/down/up_exps and permutes Q/K); "
                    "left out to keep the fixtures small")),
+    "deepseek_v3": dict(
+        config_cls=DeepseekV3Config, model_cls=DeepseekV3ForCausalLM, base_seed=8000, prompt_seed=18,
+        config=dict(DEEPSEEK_COMMON, q_lora_rank=24, n_shared_experts=1, num_experts_per_tok=2,
+                    n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                    rope_interleave=True, scoring_func="sigmoid", topk_method="noaux_tc",
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+        tok=DEEPSEEK_TOK, template=DEEPSEEK_TEMPLATE, zero_centred_norm=False, shards=1,
+        gguf=dict(arch=gguf.MODEL_ARCH.DEEPSEEK2, pre="gpt-2", style="mla")),
+    "deepseek_v2": dict(
+        config_cls=DeepseekV2Config, model_cls=DeepseekV2ForCausalLM, base_seed=9000, prompt_seed=19,
+        config=dict(DEEPSEEK_COMMON, q_lora_rank=None, v_head_dim=8, n_shared_experts=2,
+                    num_experts_per_tok=3,
+                    n_group=4, topk_group=2, topk_method="group_limited_greedy", scoring_func="softmax",
+                    norm_topk_prob=False, routed_scaling_factor=1.5,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+        tok=DEEPSEEK_TOK, template=DEEPSEEK_TEMPLATE, zero_centred_norm=False, shards=1,
+        gguf=dict(arch=gguf.MODEL_ARCH.DEEPSEEK2, pre="gpt-2", style="legacy",
+                  same_as={"n_group": 1, "topk_group": 1})),
 }
 
 # Config changes that a wrong engine might effectively make; the script records
@@ -609,6 +793,30 @@ ABLATIONS = {
     "mistral": {"no sliding window": {"sliding_window": None}},
     "qwen3_moe": {"norm_topk_prob false": {"norm_topk_prob": False}},
     "mixtral": {},
+    # "_state": {name suffix: value} fills those tensors of the copied state_dict (parameters and
+    # persistent buffers) instead of changing the config.
+    "deepseek_v3": {
+        "latent norm weight = 1 (kv_a_layernorm)": {"_state": {"kv_a_layernorm.weight": 1.0}},
+        "rope not interleaved": {"rope_interleave": False},
+        "no mscale (mscale_all_dim dropped)": {"rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0}},
+        "no yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        "shared expert off (weights zeroed)": {"_state": {"shared_experts.down_proj.weight": 0.0}},
+        "group limit off (n_group 1, topk_group 1)": {"n_group": 1, "topk_group": 1},
+        "bias correction off (e_score_correction_bias = 0)": {"_state": {"e_score_correction_bias": 0.0}},
+        "norm_topk_prob false": {"norm_topk_prob": False},
+        "routed_scaling_factor 1": {"routed_scaling_factor": 1.0},
+    },
+    "deepseek_v2": {
+        "latent norm weight = 1 (kv_a_layernorm)": {"_state": {"kv_a_layernorm.weight": 1.0}},
+        "no mscale (mscale_all_dim dropped)": {"rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707}},
+        "shared experts off (weights zeroed)": {"_state": {"shared_experts.down_proj.weight": 0.0}},
+        "group limit off (n_group 1, topk_group 1)": {"n_group": 1, "topk_group": 1},
+        "routed_scaling_factor 1": {"routed_scaling_factor": 1.0},
+    },
 }
 
 CHAT_CASES = [
@@ -649,6 +857,14 @@ FAMILY_CHAT_CASES = {
     ],
 }
 FAMILY_CHAT_CASES["qwen3_moe"] = FAMILY_CHAT_CASES["qwen3"]
+FAMILY_CHAT_CASES["deepseek_v3"] = FAMILY_CHAT_CASES["deepseek_v2"] = [
+    dict(name="reasoning_history", add_generation_prompt=True,
+         messages=[{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+                   {"role": "user", "content": "And 3+3?"}]),
+    dict(name="tool_role_refused", add_generation_prompt=True,
+         messages=[{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}]),
+]
 
 TOKENIZER_STRINGS = [
     "The boats come back at 7 o'clock; we've 12345 nets.",
@@ -785,6 +1001,12 @@ def build_model(spec: dict, tok: Tokenizer, seed: int):
                 p.copy_(spec.get("std_embed", STD_EMBED) * noise)
             else:
                 p.copy_(STD_MATRIX * noise)
+        # then the buffers that are weights: DeepSeek-V3's router correction bias (an nn.Buffer,
+        # saved in the checkpoint, zero after init); drawn after every parameter, so the other
+        # families' draws are unchanged
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(STD_BIAS * torch.randn(b.shape, generator=g, dtype=torch.float32))
     model.eval()
     gen = spec["tok"]["gen_ids"]
     model.generation_config = GenerationConfig(bos_token_id=token_ids(tok, gen["bos"]),
@@ -910,6 +1132,8 @@ def v4_config(cfg: dict) -> dict:
         if key == "num_local_experts" and cfg.get("model_type") == "qwen3_moe":
             out["num_experts"] = value
             continue
+        if key in ("head_dim", "qk_head_dim") and cfg.get("model_type", "").startswith("deepseek"):
+            continue  # derived by the config class; hub DeepSeek configs carry neither
         out[key] = value
     rp = cfg["rope_parameters"]
     if "full_attention" in rp:
@@ -983,7 +1207,8 @@ def gguf_vocab(writer: gguf.GGUFWriter, fam_dir: str, hparams: dict, pre: str) -
         if token in added:
             if not decoder[i].normalized:
                 token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
-            looks_special = token.startswith("<|") and token.endswith("|>") or token.startswith("<unused")
+            looks_special = (token.startswith("<|") and token.endswith("|>") or token.startswith("<unused")
+                             or token.startswith("<｜") and token.endswith("｜>"))
             types.append(gguf.TokenType.CONTROL if decoder[i].special or looks_special
                          else gguf.TokenType.USER_DEFINED)
         else:
@@ -1007,6 +1232,8 @@ def write_gguf(family: str, spec: dict, fam_dir: str, tensors: dict[str, torch.T
     # ModelBase.prepare_metadata: type, name, then set_gguf_parameters
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(family)
+    if arch == gguf.MODEL_ARCH.DEEPSEEK2:
+        return write_gguf_deepseek2(family, spec, fam_dir, tensors, w, hp)
     n_layer = hp["num_hidden_layers"]
     w.add_block_count(n_layer)
     w.add_context_length(hp["max_position_embeddings"])
@@ -1122,6 +1349,244 @@ def write_gguf(family: str, spec: dict, fam_dir: str, tensors: dict[str, torch.T
             "notes": notes}
 
 
+def write_gguf_deepseek2(family: str, spec: dict, fam_dir: str, tensors: dict[str, torch.Tensor],
+                         w: gguf.GGUFWriter, hp: dict) -> dict:
+    """DeepseekV2Model (conversion/deepseek.py) for arch deepseek2, in one of two styles:
+    "mla" as the current converter writes it, "legacy" as the class wrote DeepSeek-V2 files
+    before the V3 keys and the MLA-absorption split (see the module docstring)."""
+    style = spec["gguf"]["style"]
+    path = os.path.join(fam_dir, "model.gguf")
+    notes: list[str] = []
+    rope = hp["rope_parameters"]
+    n_layer, n_head = hp["num_hidden_layers"], hp["num_attention_heads"]
+    n_expert = hp["n_routed_experts"]
+    kv_rank, nope, rot = hp["kv_lora_rank"], hp["qk_nope_head_dim"], hp["qk_rope_head_dim"]
+    v_dim = hp["v_head_dim"]
+
+    # TextModel.set_gguf_parameters (base.py); the MLA converter first sets num_key_value_heads = 1
+    w.add_block_count(n_layer)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(1 if style == "mla" else hp["num_key_value_heads"])
+    if rope.get("rope_type") == "yarn":
+        if style == "mla":  # base.py's rope block; the legacy class wrote its own keys below
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                             ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+                if rope.get(key) is not None:
+                    add(rope[key])
+    elif rope.get("rope_type", "default") != "default":
+        raise RuntimeError(f"unhandled rope_type {rope.get('rope_type')}")
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if style == "mla":
+        w.add_expert_count(n_expert)
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    if style == "mla":
+        if hp.get("n_group") is not None:
+            w.add_expert_group_count(hp["n_group"])
+        if hp.get("topk_group") is not None:
+            w.add_expert_group_used_count(hp["topk_group"])
+        gating = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID,
+                  "softmax": gguf.ExpertGatingFuncType.SOFTMAX}[hp["scoring_func"]]
+        w.add_expert_gating_func(gating)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    # DeepseekV2Model.set_gguf_parameters
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(kv_rank)
+    if style == "mla":
+        w.add_key_length(kv_rank + rot)
+        w.add_value_length(kv_rank)
+        w.add_key_length_mla(nope + rot)
+        w.add_value_length_mla(v_dim)
+    else:
+        w.add_key_length(nope + rot)
+        w.add_value_length(v_dim)
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_count(n_expert)
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if style == "mla" and hp.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rot)
+    if style == "legacy" and rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    if rope.get("mscale") != rope.get("mscale_all_dim"):
+        raise RuntimeError("llama.cpp stores only mscale_all_dim; keep mscale == mscale_all_dim")
+    notes.append("rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim; mscale itself is not stored: "
+                 "llama.cpp's deepseek2 assumes mscale == mscale_all_dim (rope attention factor 1, "
+                 "softmax scale mscale(factor, mscale_all_dim)**2 / sqrt(qk_nope + qk_rope)), as here")
+    notes.append("topk_method is not stored; llama.cpp scores an expert group by the sum of its top-2 "
+                 "selection scores (noaux_tc); a group_limited_greedy model (group max) is not representable")
+    if family == "deepseek_v3":
+        notes.append("rope_interleave is not stored: llama.cpp's deepseek2 always rotates adjacent pairs "
+                     "(LLAMA_ROPE_TYPE_NORM), i.e. rope_interleave true, as here")
+        notes.append("num_nextn_predict_layers (MTP) is not converted (skip_mtp); this HF model has no MTP "
+                     "weights anyway")
+    if style == "legacy":
+        notes.append("legacy file: head_count_kv = num_attention_heads, key_length = qk_nope + qk_rope, "
+                     "value_length = v_head_dim, whole attn_kv_b, no *_mla keys, no expert_gating_func "
+                     "(llama.cpp defaults it to softmax), no expert_weights_norm (false), no yarn beta keys "
+                     "(llama.cpp defaults 32 / 1, equal to this config's)")
+        notes.append("no expert_group_count / expert_group_used_count: llama.cpp routes without a group "
+                     "limit, so this GGUF is the HF model with n_group = topk_group = 1; reference_gguf.npz "
+                     "holds those logits (reference.npz holds the HF model's)")
+    if hp.get("q_lora_rank") is None:
+        notes.append("no attention.q_lora_rank (the converter writes it only when set): llama.cpp's loader "
+                     "(as read) requires it unless n_layer == 27 (DeepSeek-V2-Lite), so llama.cpp itself "
+                     "would refuse this 3-layer file; the plain attn_q tensor is what marks no q-LoRA")
+
+    gguf_vocab(w, fam_dir, hp, spec["gguf"]["pre"])
+
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, n_layer)
+    out: list[tuple[str, np.ndarray]] = []
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
+        if ".mlp.experts." in name:
+            experts.setdefault(bid, {})[name] = t
+            if len(experts[bid]) < n_expert * 3:
+                continue
+            for w_name in ("down_proj", "gate_proj", "up_proj"):
+                stack = torch.stack([experts[bid].pop(f"model.layers.{bid}.mlp.experts.{e}.{w_name}.weight")
+                                     for e in range(n_expert)], dim=0)
+                merged = f"model.layers.{bid}.mlp.experts.{w_name}.weight"
+                out.append((tmap.get_name(merged, try_suffixes=(".weight", ".bias")), stack.numpy()))
+            continue
+        if name.endswith("e_score_correction_bias"):  # base.py filter_tensors
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if style == "mla" and name.endswith("kv_b_proj.weight"):
+            # DeepseekV2Model.modify_tensors: per head [nope rows; v rows], k_b transposed
+            kv_b = t.view(hp["num_key_value_heads"], nope + v_dim, t.shape[-1])
+            k_b, v_b = torch.split(kv_b, [nope, v_dim], dim=1)
+            for part, data in (("k_b_proj", k_b.transpose(1, 2)), ("v_b_proj", v_b)):
+                new = tmap.get_name(name.replace("kv_b_proj", part), try_suffixes=(".weight", ".bias"))
+                out.append((new, data.contiguous().numpy()))
+            continue
+        new_name = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new_name is None:
+            raise RuntimeError(f"{family}: cannot map tensor {name!r}")
+        out.append((new_name, t.numpy().astype(np.float32)))
+    if any(experts.values()):
+        raise RuntimeError("unprocessed experts")
+    for name, data in out:
+        w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32),
+                     raw_dtype=gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file(path=path)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"file": "model.gguf", "arch": "deepseek2", "style": style,
+            "tokenizer_pre": spec["gguf"]["pre"], "notes": notes}
+
+
+def check_deepseek2_tensors(family: str, spec: dict, cfg, kv: dict, gt: dict, tensors: dict, expect) -> None:
+    """The deepseek2 tensors and keys against the hub tensors and the config."""
+    style = spec["gguf"]["style"]
+    n_head, nope, v_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    rope = cfg.rope_parameters
+    a = "deepseek2."
+    want = {a + "attention.head_count": n_head,
+            a + "attention.head_count_kv": 1 if style == "mla" else n_head,
+            a + "attention.kv_lora_rank": cfg.kv_lora_rank,
+            a + "leading_dense_block_count": cfg.first_k_dense_replace,
+            a + "expert_count": cfg.n_routed_experts,
+            a + "expert_used_count": cfg.num_experts_per_tok,
+            a + "expert_shared_count": cfg.n_shared_experts,
+            a + "expert_feed_forward_length": cfg.moe_intermediate_size,
+            a + "feed_forward_length": cfg.intermediate_size,
+            a + "rope.dimension_count": cfg.qk_rope_head_dim,
+            a + "rope.freq_base": rope["rope_theta"],
+            a + "rope.scaling.type": "yarn",
+            a + "rope.scaling.factor": rope["factor"],
+            a + "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+            a + "rope.scaling.yarn_log_multiplier": 0.1 * rope["mscale_all_dim"]}
+    if style == "mla":
+        want.update({a + "attention.key_length": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                     a + "attention.value_length": cfg.kv_lora_rank,
+                     a + "attention.key_length_mla": nope + cfg.qk_rope_head_dim,
+                     a + "attention.value_length_mla": v_dim,
+                     a + "expert_group_count": cfg.n_group, a + "expert_group_used_count": cfg.topk_group,
+                     a + "expert_gating_func": {"sigmoid": 2, "softmax": 1}[cfg.scoring_func],
+                     a + "rope.scaling.yarn_beta_fast": rope["beta_fast"],
+                     a + "rope.scaling.yarn_beta_slow": rope["beta_slow"]})
+        if cfg.norm_topk_prob:
+            want[a + "expert_weights_norm"] = True
+    else:
+        want.update({a + "attention.key_length": nope + cfg.qk_rope_head_dim,
+                     a + "attention.value_length": v_dim})
+        for absent in ("attention.key_length_mla", "attention.value_length_mla", "expert_group_count",
+                       "expert_group_used_count", "expert_gating_func", "expert_weights_norm",
+                       "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"):
+            if a + absent in kv:
+                raise RuntimeError(f"{family}: legacy GGUF has {a + absent}")
+    if cfg.q_lora_rank is not None:
+        want[a + "attention.q_lora_rank"] = cfg.q_lora_rank
+    elif a + "attention.q_lora_rank" in kv:
+        raise RuntimeError(f"{family}: q_lora_rank written for a model without q-LoRA")
+    for key, value in want.items():
+        got = kv.get(key)
+        if got is None or (isinstance(value, float) and not math.isclose(got, value, rel_tol=1e-6)) or \
+                (not isinstance(value, float) and got != value):
+            raise RuntimeError(f"{family}: GGUF {key} = {got!r}, expected {value!r}")
+    if not math.isclose(kv[a + "expert_weights_scale"], cfg.routed_scaling_factor, rel_tol=1e-6):
+        raise RuntimeError(f"{family}: expert_weights_scale differs")
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        b = f"blk.{i}."
+        expect(b + "attn_norm.weight", tensors[p + "input_layernorm.weight"].numpy())
+        expect(b + "ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"].numpy())
+        if cfg.q_lora_rank is None:
+            expect(b + "attn_q.weight", tensors[p + "self_attn.q_proj.weight"].numpy())
+        else:
+            expect(b + "attn_q_a.weight", tensors[p + "self_attn.q_a_proj.weight"].numpy())
+            expect(b + "attn_q_a_norm.weight", tensors[p + "self_attn.q_a_layernorm.weight"].numpy())
+            expect(b + "attn_q_b.weight", tensors[p + "self_attn.q_b_proj.weight"].numpy())
+        expect(b + "attn_kv_a_mqa.weight", tensors[p + "self_attn.kv_a_proj_with_mqa.weight"].numpy())
+        expect(b + "attn_kv_a_norm.weight", tensors[p + "self_attn.kv_a_layernorm.weight"].numpy())
+        kv_b = tensors[p + "self_attn.kv_b_proj.weight"].numpy()
+        if style == "mla":
+            k_b, v_b = gt[b + "attn_k_b.weight"], gt[b + "attn_v_b.weight"]
+            if k_b.shape != (n_head, cfg.kv_lora_rank, nope) or v_b.shape != (n_head, v_dim, cfg.kv_lora_rank):
+                raise RuntimeError(f"{family}: attn_k_b {k_b.shape} / attn_v_b {v_b.shape}")
+            # rebuild kv_b_proj from the split: per head the nope rows (k_b transposed back), then v rows
+            rebuilt = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(kv_b.shape)
+            if not np.array_equal(rebuilt, kv_b):
+                raise RuntimeError(f"{family}: attn_k_b/attn_v_b do not rebuild kv_b_proj")
+            gt.pop(b + "attn_k_b.weight")
+            gt.pop(b + "attn_v_b.weight")
+        else:
+            expect(b + "attn_kv_b.weight", kv_b)
+        expect(b + "attn_output.weight", tensors[p + "self_attn.o_proj.weight"].numpy())
+        if i < cfg.first_k_dense_replace:
+            for hf in ("gate", "up", "down"):
+                expect(b + f"ffn_{hf}.weight", tensors[p + f"mlp.{hf}_proj.weight"].numpy())
+            continue
+        expect(b + "ffn_gate_inp.weight", tensors[p + "mlp.gate.weight"].numpy())
+        if p + "mlp.gate.e_score_correction_bias" in tensors:
+            expect(b + "exp_probs_b.bias", tensors[p + "mlp.gate.e_score_correction_bias"].numpy())
+        for hf in ("gate", "up", "down"):
+            expect(b + f"ffn_{hf}_exps.weight",
+                   np.stack([tensors[p + f"mlp.experts.{e}.{hf}_proj.weight"].numpy()
+                             for e in range(cfg.n_routed_experts)]))
+            expect(b + f"ffn_{hf}_shexp.weight", tensors[p + f"mlp.shared_experts.{hf}_proj.weight"].numpy())
+
+
 def reader_value(field):
     if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
         if field.types[-1] == gguf.GGUFValueType.STRING:
@@ -1142,6 +1607,8 @@ def check_gguf(family: str, spec: dict, fam_dir: str, tensors: dict[str, torch.T
             raise RuntimeError(f"{t.name} is not F32")
     cfg = AutoConfig.from_pretrained(fam_dir)
     arch = kv["general.architecture"]
+    if arch != gguf.MODEL_ARCH_NAMES[spec["gguf"]["arch"]]:
+        raise RuntimeError(f"{family}: GGUF arch {arch}")
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     tied = cfg.tie_word_embeddings
     moe = family == "qwen3_moe"
@@ -1157,7 +1624,9 @@ def check_gguf(family: str, spec: dict, fam_dir: str, tensors: dict[str, torch.T
     expect("output_norm.weight", tensors["model.norm.weight"].numpy() + shift)
     if not tied:
         expect("output.weight", tensors["lm_head.weight"].numpy())
-    for i in range(cfg.num_hidden_layers):
+    if arch == "deepseek2":
+        check_deepseek2_tensors(family, spec, cfg, kv, gt, tensors, expect)
+    for i in range(0 if arch == "deepseek2" else cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         q = tensors[p + "self_attn.q_proj.weight"]
         k = tensors[p + "self_attn.k_proj.weight"]
@@ -1245,18 +1714,33 @@ def check_gguf(family: str, spec: dict, fam_dir: str, tensors: dict[str, torch.T
 # --------------------------------------------------------------------------
 
 @torch.no_grad()
+def variant_logits(model, change: dict, results) -> list[np.ndarray]:
+    """Cache-free logits over each prompt + greedy path of a copy of ``model`` with ``change``
+    (config keys; "_state": {name suffix: fill value} for tensors of the state_dict)."""
+    change = dict(change)
+    fills = change.pop("_state", {})
+    cfg = copy.deepcopy(model.config)
+    for key, value in change.items():
+        setattr(cfg, key, copy.deepcopy(value))
+    other = type(model)(cfg).to(torch.float32)
+    state = model.state_dict()
+    for suffix, value in fills.items():
+        hit = [k for k in state if k.endswith(suffix)]
+        if not hit:
+            raise RuntimeError(f"ablation: no tensor ends with {suffix!r}")
+        for k in hit:
+            state[k] = torch.full_like(state[k], value)
+    other.load_state_dict(state)
+    other.eval()
+    return [forward_logits(other, r["ids"] + r["greedy"]) for r in results]
+
+
+@torch.no_grad()
 def ablation_diffs(family: str, model, results) -> dict:
     out = {}
     for label, change in ABLATIONS[family].items():
-        cfg = copy.deepcopy(model.config)
-        for key, value in change.items():
-            setattr(cfg, key, copy.deepcopy(value))
-        other = type(model)(cfg).to(torch.float32)
-        other.load_state_dict(model.state_dict())
-        other.eval()
         diffs, flips = [], 0
-        for r in results:
-            logits = forward_logits(other, r["ids"] + r["greedy"])
+        for r, logits in zip(results, variant_logits(model, change, results)):
             diffs.append(float(np.abs(logits - r["logits"]).max()))
             n = len(r["ids"])
             flips += int((logits[n - 1:n - 1 + NEW_TOKENS].argmax(-1) != np.asarray(r["greedy"])).sum())
@@ -1382,6 +1866,19 @@ def build_family(family: str, spec: dict, base_json: str) -> dict:
         with open(os.path.join(fam_dir, "tokenizer.json"), encoding="utf-8") as fh:
             tok_json = json.load(fh)
         gguf_info.update(check_gguf(family, spec, fam_dir, tensors, tok_json))
+        if spec["gguf"].get("same_as") is not None:
+            # the GGUF is (as llama.cpp reads it) a variant of the HF model: record its logits
+            change = spec["gguf"]["same_as"]
+            gguf_logits = variant_logits(model, change, results)
+            np.savez(os.path.join(fam_dir, "reference_gguf.npz"),
+                     **{f"logits_{k}": x.astype(np.float32) for k, x in enumerate(gguf_logits)})
+            gguf_info["reference_logits"] = {
+                "file": "reference_gguf.npz",
+                "hf_change": change,
+                "what": ("logits_K: the HF model with hf_change applied, over the same ids_K + greedy_K "
+                         "as reference.npz; this is the model the GGUF describes for llama.cpp"),
+                "max_abs_diff_from_reference": [float(np.abs(x - r["logits"]).max())
+                                                for x, r in zip(gguf_logits, results)]}
     else:
         gguf_info = {"skipped": spec["gguf_skip"]}
 
