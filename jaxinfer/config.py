@@ -98,6 +98,24 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model that keep a dense MLP
+    shared_expert_intermediate_size: int = 0  # a gated MLP beside the routed experts, always on (DeepSeek); 0: none
+    router_scoring: str = "softmax"  # expert scores from the router logits: "softmax" or "sigmoid" (DeepSeek-V3)
+    router_bias: bool = False  # a per-expert bias added to the scores for choosing only (V3's correction bias)
+    expert_groups: int = 1  # experts in this many groups; only the best `topk_groups` groups are chosen from
+    topk_groups: int = 1
+    group_scoring: str = "max"  # a group's score: its best expert ("max", V2) or its best two summed ("top2_sum", V3)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights multiplied by this
+    router_logits_float32: bool = False  # router logits kept in float32 (DeepSeek), not rounded to the weights' dtype
+    # -- multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: none). Each token caches a latent of
+    # kv_lora_rank values and a rotary key of qk_rope_head_dim shared by the heads; the query is
+    # [qk_nope_head_dim | qk_rope_head_dim] per head, through a q_lora_rank bottleneck (0: one projection).
+    # For such a model head_dim is v_head_dim and num_kv_heads is num_heads (the un-absorbed view).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs are adjacent dims (2i, 2i+1), not halves (DeepSeek, llama.cpp NORM)
+    attention_mscale: float = 1.0  # the softmax scale also multiplied by this (DeepSeek's YaRN mscale squared)
     # -- layout (not the model's math): the fused projections' columns (wqkv, w_gate_up) are laid out
     # shard-major over this many tensor-parallel shards (`jaxinfer.ops.mesh.TPLayout`); 1 = the plain layout
     tp_shards: int = 1
@@ -129,6 +147,17 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported hidden activation {self.hidden_act!r}; supported: silu, gelu_tanh")
+        if self.router_scoring not in ("softmax", "sigmoid") or self.group_scoring not in ("max", "top2_sum"):
+            raise ValueError(f"router_scoring {self.router_scoring!r} (softmax, sigmoid), group_scoring "
+                             f"{self.group_scoring!r} (max, top2_sum)")
+        if self.num_experts and (self.expert_groups < 1 or self.num_experts % self.expert_groups
+                                 or not 1 <= self.topk_groups <= self.expert_groups):
+            raise ValueError(f"{self.num_experts} experts in expert_groups {self.expert_groups} (must divide them), "
+                             f"topk_groups {self.topk_groups} (1..expert_groups)")
+        if self.kv_lora_rank and (self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2 or self.qk_nope_head_dim <= 0
+                                  or self.num_kv_heads != self.num_heads):
+            raise ValueError(f"latent attention needs an even qk_rope_head_dim > 0 ({self.qk_rope_head_dim}), "
+                             f"qk_nope_head_dim > 0 ({self.qk_nope_head_dim}) and num_kv_heads = num_heads")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
                 raise ValueError(
@@ -164,8 +193,20 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def latent(self) -> bool:
+        """Multi-head latent attention: the KV cache holds one latent per token (`jaxinfer.ops.kv_cache`)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head RoPE rotates: all of it, or a latent-attention model's rotary part."""
+        return self.qk_rope_head_dim if self.latent else self.head_dim
+
+    @property
     def attn_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        if self.latent:
+            return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * self.attention_mscale
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * self.attention_mscale
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

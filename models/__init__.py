@@ -25,15 +25,15 @@ from typing import Any
 
 import jax
 
-from jaxinfer.models import gemma3, llama, mixtral, qwen
+from jaxinfer.models import deepseek, gemma3, llama, mixtral, qwen
 from jaxinfer.models.weights_table import ALL as WEIGHTS
-from jaxinfer.models.weights_table import Attention, DenseMLP, Layer, Norms, Params, RoutedMLP
+from jaxinfer.models.weights_table import Attention, DenseMLP, LatentAttention, Layer, Norms, Params, RoutedMLP
 from jaxinfer.ops.spec import is_spec, register_family
 
-__all__ = ["Attention", "DenseMLP", "FAMILIES", "Layer", "Norms", "Params", "RoutedMLP", "active_params",
+__all__ = ["Attention", "DenseMLP", "FAMILIES", "LatentAttention", "Layer", "Norms", "Params", "RoutedMLP", "active_params",
            "config_from_hf", "describe", "get_family", "num_params"]
 
-_MODULES = (llama, qwen, gemma3, mixtral)
+_MODULES = (llama, qwen, gemma3, mixtral, deepseek)
 
 # model_type -> family module; also the architecture names a ModelConfig carries.
 FAMILIES: dict[str, ModuleType] = {t: m for m in _MODULES for t in m.MODEL_TYPES}

@@ -111,13 +111,17 @@ def rope_inv_freq(head_dim: int, theta: float, rs: RopeScaling | None) -> tuple[
 
 def layer_ropes(cfg: ModelConfig) -> list[tuple[np.ndarray, float]]:
     """Each layer's (inverse frequencies, cos/sin scale): sliding layers may have their own base."""
-    full = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    local = full if cfg.local_rope_theta is None else rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, None)
+    full = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    local = full if cfg.local_rope_theta is None else rope_inv_freq(cfg.rope_dim, cfg.local_rope_theta, None)
     return [local if cfg.layer_window(li) else full for li in range(cfg.num_layers)]
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
-    """Rotate the halves of each head (the Hugging Face "rotate_half" convention).
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0,
+               interleaved: bool = False) -> jax.Array:
+    """Rotate the halves of each head (the Hugging Face "rotate_half" convention), or with ``interleaved``
+    its adjacent pairs (2i, 2i + 1) (DeepSeek's layout, llama.cpp's NORM rope), returned as
+    [rotated evens | rotated odds] as transformers' DeepSeek-V3 returns them: a query and a key
+    rotated alike meet in the same order, which is all attention reads.
 
     x: [B, T, N, D]; positions: [B, T] int32; cos and sin are multiplied by ``scale`` (yarn).
     """
@@ -127,7 +131,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: f
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 

@@ -80,9 +80,6 @@ def rope_scaling_from(arch: str, p: Optional[dict[str, Any]], max_pos: int,
     # yarn, as transformers' _compute_yarn_parameters reads it
     factor = float(factor) if factor is not None else max_pos / orig
 
-    def mscale_of(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
@@ -96,6 +93,20 @@ def rope_scaling_from(arch: str, p: Optional[dict[str, Any]], max_pos: int,
         attention_factor=float(attention_factor),
         truncate=bool(p.get("truncate", True)),
     )
+
+
+def mscale_of(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context stretched ``scale`` times (transformers' ``get_mscale``)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_mscale(p: Optional[dict[str, Any]]) -> float:
+    """DeepSeek's factor on the softmax scale's square root: ``mscale(factor, mscale_all_dim)`` for a scaled
+    RoPE with ``mscale_all_dim`` set, else 1 (transformers' ``yarn_apply_mscale``)."""
+    p = p or {}
+    rtype = p.get("rope_type", p.get("type")) or "default"
+    m_all = p.get("mscale_all_dim") or 0
+    return mscale_of(float(p["factor"]), m_all) if rtype != "default" and m_all else 1.0
 
 
 def rope_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -43,23 +43,51 @@ MAX_BLOCK_ROWS = 64
 
 def param_specs(cfg: ModelConfig, dtype: Any) -> RoutedMLP:
     """A routed layer's leaves as specs (the weights table's `jaxinfer.models.weights_table.MOE`)."""
-    return RoutedMLP(**{d.name: d.spec(cfg, dtype) for d in MOE})
+    return RoutedMLP(**{d.name: d.spec(cfg, dtype) for d in MOE if d.present(cfg)})
 
 
-def route(router_logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """[N, E] float32 logits -> (weights [N, k] float32, experts [N, k] int32), largest first."""
-    probs = invariant.softmax(router_logits.astype(jnp.float32))
-    weights, experts = [], []
-    rest = probs
+def _top(scores: jax.Array, k: int) -> list[jax.Array]:
+    """The indices of the ``k`` largest of each row ([N, M] float32 -> k arrays [N] int32), largest first:
+    k rounds of argmax (no ``lax.top_k`` in step programs on CPU)."""
+    out = []
     for _ in range(k):
-        e = jnp.argmax(rest, axis=-1)
-        weights.append(jnp.take_along_axis(probs, e[:, None], axis=-1)[:, 0])
-        experts.append(e.astype(jnp.int32))
-        rest = jnp.where(jax.nn.one_hot(e, probs.shape[-1], dtype=bool), -1.0, rest)
-    w = jnp.stack(weights, axis=-1)
-    if normalize:
-        w = w / invariant.row_sum(w, keepdims=True)
-    return w, jnp.stack(experts, axis=-1)
+        i = jnp.argmax(scores, axis=-1)
+        out.append(i.astype(jnp.int32))
+        scores = jnp.where(jax.nn.one_hot(i, scores.shape[-1], dtype=bool), -jnp.inf, scores)
+    return out
+
+
+def route(router_logits: jax.Array, cfg: ModelConfig, bias: Any = None) -> tuple[jax.Array, jax.Array]:
+    """[N, E] float32 logits -> (weights [N, k] float32, experts [N, k] int32), largest first.
+
+    The experts' scores are the softmax of the logits (or their sigmoid: DeepSeek-V3). The ``k`` chosen
+    are the best by score, plus ``bias`` where the model has one (V3's correction bias: it moves the
+    choice, never the weights), among the experts of the ``topk_groups`` best of ``expert_groups``
+    groups (a group's score: its best expert's, or its best two summed); their weights are their
+    scores, renormalised to sum to one (``norm_topk_prob``), times ``routed_scaling_factor``.
+    """
+    n, e = router_logits.shape
+    logits = router_logits.astype(jnp.float32)
+    scores = invariant.softmax(logits) if cfg.router_scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if cfg.topk_groups < cfg.expert_groups:
+        grouped = choice.reshape(n, cfg.expert_groups, e // cfg.expert_groups)
+        if cfg.group_scoring == "max":
+            group_score = grouped.max(axis=-1)
+        else:  # the best two of each group, summed
+            first, second = _top(grouped.reshape(n * cfg.expert_groups, -1), 2)
+            pick = lambda i: jnp.take_along_axis(grouped.reshape(n * cfg.expert_groups, -1), i[:, None], axis=-1)  # noqa: E731
+            group_score = (pick(first) + pick(second)).reshape(n, cfg.expert_groups)
+        kept = sum(jax.nn.one_hot(g, cfg.expert_groups, dtype=jnp.int32) for g in _top(group_score, cfg.topk_groups))
+        keep = jnp.repeat(kept > 0, e // cfg.expert_groups, axis=-1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    experts = jnp.stack(_top(choice, cfg.num_experts_per_tok), axis=-1)
+    w = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        w = w / (invariant.row_sum(w, keepdims=True) + 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        w = w * cfg.routed_scaling_factor
+    return w, experts
 
 
 def block_rows(slots: int, num_experts: int) -> int:
@@ -73,9 +101,11 @@ def routed_mlp(p: RoutedMLP, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d)
     n, e, k = x.shape[0], cfg.num_experts, cfg.num_experts_per_tok
-    # the router logits in the weights' dtype, as transformers has them, then a float32 softmax
-    router_logits = matmul(x, p.router).astype(p.router.dtype).astype(jnp.float32)
-    weights, experts = route(router_logits, k, cfg.norm_topk_prob)
+    # the router logits in the weights' dtype, as transformers has them (DeepSeek's: float32), then a float32 softmax
+    router_logits = matmul(x, p.router)
+    if not cfg.router_logits_float32:
+        router_logits = router_logits.astype(p.router.dtype).astype(jnp.float32)
+    weights, experts = route(router_logits, cfg, p.router_bias)
 
     s = n * k
     bt = block_rows(s, e)
@@ -106,4 +136,7 @@ def routed_mlp(p: RoutedMLP, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     y = weighted[:, 0]
     for j in range(1, k):  # in expert-rank order, not XLA's reduce order
         y = y + weighted[:, j]
+    if p.shared_gate_up is not None:  # the shared experts, which every token runs (DeepSeek)
+        gate, up = split_gate_up(cfg, matmul(x, p.shared_gate_up))
+        y = y + matmul(activation(cfg, gate) * up, p.shared_down)
     return y.reshape(*lead, d)

@@ -18,8 +18,15 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import moe
 from jaxinfer.models.decoder import activation, apply_rope, layer_ropes, matmul, rms_norm, split_gate_up, split_qkv
-from jaxinfer.models.weights_table import Attention, DenseMLP, Layer, Norms, Params
-from jaxinfer.ops.attention import AttentionMetadata, RaggedMetadata, paged_attention, ragged_paged_attention
+from jaxinfer.models.weights_table import Attention, DenseMLP, LatentAttention, Layer, Norms, Params
+from jaxinfer.ops import backend
+from jaxinfer.ops.attention import (
+    AttentionMetadata,
+    RaggedMetadata,
+    latent_paged_attention,
+    paged_attention,
+    ragged_paged_attention,
+)
 from jaxinfer.ops.quant import is_quantized
 
 Metadata = Union[AttentionMetadata, RaggedMetadata]
@@ -58,10 +65,53 @@ def attention(p: Attention, cfg: ModelConfig, li: int, h: jax.Array, cache_layer
     return matmul(o.reshape(b, t, cfg.q_size), p.wo), cache_layer
 
 
+# transformers' DeepSeek builds the query's and the latent's RMSNorms with their default epsilon, not the config's
+LATENT_NORM_EPS = 1e-6
+
+
+def latent_attention(p: LatentAttention, cfg: ModelConfig, li: int, h: jax.Array, cache_layer, attn: Metadata, rope):
+    """Multi-head latent attention (DeepSeek-V2/V3) on normed inputs h [B, T, hidden], in the absorbed form.
+
+    As transformers computes it: each head's query is [nope | rope] (through ``wq_a`` -> norm -> ``wq_b``,
+    or ``wq``); the token's latent c (``wkv_a``'s first ``kv_lora_rank`` outputs, normed) gives each head
+    its no-rope key ``W_uk[h] c`` and its value ``W_uv[h] c`` (``wkv_b``), and ``wkv_a``'s last
+    ``qk_rope_head_dim`` outputs, roped, are one rotary key shared by the heads. Scores are
+    ``q_nope . W_uk[h] c + q_rope . k_rope``. Absorbed: the query becomes ``[W_uk[h]^T q_nope | q_rope]``
+    and the key ``[c | k_rope]``, the same for every head, so the cache holds that entry once per token
+    (`jaxinfer.ops.kv_cache`) and attention reads only it; the output is the heads' weighted latents
+    times ``W_uv[h]``, then ``wo``. Prefill and decode run this same form (a token's numbers do not
+    depend on whether it was prefilled, in a chunk of any size, or decoded).
+    """
+    b, t, _ = h.shape
+    ragged = isinstance(attn, RaggedMetadata)
+    positions = attn.positions[None] if ragged else attn.positions
+    nh, dn, dr, lat, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.head_dim
+    if cfg.q_lora_rank:
+        q = matmul(rms_norm(matmul(h, p.wq_a), p.q_a_norm, LATENT_NORM_EPS), p.wq_b)
+    else:
+        q = matmul(h, p.wq)
+    q = q.reshape(b, t, nh, dn + dr)
+    kv = matmul(h, p.wkv_a)  # [B, T, latent + rope]
+    c = rms_norm(kv[..., :lat], p.kv_a_norm, LATENT_NORM_EPS)
+    inv_freq, rope_scale = rope
+    q_rope = apply_rope(q[..., dn:], positions, inv_freq, rope_scale, cfg.rope_interleave)
+    k_rope = apply_rope(kv[:, :, None, lat:], positions, inv_freq, rope_scale, cfg.rope_interleave)
+    w = p.wkv_b.astype(jnp.float32).reshape(lat, nh, dn + dv)  # per head: [nope key | value] columns
+    precision = backend.current().lax_precision
+    q_lat = jnp.einsum("bthd,lhd->bthl", q[..., :dn], w[..., :dn], precision=precision)
+    query = jnp.concatenate([q_lat, q_rope], axis=-1).reshape(b * t, nh, lat + dr)
+    entry = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1).reshape(b * t, 1, lat + dr)
+    meta = attn if ragged else attn.ragged()
+    o_lat, cache_layer = latent_paged_attention(query, entry, cache_layer, meta, scale=cfg.attn_scale, value_dim=lat)
+    o = jnp.einsum("nhl,lhv->nhv", o_lat, w[..., dn:], precision=precision)
+    return matmul(o.reshape(b, t, nh * dv), p.wo), cache_layer
+
+
 def _layer(p: Layer, cfg: ModelConfig, li: int, x: jax.Array, cache_layer, attn: Metadata, rope):
     eps, off = cfg.rms_norm_eps, cfg.norm_weight_offset
     n: Norms = p.norms
-    a, cache_layer = attention(p.attention, cfg, li, rms_norm(x, n.attn_norm, eps, off), cache_layer, attn, rope)
+    mix = latent_attention if cfg.latent else attention
+    a, cache_layer = mix(p.attention, cfg, li, rms_norm(x, n.attn_norm, eps, off), cache_layer, attn, rope)
     if cfg.sandwich_norms:
         a = rms_norm(a, n.attn_out_norm, eps, off)
     x = x + a

@@ -61,21 +61,58 @@ def _moe_ffn(cfg: ModelConfig) -> int:
     return cfg.moe_intermediate_size
 
 
+def _shared_ffn(cfg: ModelConfig) -> int:
+    return cfg.shared_expert_intermediate_size
+
+
 _Q = Source("self_attn.q_proj", "attn_q", _q, rope_heads="num_heads")
 _K = Source("self_attn.k_proj", "attn_k", _kv, rope_heads="num_kv_heads")
 _V = Source("self_attn.v_proj", "attn_v", _kv)
 
+_O = Source("self_attn.o_proj", "attn_output")
+
 ATTENTION: tuple[WeightDesc, ...] = (
     WeightDesc("wqkv", lambda c: (c.hidden_size, _qkv(c)), ("embed", "qkv"), (_Q, _K, _V),
-               relayout=(1, "qkv"), quant="layer"),
-    WeightDesc("wo", lambda c: (c.q_size, c.hidden_size), ("heads", "embed"),
-               (Source("self_attn.o_proj", "attn_output"),), relayout=(0, "wo"), quant="layer"),
+               relayout=(1, "qkv"), quant="layer", requires=("!latent",)),
+    WeightDesc("wo", lambda c: (c.q_size, c.hidden_size), ("heads", "embed"), (_O,), relayout=(0, "wo"),
+               quant="layer", requires=("!latent",)),
     WeightDesc("bqkv", lambda c: (_qkv(c),), ("qkv",), (_Q, _K, _V), kind="vector", init="zeros", suffix="bias",
                relayout=(0, "qkv"), requires=("attention_bias",)),
     WeightDesc("q_norm", lambda c: (c.head_dim,), (None,), (Source("self_attn.q_norm", "attn_q_norm"),),
                kind="vector", init="norm", requires=("qk_norm",)),
     WeightDesc("k_norm", lambda c: (c.head_dim,), (None,), (Source("self_attn.k_norm", "attn_k_norm"),),
                kind="vector", init="norm", requires=("qk_norm",)),
+)
+
+
+def _qk_head(cfg: ModelConfig) -> int:
+    return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+
+
+# Multi-head latent attention (DeepSeek): the query through a low-rank bottleneck (or one projection), the
+# key/value through one latent shared by the heads (plus a shared rotary key), the latent's up-projection
+# per head (``wkv_b``: [latent, heads x (nope key | value)], read per head, never quantized: the absorbed
+# attention folds it into the query and the output, `jaxinfer.models.transformer.latent_attention`).
+LATENT_ATTENTION: tuple[WeightDesc, ...] = (
+    WeightDesc("wq", lambda c: (c.hidden_size, c.num_heads * _qk_head(c)), ("embed", "heads"),
+               (Source("self_attn.q_proj", "attn_q"),), relayout=(1, "latent_q"), quant="layer",
+               requires=("latent", "!q_lora_rank")),
+    WeightDesc("wq_a", lambda c: (c.hidden_size, c.q_lora_rank), ("embed", None),
+               (Source("self_attn.q_a_proj", "attn_q_a"),), quant="layer", requires=("latent", "q_lora_rank")),
+    WeightDesc("q_a_norm", lambda c: (c.q_lora_rank,), (None,), (Source("self_attn.q_a_layernorm", "attn_q_a_norm"),),
+               kind="vector", init="norm", requires=("latent", "q_lora_rank")),
+    WeightDesc("wq_b", lambda c: (c.q_lora_rank, c.num_heads * _qk_head(c)), (None, "heads"),
+               (Source("self_attn.q_b_proj", "attn_q_b"),), relayout=(1, "latent_q"), quant="layer",
+               requires=("latent", "q_lora_rank")),
+    WeightDesc("wkv_a", lambda c: (c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", None),
+               (Source("self_attn.kv_a_proj_with_mqa", "attn_kv_a_mqa"),), quant="layer", requires=("latent",)),
+    WeightDesc("kv_a_norm", lambda c: (c.kv_lora_rank,), (None,),
+               (Source("self_attn.kv_a_layernorm", "attn_kv_a_norm"),), kind="vector", init="norm",
+               requires=("latent",)),
+    WeightDesc("wkv_b", lambda c: (c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.head_dim)), (None, "heads"),
+               (Source("self_attn.kv_b_proj", "attn_kv_b"),), relayout=(1, "latent_kv_b"), requires=("latent",)),
+    WeightDesc("wo", lambda c: (c.q_size, c.hidden_size), ("heads", "embed"), (_O,), relayout=(0, "wo"),
+               quant="layer", requires=("latent",)),
 )
 
 
@@ -113,6 +150,17 @@ MOE: tuple[WeightDesc, ...] = (
                kind="experts", relayout=(2, "expert_gate_up")),
     WeightDesc("w_down", lambda c: (c.num_experts, _moe_ffn(c), c.hidden_size), ("expert", "mlp", "embed"),
                (Source("mlp.experts.{e}.down_proj", "ffn_down_exps"),), kind="experts", relayout=(1, "expert_down")),
+    # DeepSeek-V3's per-expert bias, added to the scores for choosing the experts only
+    WeightDesc("router_bias", lambda c: (c.num_experts,), (None,), (Source("mlp.gate", "exp_probs_b"),),
+               kind="vector", init="zeros", suffix="e_score_correction_bias", requires=("router_bias",)),
+    # DeepSeek's shared experts: one gated MLP every token runs beside its routed experts
+    WeightDesc("shared_gate_up", lambda c: (c.hidden_size, 2 * _shared_ffn(c)), ("embed", "mlp"),
+               (Source("mlp.shared_experts.gate_proj", "ffn_gate_shexp", _shared_ffn),
+                Source("mlp.shared_experts.up_proj", "ffn_up_shexp", _shared_ffn)),
+               relayout=(1, "shared_gate_up"), quant="layer", requires=("shared_expert_intermediate_size",)),
+    WeightDesc("shared_down", lambda c: (_shared_ffn(c), c.hidden_size), ("mlp", "embed"),
+               (Source("mlp.shared_experts.down_proj", "ffn_down_shexp"),), relayout=(0, "shared_down"),
+               quant="layer", requires=("shared_expert_intermediate_size",)),
 )
 
 MODEL: tuple[WeightDesc, ...] = (
@@ -124,8 +172,9 @@ MODEL: tuple[WeightDesc, ...] = (
                kind="head", quant="head", requires=("!tie_word_embeddings",)),
 )
 
-LAYER_KINDS = {"attention": ATTENTION, "norms": NORMS, "dense_mlp": DENSE_MLP, "moe": MOE}
-ALL: tuple[WeightDesc, ...] = ATTENTION + NORMS + DENSE_MLP + MOE + MODEL
+LAYER_KINDS = {"attention": ATTENTION, "latent_attention": LATENT_ATTENTION, "norms": NORMS, "dense_mlp": DENSE_MLP,
+               "moe": MOE}
+ALL: tuple[WeightDesc, ...] = ATTENTION + LATENT_ATTENTION + NORMS + DENSE_MLP + MOE + MODEL
 
 
 # ---------------------------------------------------------------------------
@@ -142,6 +191,8 @@ def _block_type(name: str, table: tuple[WeightDesc, ...], what: str) -> type:
 
 
 Attention = _block_type("Attention", ATTENTION, "A layer's attention weights (the `ATTENTION` table)")
+LatentAttention = _block_type("LatentAttention", LATENT_ATTENTION,
+                              "A layer's latent attention weights (the `LATENT_ATTENTION` table)")
 Norms = _block_type("Norms", NORMS, "A layer's norms (the `NORMS` table)")
 DenseMLP = _block_type("DenseMLP", DENSE_MLP, "A dense layer's gated MLP (the `DENSE_MLP` table)")
 RoutedMLP = _block_type("RoutedMLP", MOE, "A routed layer's router and stacked experts (the `MOE` table)")
@@ -170,7 +221,12 @@ class Params:
     lm_head: Any = None
 
 
-Block = Union[Attention, Norms, DenseMLP, RoutedMLP]
+Block = Union[Attention, LatentAttention, Norms, DenseMLP, RoutedMLP]
+
+
+def attention_table(cfg: ModelConfig) -> tuple[type, tuple[WeightDesc, ...]]:
+    """The attention block type and table of ``cfg``: latent attention (DeepSeek) or the fused Q/K/V one."""
+    return (LatentAttention, LATENT_ATTENTION) if cfg.latent else (Attention, ATTENTION)
 
 
 def build_tree(cfg: ModelConfig, leaf: Callable[[WeightDesc, str], Any]) -> Params:
@@ -182,7 +238,7 @@ def build_tree(cfg: ModelConfig, leaf: Callable[[WeightDesc, str], Any]) -> Para
     def layer(li: int) -> Layer:
         p = _prefix(li)
         mlp = block(RoutedMLP, MOE, p) if cfg.is_moe_layer(li) else block(DenseMLP, DENSE_MLP, p)
-        return Layer(block(Attention, ATTENTION, p), block(Norms, NORMS, p), mlp)
+        return Layer(block(*attention_table(cfg), p), block(Norms, NORMS, p), mlp)
 
     return Params(**{d.name: leaf(d, "") for d in model_descs(cfg)}, layers=[layer(li) for li in range(cfg.num_layers)])
 
@@ -190,7 +246,7 @@ def build_tree(cfg: ModelConfig, leaf: Callable[[WeightDesc, str], Any]) -> Para
 def layer_descs(cfg: ModelConfig, li: int) -> list[WeightDesc]:
     """The weights layer ``li`` of ``cfg`` holds, in canonical order."""
     mlp = MOE if cfg.is_moe_layer(li) else DENSE_MLP
-    return [d for d in ATTENTION + NORMS + mlp if d.present(cfg)]
+    return [d for d in attention_table(cfg)[1] + NORMS + mlp if d.present(cfg)]
 
 
 def model_descs(cfg: ModelConfig) -> list[WeightDesc]:
@@ -304,22 +360,25 @@ class GGUFName:
     experts: bool
     rope_heads: str
     norm: bool
+    suffix: str = ""  # the canonical name's suffix where it is not llama.cpp's (V3's ``e_score_correction_bias``)
 
 
 @functools.lru_cache(maxsize=None)
-def gguf_names(sandwich_norms: bool = False) -> dict[str, GGUFName]:
+def gguf_names(sandwich_norms: bool = False, latent: bool = False) -> dict[str, GGUFName]:
     """llama.cpp's tensor names -> `GGUFName`: layer stems (``attn_q``) and whole model names
     (``token_embd.weight``). ``sandwich_norms``: Gemma's naming, whose ``ffn_norm`` is the
-    pre-feedforward norm (Llama's is ``post_attention_layernorm``)."""
+    pre-feedforward norm (Llama's is ``post_attention_layernorm``); ``latent``: DeepSeek's
+    (``deepseek2``), whose ``attn_q`` is the latent attention's plain query projection."""
     out: dict[str, GGUFName] = {}
-    flags = {"sandwich_norms": sandwich_norms}
+    flags = {"sandwich_norms": sandwich_norms, "latent": latent}
     for d in ALL:
         if any(f.lstrip("!") in flags and flags[f.lstrip("!")] == f.startswith("!") for f in d.requires):
             continue
         layer = d not in MODEL
         for s in d.sources:
             key = s.gguf if layer else f"{s.gguf}.{d.suffix}"
-            out[key] = GGUFName(s.hf, layer, d.kind == "experts", s.rope_heads, d.init == "norm")
+            own = d.suffix if d.suffix not in ("weight", "bias") else ""
+            out[key] = GGUFName(s.hf, layer, d.kind == "experts", s.rope_heads, d.init == "norm", own)
     return out
 
 

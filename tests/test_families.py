@@ -124,8 +124,10 @@ def test_logits_match_transformers_at_every_position(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_bfloat16_weights_track_float32(name):
     """bfloat16 weights: the mean logit error stays within 5% of the mean logit, and the top-1 is
-    float32's wherever float32's margin is over 0.1. (Not a max-error bound: in the MoE families
-    a bfloat16 router can swap a near-tied expert, which moves that one position's logits.)"""
+    float32's wherever float32's margin is over 0.1, but for at most one position in a routed family.
+    (Not a max-error bound: in the MoE families a bfloat16 router can swap a near-tied expert, which
+    moves that one position's logits; transformers' own bfloat16 DeepSeek does so at one position of
+    each fixture, its routers scoring with the bfloat16-rounded weights.)"""
     f = family(name)
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), f.params)
     ids, greedy, want = f.cases[1]
@@ -135,7 +137,8 @@ def test_bfloat16_weights_track_float32(name):
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 0.1
     assert clear.sum() >= len(clear) // 2
-    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+    swapped = int((got.argmax(-1) != want.argmax(-1))[clear].sum())
+    assert swapped <= (1 if f.cfg.num_experts else 0), f"{name}: {swapped} clear top-1 tokens changed"
 
 
 @pytest.mark.parametrize("name", WITH_GGUF)
@@ -269,7 +272,8 @@ def test_routed_experts_match_the_dense_formula(tokens, normalize):
 
 
 END_OF_TURN = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "qwen3_moe": "<|im_end|>",
-               "gemma3": "<end_of_turn>", "mistral": "</s>", "mixtral": "</s>"}
+               "gemma3": "<end_of_turn>", "mistral": "</s>", "mixtral": "</s>",
+               "deepseek_v2": "<｜end▁of▁sentence｜>", "deepseek_v3": "<｜end▁of▁sentence｜>"}
 
 
 @pytest.mark.parametrize("name", FAMILIES)

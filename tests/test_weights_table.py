@@ -25,7 +25,8 @@ FAMILY_DIR = Path(__file__).parent / "fixtures" / "families"
 FAMILIES = sorted(p.name for p in FAMILY_DIR.iterdir() if (p / "config.json").is_file())
 # the llama.cpp architecture that stores each family (Mixtral and Mistral are llama.cpp's llama)
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma3_text": "gemma3"}
+             "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma3_text": "gemma3", "deepseek_v2": "deepseek2",
+             "deepseek_v3": "deepseek2"}
 
 
 def config(family: str):
@@ -35,8 +36,8 @@ def config(family: str):
 def leaf_sources(cfg) -> dict[str, list[str]]:
     """{leaf path: the canonical HF tensors the table says it is made of}."""
     out = {}
-    block = {id(d): name for name, table in (("attention", T.ATTENTION), ("norms", T.NORMS), ("mlp", T.DENSE_MLP),
-                                             ("mlp", T.MOE)) for d in table}
+    block = {id(d): name for name, table in (("attention", T.ATTENTION), ("attention", T.LATENT_ATTENTION),
+                                             ("norms", T.NORMS), ("mlp", T.DENSE_MLP), ("mlp", T.MOE)) for d in table}
     for d in T.model_descs(cfg):
         out[f".{d.name}"] = d.hf_names("")
     for li in range(cfg.num_layers):
@@ -48,8 +49,8 @@ def leaf_sources(cfg) -> dict[str, list[str]]:
 
 
 def test_the_tree_types_have_a_field_per_table_weight_and_no_weight_is_named_like_a_quantized_field():
-    for cls, table in ((T.Attention, T.ATTENTION), (T.Norms, T.NORMS), (T.DenseMLP, T.DENSE_MLP),
-                       (T.RoutedMLP, T.MOE)):
+    for cls, table in ((T.Attention, T.ATTENTION), (T.LatentAttention, T.LATENT_ATTENTION), (T.Norms, T.NORMS),
+                       (T.DenseMLP, T.DENSE_MLP), (T.RoutedMLP, T.MOE)):
         assert [f.name for f in dataclasses.fields(cls)] == list(dict.fromkeys(d.name for d in table))
     assert {f.name for f in dataclasses.fields(T.Params)} - {"layers"} == {d.name for d in T.MODEL}
     # `jaxinfer.ops.mesh` tells a quantized weight's fields from weights by these names
@@ -78,6 +79,10 @@ def test_hf_tensors_convert_to_the_specs_shapes(cfg):
     check_tree(T.param_specs(cfg), params)
     # a fused leaf is its sources side by side: q | k | v columns, gate | up
     attention = params.layers[0].attention
+    if cfg.latent:  # one source per leaf, transposed to [in, out]
+        kv_b = tensors["model.layers.0.self_attn.kv_b_proj.weight"]
+        np.testing.assert_array_equal(attention.wkv_b, kv_b.T)
+        return
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(attention.wqkv[:, : q.shape[0]], q.T)
 

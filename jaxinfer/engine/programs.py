@@ -238,7 +238,7 @@ class ProgramTable:
         attn = RaggedMetadata(host(n), host(n), host(b + 1), host(b, p), host(b))
         logits_rows = step.LogitsRows(host(rows), host(rows), host(rows) if spec else None)
         state = (_sds(r.params), _sds(r.kv_cache), _sds(r.sampler_state))
-        fn = step.on_mesh(cache_sharding(r.mesh), rep)
+        fn = step.on_mesh(cache_sharding(r.mesh, r.cfg), rep)
         args = (*state, host(n), host(n, dtype=jnp.bool_), attn, logits_rows, host(b, dtype=jnp.bool_), md)
         return fn, args
 

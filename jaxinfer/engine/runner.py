@@ -60,7 +60,7 @@ class ModelRunner:
         self.cfg = self.layout.config(model_cfg)
         self.params = place_params(params, model_cfg, self.layout, self.mesh)
         self.max_model_len = engine_cfg.context_limit(model_cfg.max_position_embeddings, model_cfg.kv_window)
-        self.kv_cache = init_cache(self.cfg, engine_cfg, sharding=cache_sharding(self.mesh))
+        self.kv_cache = init_cache(self.cfg, engine_cfg, sharding=cache_sharding(self.mesh, self.cfg))
         self.sampler_state = jax.jit(  # made on the devices (every process of a multi-host mesh)
             functools.partial(init_sampler_state, engine_cfg.max_num_seqs, model_cfg.vocab_size),
             out_shardings=replicated(self.mesh))()

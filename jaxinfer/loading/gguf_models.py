@@ -204,9 +204,11 @@ def canonical_names(arch: Arch, name: str, num_experts: int = 0) -> Optional[lis
         return None
     layer, stem, kind = m.groups()
     g = names.get(stem)
-    if g is None or not g.layer or (g.experts and kind != "weight"):
+    if g is None or not g.layer or (g.experts and kind != "weight") or (g.suffix and kind != "bias"):
         return None
     prefix = f"model.layers.{layer}."
+    if g.suffix:  # llama.cpp's ``exp_probs_b.bias``: DeepSeek-V3's ``mlp.gate.e_score_correction_bias``
+        return [f"{prefix}{g.hf}.{g.suffix}"]
     if g.experts:
         return [f"{prefix}{g.hf.format(e=e)}.weight" for e in range(num_experts)]
     return [f"{prefix}{g.hf}.{kind}"]

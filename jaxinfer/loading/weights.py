@@ -38,6 +38,7 @@ import json
 import os
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -375,6 +376,14 @@ def _load_gguf(source: ModelSource, dtype: np.dtype, gguf_file=None,
 
 # Present in some checkpoints, derived from the config, never needed.
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _extra_layer(name: str, config: ModelConfig) -> bool:
+    """Whether a tensor belongs to a layer past the model's last: DeepSeek-V3's multi-token-prediction
+    layers (``num_nextn_predict_layers``), which the engine does not run (they would draft tokens)."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= config.num_layers
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16,
@@ -450,6 +459,7 @@ def _load_hf(source: ModelSource, dtype: np.dtype,
     want = hf_tensor_shapes(config)
     tensors: dict[str, np.ndarray] = {}
     unknown: list[str] = []
+    skipped_layers: set[int] = set()
     files = _hf_weight_files(d)
     names = {file: {key: canonical(key) for key in _safetensors_header(file)[0] if key != "__metadata__"}
              for file in files}
@@ -460,6 +470,9 @@ def _load_hf(source: ModelSource, dtype: np.dtype,
             for key in f.keys():
                 name = names[file].get(key, key)
                 if name is None:  # not part of the language model (a vision tower)
+                    continue
+                if _extra_layer(name, config):
+                    skipped_layers.add(int(_LAYER_INDEX.match(name).group(1)))
                     continue
                 if name not in want:
                     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
@@ -477,6 +490,9 @@ def _load_hf(source: ModelSource, dtype: np.dtype,
                     on_tensor(total)
     if unknown:
         raise ValueError(f"{d}: unexpected tensors for a {config.architecture} model: {unknown[:8]}")
+    if skipped_layers:
+        print(f"note: {d.name}: skipped the tensors of layers {sorted(skipped_layers)} past the model's "
+              f"{config.num_layers} (multi-token-prediction layers, not run)", file=sys.stderr)
     _check_complete(tensors, config, d)
     return LoadedWeights(config=config, tensors=tensors, generation=generation, source=source)
 

@@ -81,8 +81,8 @@ from jaxinfer.ops.gather_attention import (
     ragged_gather_attention,
 )
 
-__all__ = ["AttentionMetadata", "RaggedMetadata", "gather_attention", "paged_attention", "prepare_cpu_kernel",
-           "ragged_gather_attention", "ragged_paged_attention"]
+__all__ = ["AttentionMetadata", "RaggedMetadata", "gather_attention", "latent_paged_attention", "paged_attention",
+           "prepare_cpu_kernel", "ragged_gather_attention", "ragged_paged_attention"]
 
 
 def ragged_paged_attention(
@@ -123,6 +123,42 @@ def ragged_paged_attention(
         )
         return local(q, k, v, cache_layer, meta)
     return _attend(q, k, v, cache_layer, meta, scale, window)
+
+
+def latent_paged_attention(
+    q: jax.Array,
+    entry: jax.Array,
+    cache_layer: jax.Array,
+    meta: RaggedMetadata,
+    scale: float,
+    value_dim: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Multi-head latent attention (DeepSeek) in its absorbed form over a latent cache: every head attends
+    the same per-token entries, each head's key being the whole entry and its value the first
+    ``value_dim`` values (`jaxinfer.models.transformer.latent_attention` folds the latent's per-head
+    up-projections into the query and the output, so only the latent pages are read).
+
+    q: [N, H, D]; entry: [N, 1, D] (the step's tokens' entries, written to their slots);
+    cache_layer: [num_pages, page_size, 1, D]. Returns (out [N, H, value_dim], updated cache_layer).
+
+    Every platform runs the pure-JAX path (`ragged_gather_attention`; no kernel takes this layout yet).
+    On a device mesh each device attends its own heads over the whole latent cache, which every
+    device holds (the entry is the same for every head, as sglang-jax and vLLM's TPU backend keep it).
+    """
+    n, h, d = q.shape
+    if entry.shape != (n, 1, d) or cache_layer.shape[2:] != (1, d):
+        raise ValueError(f"latent entries must be [N, 1, D] = ({n}, 1, {d}) over a [pages, page_size, 1, {d}] cache, "
+                         f"got {entry.shape} and {cache_layer.shape}")
+    fn = functools.partial(_latent_attend, scale=scale, value_dim=value_dim)
+    if mesh.tp_size() > 1:
+        heads, whole = jax.sharding.PartitionSpec(None, mesh.TP_AXIS, None), jax.sharding.PartitionSpec()
+        fn = jax.shard_map(fn, in_specs=(heads, whole, mesh.LATENT_CACHE_SPEC, whole),
+                           out_specs=(heads, mesh.LATENT_CACHE_SPEC), check_vma=False)
+    return fn(q, entry, cache_layer, meta)
+
+
+def _latent_attend(q, entry, cache_layer, meta: RaggedMetadata, scale: float, value_dim: int):
+    return ragged_gather_attention(q, entry, None, cache_layer, meta, scale, value_dim=value_dim)
 
 
 def paged_attention(

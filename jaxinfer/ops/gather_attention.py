@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.kv_cache import write_kv
+from jaxinfer.ops.kv_cache import write_kv, write_latent
 
 
 @jax.tree_util.register_dataclass
@@ -97,10 +97,12 @@ def write_after_read(cache_layer, k, v, slots, read_value):
 
     Without it the read and the in-place update are unordered and XLA copies the
     whole layer first. `read_value` is any element of what was read. k, v: [..., KVH, D];
-    slots: the same leading shape.
+    slots: the same leading shape. ``v`` None: a latent cache, ``k`` its entries [..., 1, D].
     """
     kvh, d = k.shape[-2:]
     after_read = jnp.nan_to_num(read_value.astype(jnp.float32)) * 0.0
+    if v is None:
+        return write_latent(cache_layer, (k + after_read.astype(k.dtype)).reshape(-1, kvh, d), slots.reshape(-1))
     return write_kv(
         cache_layer,
         (k + after_read.astype(k.dtype)).reshape(-1, kvh, d),
@@ -146,11 +148,16 @@ def columns_per_block(items: int, tile: int, pages: int, page_size: int, num_hea
     return max(1, min(pages, BLOCK_BYTES // max(per_column, 1)))
 
 
-def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int = 0):
+def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int = 0,
+                            value_dim: int = 0):
     """The pure-JAX path over a ragged batch: attend, then write the step's keys/values.
 
     q: [N, H, D]; k, v: [N, KVH, D]; cache_layer: [num_pages, page_size, 2*KVH, D].
     Returns (out [N, H, D], updated cache_layer); padding tokens come out as zeros.
+
+    A latent cache (multi-head latent attention, `jaxinfer.ops.kv_cache`): ``v`` None, ``k`` the step's
+    entries [N, 1, D], cache_layer [num_pages, page_size, 1, D]; every head's key is the whole entry and
+    its value the entry's first ``value_dim`` values: out [N, H, value_dim].
 
     Work items are (request, up to `tile_tokens` of its consecutive tokens) (`work_items`); each
     reads its request's pages a block of columns at a time, with an online softmax.
@@ -158,6 +165,9 @@ def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: f
     n, h, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
+    latent = v is None
+    dv = value_dim if latent else d
+    parts = 1 if latent else 2  # rows of a token's entry per KV head: the latent, or a key and a value
     ps = cache_layer.shape[1]
     r, p = meta.page_table.shape
     f32 = jnp.float32
@@ -182,18 +192,18 @@ def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: f
     table = table.reshape(ni, nblocks, cols).transpose(1, 0, 2)  # [blocks, I, cols]
     span = cols * ps
     qg = q[at].reshape(ni, tile, kvh, g, d)
-    kv_new = jnp.stack([k, v], axis=2).astype(cache_layer.dtype)  # [N, KVH, 2, D], as the cache holds it
+    kv_new = (k[:, :, None] if latent else jnp.stack([k, v], axis=2)).astype(cache_layer.dtype)  # as the cache holds it
     last = jnp.max(pos)  # keys past it are no token's
     first = jnp.min(jnp.where(pos >= 0, lo, jnp.iinfo(jnp.int32).max))
 
     def attend_block(carry, block_start, pages):
         m, l, acc = carry
-        kv = cache_layer[pages].reshape(ni, span, kvh, 2, d)  # [I, span, KVH, 2, D]
+        kv = cache_layer[pages].reshape(ni, span, kvh, parts, d)  # [I, span, KVH, 2 (or 1), D]
         key_pos = block_start + jnp.arange(span, dtype=jnp.int32)
         own = (key_pos[None, :] >= seg_first[:, None]) & (key_pos[None, :] <= seg_last[:, None])  # [I, span]
         src = jnp.clip(seg_start[:, None] + key_pos[None, :] - seg_first[:, None], 0, n - 1)
         kv = jnp.where(own[:, :, None, None, None], kv_new[src], kv)
-        keys, values = kv[..., 0, :].astype(q.dtype), kv[..., 1, :].astype(q.dtype)
+        keys, values = kv[..., 0, :].astype(q.dtype), kv[..., parts - 1, :dv].astype(q.dtype)
         s = jnp.einsum("itkgd,iskd->ikgts", qg, keys, preferred_element_type=f32) * scale
         valid = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] >= lo[:, :, None])
         valid = valid[:, None, None, :, :]  # [I, 1, 1, tile, span]
@@ -213,14 +223,14 @@ def ragged_gather_attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: f
         return jax.lax.cond(needed, lambda c: attend_block(c, block_start, pages), lambda c: c, carry), None
 
     stats = (ni, kvh, g, tile)
-    carry = (jnp.full(stats, NEG_INF, f32), jnp.zeros(stats, f32), jnp.zeros(stats + (d,), f32))
+    carry = (jnp.full(stats, NEG_INF, f32), jnp.zeros(stats, f32), jnp.zeros(stats + (dv,), f32))
     if nblocks == 1:
         m, l, acc = attend_block(carry, 0, table[0])
     else:
         (m, l, acc), _ = jax.lax.scan(step, carry, (jnp.arange(nblocks, dtype=jnp.int32), table))
     out = acc * jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[..., None]  # [I, KVH, g, tile, D]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(ni * tile, h, d).astype(q.dtype)
-    out = jnp.zeros((n, h, d), q.dtype).at[tok.reshape(-1)].set(out, mode="drop")
+    out = out.transpose(0, 3, 1, 2, 4).reshape(ni * tile, h, dv).astype(q.dtype)
+    out = jnp.zeros((n, h, dv), q.dtype).at[tok.reshape(-1)].set(out, mode="drop")
     cache_layer = write_after_read(cache_layer, k, v, meta.slots, acc[0, 0, 0, 0, 0])
     return out, cache_layer
 

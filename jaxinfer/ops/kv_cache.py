@@ -2,7 +2,12 @@
 
 Each layer's array has shape ``[num_pages, page_size, 2 * num_kv_heads, head_dim]``
 with K at even and V at odd head indices (the layout the Pallas TPU
-``ragged_paged_attention`` kernel reads). Page 0 is a reserved dummy page:
+``ragged_paged_attention`` kernel reads). A model with multi-head latent attention
+(DeepSeek, `ModelConfig.latent`) caches one entry per token shared by all heads instead:
+``[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]``, the normed latent then the
+roped rotary key (the key of the absorbed attention; its value is the latent part). The
+layout is the family's; pages, slots, the prefix cache and preemption are the same for both.
+Page 0 is a reserved dummy page:
 padding tokens write there and padded page-table entries point there, so the
 device code never needs a data-dependent branch.
 
@@ -22,15 +27,30 @@ import numpy as np
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.ops.spec import ArraySpec
 
-KVCache = list  # list[jax.Array], one [num_pages, page_size, 2*num_kv_heads, head_dim] per layer
+KVCache = list  # list[jax.Array], one [num_pages, page_size, 2*num_kv_heads, head_dim] (or latent) per layer
 
 DUMMY_PAGE = 0
 
 
+def token_entry(model: ModelConfig) -> tuple[int, int]:
+    """One token's entry in a cache layer: (rows, values per row): ``2 * num_kv_heads`` heads of
+    ``head_dim`` (keys and values), or one latent row of ``kv_lora_rank + qk_rope_head_dim``."""
+    if model.latent:
+        return 1, model.kv_lora_rank + model.qk_rope_head_dim
+    return 2 * model.num_kv_heads, model.head_dim
+
+
+def kv_bytes_per_token(model: ModelConfig, cache_dtype: Any) -> int:
+    """Bytes one token's keys and values take in the cache, over every layer (e.g. DeepSeek-V3's latent:
+    (512 + 64) values a layer; per-head keys and values would be 128 x (192 + 128))."""
+    rows, width = token_entry(model)
+    return rows * width * model.num_layers * jnp.dtype(cache_dtype).itemsize
+
+
 def cache_specs(model: ModelConfig, engine: EngineConfig) -> list[ArraySpec]:
     """The cache described once: one spec per layer."""
-    shape = (engine.num_pages, engine.page_size, 2 * model.num_kv_heads, model.head_dim)
-    axes = ("pages", "page_slot", "kv_heads", "head_dim")
+    shape = (engine.num_pages, engine.page_size, *token_entry(model))
+    axes = ("pages", "page_slot", None if model.latent else "kv_heads", "head_dim")
     return [ArraySpec(shape, jnp.dtype(engine.cache_dtype), axes, init="zeros") for _ in range(model.num_layers)]
 
 
@@ -44,8 +64,7 @@ def init_cache(model: ModelConfig, engine: EngineConfig, sharding: Any = None) -
 
 
 def cache_bytes(model: ModelConfig, engine: EngineConfig) -> int:
-    per_layer = engine.num_pages * engine.page_size * 2 * model.num_kv_heads * model.head_dim
-    return per_layer * model.num_layers * jnp.dtype(engine.cache_dtype).itemsize
+    return engine.num_pages * engine.page_size * kv_bytes_per_token(model, engine.cache_dtype)
 
 
 def write_kv(cache_layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
@@ -59,6 +78,12 @@ def write_kv(cache_layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Arra
     # Index pages and offsets directly: scattering into a reshaped (flat-slot) view makes
     # XLA copy the whole layer before the update, a full-cache copy per step.
     return cache_layer.at[slots // page_size, slots % page_size].set(kv)
+
+
+def write_latent(cache_layer: jax.Array, entry: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter new latent entries ([N, 1, latent]) into their slots of a latent cache layer."""
+    page_size = cache_layer.shape[1]
+    return cache_layer.at[slots // page_size, slots % page_size].set(entry.astype(cache_layer.dtype))
 
 
 def gather_kv(cache_layer: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:

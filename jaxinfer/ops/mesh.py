@@ -65,8 +65,10 @@ TP_AXIS = "tp"
 # logical axis -> mesh axis; any axis not listed (hidden "embed", experts, pages, head_dim) is replicated
 RULES = {"vocab": TP_AXIS, "qkv": TP_AXIS, "heads": TP_AXIS, "mlp": TP_AXIS, "kv_heads": TP_AXIS}
 
-# The KV cache [pages, page_size, 2 * kv heads, head_dim]: each device holds its KV heads' pages.
+# The KV cache [pages, page_size, 2 * kv heads, head_dim]: each device holds its KV heads' pages. A latent
+# cache ([pages, page_size, 1, latent]: one entry per token for every head) is whole on every device.
 CACHE_SPEC = P(None, None, TP_AXIS, None)
+LATENT_CACHE_SPEC = P()
 
 
 def make_mesh(engine: EngineConfig, devices: Optional[Sequence[Any]] = None) -> Mesh:
@@ -108,6 +110,7 @@ class TPLayout:
     kv_slots: tuple[int, ...]  # per KV slot, shard-major
     intermediate_size: int  # padded to a multiple of shards
     moe_intermediate_size: int
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig, shards: int) -> "TPLayout":
@@ -126,7 +129,8 @@ class TPLayout:
                 rank = kv[:s].count(k)  # this shard's place among those holding head k
                 q += [k * g + j if j < g else -1 for j in range(rank * per_q, (rank + 1) * per_q)]
         pad = lambda n: -(-n // shards) * shards  # noqa: E731
-        return cls(shards, tuple(q), tuple(kv), pad(cfg.intermediate_size), pad(cfg.moe_intermediate_size))
+        return cls(shards, tuple(q), tuple(kv), pad(cfg.intermediate_size), pad(cfg.moe_intermediate_size),
+                   pad(cfg.shared_expert_intermediate_size))
 
     @property
     def identity(self) -> bool:
@@ -142,6 +146,7 @@ class TPLayout:
             num_kv_heads=len(self.kv_slots),
             intermediate_size=self.intermediate_size,
             moe_intermediate_size=self.moe_intermediate_size,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size,
             tp_shards=self.shards,
         )
 
@@ -161,6 +166,11 @@ class TPLayout:
 
     def wo_rows(self, cfg: ModelConfig) -> np.ndarray:
         return np.concatenate([_head_cols(x, 0, cfg.head_dim) for x in self.q_slots])
+
+    def head_columns(self, per_head: int) -> np.ndarray:
+        """Columns of a projection laid out head by head, ``per_head`` each (latent attention's query and
+        its latent's up-projection: a head's columns go with its query slot)."""
+        return np.concatenate([_head_cols(x, 0, per_head) for x in self.q_slots])
 
     def gate_up_columns(self, size: int) -> np.ndarray:
         padded = -(-size // self.shards) * self.shards
@@ -188,6 +198,10 @@ INDEX_MAPS = {
     "down": lambda lay, cfg: lay.down_rows(cfg.intermediate_size),
     "expert_gate_up": lambda lay, cfg: lay.gate_up_columns(cfg.moe_intermediate_size),
     "expert_down": lambda lay, cfg: lay.down_rows(cfg.moe_intermediate_size),
+    "shared_gate_up": lambda lay, cfg: lay.gate_up_columns(cfg.shared_expert_intermediate_size),
+    "shared_down": lambda lay, cfg: lay.down_rows(cfg.shared_expert_intermediate_size),
+    "latent_q": lambda lay, cfg: lay.head_columns(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+    "latent_kv_b": lambda lay, cfg: lay.head_columns(cfg.qk_nope_head_dim + cfg.head_dim),
 }
 
 
@@ -196,7 +210,7 @@ def relayouts(descs, cfg: ModelConfig, layout: TPLayout) -> dict:
     `jaxinfer.ops.spec.WeightDesc`) whose layout changes under ``layout``."""
     maps = {}
     for d in descs:
-        if d.relayout is not None:
+        if d.relayout is not None and d.present(cfg):
             axis, kind = d.relayout
             maps[(d.name, len(d.shape(cfg)))] = (axis, INDEX_MAPS[kind](layout, cfg))
     # an index map that is the identity needs no relayout (e.g. wo when heads divide evenly)
@@ -231,8 +245,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, CACHE_SPEC)
+def cache_spec(model: Optional[ModelConfig] = None) -> P:
+    """How a cache layer of ``model`` splits over the mesh: by KV heads, or replicated (latent attention)."""
+    return LATENT_CACHE_SPEC if model is not None and model.latent else CACHE_SPEC
+
+
+def cache_sharding(mesh: Mesh, model: Optional[ModelConfig] = None) -> NamedSharding:
+    return NamedSharding(mesh, cache_spec(model))
 
 
 def _spread(shape: tuple[int, ...], skip_axis: int, mesh: Mesh) -> NamedSharding:
