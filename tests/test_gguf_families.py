@@ -29,7 +29,11 @@ from jaxinfer.text.tokenizer import Tokenizer
 FAMILIES = Path(__file__).parent / "fixtures" / "families"
 GGUF_FAMILIES = sorted(p.parent.name for p in FAMILIES.glob("*/model.gguf"))
 END_OF_TURN = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "qwen3_moe": "<|im_end|>",
-               "gemma3": "<end_of_turn>", "mixtral": "</s>"}
+               "gemma3": "<end_of_turn>", "mixtral": "</s>", "deepseek_v3": "<｜end▁of▁sentence｜>",
+               "deepseek_v2": "<｜end▁of▁sentence｜>"}
+# what a deepseek2 GGUF cannot hold: the legacy V2 file has no expert group keys (llama.cpp then routes
+# without a group limit; the fixture's reference_gguf.npz holds that model's logits)
+UNSTORED = {"deepseek_v2": {"expert_groups", "topk_groups"}}
 
 
 def load_pair(family: str):
@@ -57,6 +61,11 @@ def test_gguf_and_safetensors_give_the_same_config(family):
         # config has 24 (not head_dim), which a GGUF cannot express; check the GGUF follows llama.cpp.
         assert gc.query_pre_attn_scalar == llamacpp_attention_scalar(gc)
         gc = gc.__class__(**{**gc.__dict__, "query_pre_attn_scalar": hc.query_pre_attn_scalar})
+    unstored = UNSTORED.get(family, set())
+    assert {k for k in gc.__dict__ if k != "name" and getattr(gc, k) != getattr(hc, k)} == unstored
+    if unstored:  # llama.cpp's reading: no group limit
+        assert (gc.expert_groups, gc.topk_groups) == (1, 1) and hc.expert_groups > 1
+        gc = gc.__class__(**{**gc.__dict__, **{k: getattr(hc, k) for k in unstored}})
     assert gc.__class__(**{**gc.__dict__, "name": hc.name}) == hc
 
 
@@ -101,8 +110,15 @@ def test_fixture_tensor_names_are_llamacpps():
         for t in gf.tensors:
             if t.name == "rope_freqs.weight":
                 continue
+            stem = t.name.split(".")[-2]
+            if stem in ("attn_k_b", "attn_v_b"):  # kv_b_proj's halves, named by the converter's split names
+                hf = f"model.layers.{t.name.split('.')[1]}.self_attn.{stem[5]}_b_proj"
+                assert tmap.get_name(hf) + ".weight" == t.name, (family, t.name, hf)
+                continue
             (first, *_), suffix = G.canonical_names(arch, t.name, 1), t.name.rsplit(".", 1)[1]
             hf = first[: -len("." + suffix)]
+            if stem == "exp_probs_b":  # the converter renames e_score_correction_bias to e_score_correction.bias
+                hf = first.replace("e_score_correction_bias", "e_score_correction")
             if ".experts.0." in hf:  # stacks: gguf-py names the stacked HF tensor
                 hf = hf.replace(".experts.0.", ".experts.")
             if arch.name == "qwen3moe" and t.name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"):
@@ -314,6 +330,80 @@ def test_end_of_turn_markers_count_as_eos(tmp_path):
     assert gen.eos_token_ids == (1, 2) and gen.temperature == 0.7 and gen.top_k == 20
 
 
+# DeepSeek (deepseek2): MLA of 4 heads, kv_lora_rank 8, rotary 4, no-rope key 8, value 8 (the legacy lengths);
+# a plain attn_q (no q-LoRA) and no experts
+DS = {"attention.kv_lora_rank": 8, "rope.dimension_count": 4, "attention.key_length": 12,
+      "attention.value_length": 8}
+DS_Q = {"blk.0.attn_q.weight": np.zeros((48, 64), np.float32)}
+
+
+def llamacpp_deepseek2_scales(factor: float, log_mul: float | None, attn_factor: float, head_k: int):
+    """The rope's cos/sin factor and the softmax scale llama.cpp runs a deepseek2 yarn model with, in its
+    float32 steps: ``load_arch_hparams`` (log_mul / 0.1), ``llama_context`` (yarn_attn_factor, with the
+    deepseek2 special case mscale = mscale_all_dim), ggml's rope_yarn (x (1 + 0.1 ln(1 / freq_scale)) when
+    ext_factor != 0) and the deepseek2 graph (attn_factor_org, mscale, kq_scale)."""
+    f = np.float32
+    s, freq_scale = f(factor), f(1) / f(factor)
+    m_all = f(log_mul) / f(0.1) if log_mul else f(0)
+
+    def get_mscale(scale, m):
+        return f(1) if scale <= 1 else f(0.1) * m * np.log(scale) + f(1)
+
+    if m_all != 0:
+        m = m_all if m_all != f(1) else f(1)
+        af = get_mscale(s, m) / get_mscale(s, m_all)
+    else:
+        af = get_mscale(s, f(1))
+    af = af * (f(1) / (f(1) + f(0.1) * np.log(s))) * f(attn_factor)
+    rope_factor = af * (f(1) + f(0.1) * np.log(f(1) / freq_scale))
+    org = af * (f(1) + f(0.1) * np.log(f(1) / freq_scale))
+    mscale = org * (f(1) + f(0.1) * m_all * np.log(f(1) / freq_scale))
+    return float(rope_factor), float(f(1) * mscale * mscale / np.sqrt(f(head_k)))
+
+
+@pytest.mark.parametrize("factor,log_mul,attn_factor", [(4.0, 0.0707, 1.0), (40.0, 0.1, 1.0), (4.0, None, 1.0),
+                                                         (16.0, 0.1, 0.5)])
+def test_deepseek2_yarn_scales_are_llamacpps(tmp_path, factor, log_mul, attn_factor):
+    meta = {**DS, "rope.scaling.type": "yarn", "rope.scaling.factor": factor,
+            "rope.scaling.original_context_length": 64}
+    if log_mul is not None:
+        meta["rope.scaling.yarn_log_multiplier"] = log_mul
+    if attn_factor != 1.0:
+        meta["rope.scaling.attn_factor"] = attn_factor
+    path = write_gguf(tmp_path / "ds.gguf", "deepseek2", {**BASE, **meta}, {**EMBED, **DS_Q})
+    cfg = G.read_model(GGUFFile(path), "m").config
+    rope_factor, kq_scale = llamacpp_deepseek2_scales(factor, log_mul, attn_factor, 12)
+    assert cfg.rope_scaling.attention_factor == pytest.approx(rope_factor, rel=1e-6)
+    assert cfg.attn_scale == pytest.approx(kq_scale, rel=1e-6)
+    assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.head_dim) == (8, 8, 4, 8)
+    assert cfg.num_kv_heads == cfg.num_heads == 4 and cfg.q_lora_rank == 0 and cfg.rope_interleave
+    assert cfg.architecture == "deepseek_v2" and cfg.num_experts == 0
+
+
+def test_deepseek2_routing_defaults_are_llamacpps(tmp_path):
+    """No gating func, weights norm, scale or group keys (older DeepSeek-V2 files): softmax, not
+    renormalised, unscaled, no group limit; a sigmoid file with exp_probs_b is DeepSeek-V3's routing."""
+    routers = {f"blk.{i}.ffn_gate_inp.weight": np.zeros((8, 64), np.float32) for i in (1,)}
+    meta = {**DS, "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 16,
+            "leading_dense_block_count": 1}
+    path = write_gguf(tmp_path / "v2.gguf", "deepseek2", {**BASE, **meta}, {**EMBED, **DS_Q, **routers})
+    cfg = G.read_model(GGUFFile(path), "m").config
+    assert (cfg.router_scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.router_bias) == \
+        ("softmax", False, 1.0, False)
+    assert (cfg.expert_groups, cfg.topk_groups, cfg.shared_expert_intermediate_size) == (1, 1, 0)
+    assert cfg.dense_layers == (0,) and cfg.architecture == "deepseek_v2"
+    bias = {"blk.1.exp_probs_b.bias": np.zeros(8, np.float32)}
+    meta.update({"expert_gating_func": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+                 "expert_group_count": 4, "expert_group_used_count": 2, "expert_shared_count": 2})
+    path = write_gguf(tmp_path / "v3.gguf", "deepseek2", {**BASE, **meta}, {**EMBED, **DS_Q, **routers, **bias})
+    cfg = G.read_model(GGUFFile(path), "m").config
+    assert (cfg.router_scoring, cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.router_bias) == \
+        ("sigmoid", True, 2.5, True)
+    assert (cfg.expert_groups, cfg.topk_groups, cfg.group_scoring, cfg.shared_expert_intermediate_size) == \
+        (4, 2, "top2_sum", 32)
+    assert cfg.architecture == "deepseek_v3"
+
+
 # ------------------------------------------------------------ refusals ----
 
 
@@ -346,6 +436,17 @@ def test_unknown_architecture_is_refused(tmp_path):
      "llama: unsupported GGUF feature: tensors ['blk.0.attn_q.bias']"),
     ("qwen3", {}, {"blk.0.ffn_gate_shexp.weight": np.zeros((8, 64), np.float32)},
      "qwen3: unsupported GGUF feature: tensors ['blk.0.ffn_gate_shexp.weight']"),
+    ("deepseek2", {**DS, "expert_gating_func": 3}, DS_Q, "deepseek2: unsupported GGUF feature: expert_gating_func 3"),
+    ("deepseek2", {**DS, "attention.temperature_scale": 0.1}, DS_Q,
+     "deepseek2: unsupported GGUF feature: attention.temperature_scale 0.1"),
+    ("deepseek2", {**DS, "attention.q_lora_rank": 16}, DS_Q,
+     "deepseek2: unsupported GGUF feature: attention.q_lora_rank 16 but no attn_q_a tensors"),
+    ("deepseek2", {**DS, "rope.scaling.type": "linear", "rope.scaling.factor": 4.0}, DS_Q,
+     "deepseek2: unsupported GGUF feature: rope scaling type 'linear'"),
+    ("deepseek2", {**DS, "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 16}, DS_Q,
+     "deepseek2: unsupported GGUF feature: expert_count 8, leading_dense_block_count 0 but routers"),
+    ("deepseek2", DS, {**DS_Q, "blk.0.attn_k_b.weight": np.zeros((4, 8, 8), np.float32)},
+     "deepseek2: layer 0 has blk.0.attn_k_b.weight but no attn_v_b"),
 ])
 def test_unsupported_features_are_refused_in_one_line(tmp_path, arch, meta, tensors, feature):
     assert feature in refusal(tmp_path, arch, tensors, **meta)

@@ -41,6 +41,35 @@ Supported architectures (`ARCHITECTURES`) and what each needs undone or filled i
   ``(hidden_size / head_count) ** -0.5`` for the 27B (62 layers) and
   ``key_length ** -0.5`` otherwise (Gemma's query_pre_attn_scalar); embeddings scaled by
   sqrt(hidden_size); tanh GELU; ``final_logit_softcapping`` when the file has it.
+- ``deepseek2`` (DeepSeek-V2/V3, `jaxinfer.models.deepseek`; converter ``DeepseekV2Model`` in
+  ``conversion/deepseek.py``, loader ``llama_model_deepseek2::load_arch_hparams`` /
+  ``load_arch_tensors`` and its graph in ``src/models/deepseek2.cpp``, routing in
+  ``llm_graph_context::build_moe_ffn``, ``src/llama-graph.cpp``): multi-head latent attention
+  (``attention.kv_lora_rank``; ``attention.q_lora_rank`` with ``attn_q_a``/``attn_q_a_norm``/
+  ``attn_q_b``, or absent with a plain ``attn_q``; ``rope.dimension_count`` is qk_rope_head_dim;
+  RoPE on adjacent pairs, LLAMA_ROPE_TYPE_NORM, i.e. ``rope_interleave``). Newer files are in the
+  absorbed layout (``llama_hparams::is_mla``): ``attention.key_length_mla`` = qk_nope + qk_rope and
+  ``value_length_mla`` = v_head_dim (the plain lengths are kv_lora_rank + qk_rope and kv_lora_rank),
+  ``head_count_kv`` 1, and ``kv_b_proj`` split per head into ``attn_k_b`` (numpy [heads,
+  kv_lora_rank, qk_nope], the key rows transposed) and ``attn_v_b`` ([heads, v_head,
+  kv_lora_rank]), joined back here (`kv_b_from_split`); older files have the per-head lengths
+  under ``key_length``/``value_length`` and one ``attn_kv_b``. The un-absorbed view the model
+  config takes: ``num_kv_heads`` = heads, ``head_dim`` = v_head_dim. Experts after
+  ``leading_dense_block_count`` dense layers: ``expert_feed_forward_length``,
+  ``expert_shared_count`` shared experts (``ffn_*_shexp``) of that size each,
+  ``expert_gating_func`` (1 softmax, 2 sigmoid; absent: softmax, llama.cpp's fallback for older
+  V2 files), ``exp_probs_b.bias`` (V3's ``e_score_correction_bias``), ``expert_weights_norm``
+  (absent: false), ``expert_weights_scale`` (routed_scaling_factor; 0 or absent: none),
+  ``expert_group_count`` / ``expert_group_used_count`` (absent or 1: no group limit; a group
+  scores the sum of its best two, V3's noaux_tc: V2's group_limited_greedy, which scores the
+  group max, has no GGUF form). Sigmoid gating or a correction bias makes the model
+  ``deepseek_v3``, else ``deepseek_v2``. YaRN: ``rope.scaling.yarn_log_multiplier`` is 0.1 x
+  mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]: divided back by the loader) and llama.cpp
+  takes mscale equal to it, so the rope's attention factor is ``rope.scaling.attn_factor``
+  (times mscale(factor) when there is no multiplier) and the softmax scale is multiplied by
+  (that factor x mscale(factor, mscale_all_dim))^2 (`_deepseek2_yarn`). Refused: another
+  gating function, Mistral-Large's ``attention.temperature_scale``, rope scaling other than
+  yarn, routers not in exactly the layers after the dense ones.
 
 Every architecture: RoPE scaling from ``rope.scaling.type`` (llama.cpp's default "linear"
 when only a factor is given) with ``rope.scaling.factor`` (or the old ``rope.scale_linear``);
@@ -57,9 +86,11 @@ names the architecture and the feature (`UnsupportedGGUF`, a ValueError).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -68,7 +99,7 @@ from jaxinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, GenerationDefault
 from jaxinfer.gguf_file import GGUFFile, GGUFTensorInfo
 from jaxinfer.loading.llamacpp import llama3_rope_divisors, unpermute_rotary
 from jaxinfer.models import get_family
-from jaxinfer.models.hf_config import layer_type_fields
+from jaxinfer.models.hf_config import layer_type_fields, mscale_of
 from jaxinfer.models.weights_table import gguf_names
 
 __all__ = [
@@ -80,6 +111,7 @@ __all__ = [
     "canonical_names",
     "dequantize",
     "generation_defaults",
+    "kv_b_from_split",
     "read_model",
     "tensor_count",
 ]
@@ -99,6 +131,13 @@ _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _ROPE_FREQS = "rope_freqs.weight"
 
 
+# DeepSeek's kv_b_proj as the converter splits it for the absorbed attention (DeepseekV2Model.modify_tensors):
+# per head, its no-rope key rows transposed (attn_k_b: numpy [heads, kv_lora_rank, qk_nope]) and its value
+# rows (attn_v_b: [heads, v_head, kv_lora_rank]); older files hold the whole attn_kv_b.
+_KV_B = "self_attn.kv_b_proj"
+_SPLIT_KV_B = ("attn_k_b", "attn_v_b")
+
+
 @dataclass(frozen=True)
 class Arch:
     """How llama.cpp stores one architecture, and what its loader hard-codes."""
@@ -110,11 +149,12 @@ class Arch:
     norm_shift: float = 0.0  # the converter added this to every *norm.weight (Gemma: 1)
     default_eps: float = 1e-6
     sandwich_norms: bool = False  # Gemma's norms: ffn_norm is the pre-feedforward one, two more after
+    latent: bool = False  # multi-head latent attention (deepseek2): its own head sizes, attn_k_b/attn_v_b
 
     @property
     def names(self) -> dict:
         """llama.cpp tensor names -> `jaxinfer.models.weights_table.GGUFName`, in this architecture's naming."""
-        return gguf_names(self.sandwich_norms)
+        return gguf_names(self.sandwich_norms, self.latent)
 
 
 def _llama_fields(h: "_Header", f: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +209,110 @@ def _gemma3_fields(h: "_Header", f: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# llama.cpp's llama_expert_gating_func_type (src/llama-hparams.h); 0 (none) reads as softmax for deepseek2
+_GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}
+
+
+def _deepseek2_fields(h: "_Header", f: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3 (`jaxinfer.models.deepseek`) as ``llama_model_deepseek2::load_arch_hparams`` reads the
+    file and its graph (``src/models/deepseek2.cpp``) and ``build_moe_ffn`` compute it."""
+    n, heads = f["num_layers"], f["num_heads"]
+    if h.get_float("attention.temperature_scale", 0.0):
+        raise h.refuse(f"attention.temperature_scale {h.get_float('attention.temperature_scale')} "
+                       "(Mistral-Large's attention temperature)")
+    kv_lora = h.get_int("attention.kv_lora_rank")
+    q_lora = h.get_int("attention.q_lora_rank", 0)
+    # llama.cpp reads q_lora_rank (required but for the "lite" models) and makes attn_q_a/attn_q_b when it is
+    # set, else attn_q; the converter writes it only when set, so the query tensors tell
+    if not (h.has_stem("attn_q_a") if q_lora else h.has_stem("attn_q")):
+        raise h.refuse(f"attention.q_lora_rank {q_lora} but no {'attn_q_a' if q_lora else 'attn_q'} tensors")
+    rope = h.get_int("rope.dimension_count")  # n_rot: the rotary dims of the query and of the shared key
+    k_mla, v_mla = h.get_int("attention.key_length_mla", 0), h.get_int("attention.value_length_mla", 0)
+    if k_mla and v_mla:  # the absorbed layout (llama_hparams::is_mla): the plain lengths are the latent's
+        qk_head, v_head = k_mla, v_mla
+        k_len, v_len = h.get_int("attention.key_length", 0), h.get_int("attention.value_length", 0)
+        if (k_len, v_len) != (kv_lora + rope, kv_lora):
+            raise h.refuse(f"attention.key_length {k_len} / value_length {v_len} with *_mla lengths "
+                           f"(expected kv_lora_rank + rope {kv_lora + rope} / kv_lora_rank {kv_lora})")
+    else:  # older files: the per-head lengths under the plain keys, one attn_kv_b
+        qk_head = h.get_int("attention.key_length", 0) or f["hidden_size"] // heads
+        v_head = h.get_int("attention.value_length", 0) or qk_head
+    if rope <= 0 or rope % 2 or qk_head <= rope:
+        raise h.refuse(f"rope.dimension_count {rope} with key heads of {qk_head} dims (needs even, fewer)")
+    out: dict[str, Any] = dict(
+        num_kv_heads=heads,  # the un-absorbed view: every head its own key and value
+        head_dim=v_head,
+        kv_lora_rank=kv_lora,
+        q_lora_rank=q_lora,
+        qk_nope_head_dim=qk_head - rope,
+        qk_rope_head_dim=rope,
+        rope_interleave=True,  # LLAMA_ROPE_TYPE_NORM: adjacent pairs
+    )
+    out.update(_deepseek2_yarn(h, f["rope_scaling"]))
+
+    experts, lead = h.get_int("expert_count", 0), h.get_int("leading_dense_block_count", 0)
+    routed = set(range(lead, n))
+    if h.routed_layers != (routed if experts else set()):
+        raise h.refuse(f"expert_count {experts}, leading_dense_block_count {lead} but routers "
+                       f"(ffn_gate_inp) in layers {sorted(h.routed_layers)}")
+    gating = h.get_int("expert_gating_func", 0)
+    if gating not in _GATING:
+        raise h.refuse(f"expert_gating_func {gating} (supported: 1 softmax, 2 sigmoid)")
+    bias = h.has_stem("exp_probs_b")
+    v3 = _GATING[gating] == "sigmoid" or bias
+    out["architecture"] = "deepseek_v3" if v3 else "deepseek_v2"
+    if not experts:
+        return out
+    if bias and {li for li in routed if h.has_stem("exp_probs_b", li)} != routed:
+        raise h.refuse("exp_probs_b in some routed layers only")
+    ffn = h.get_int("expert_feed_forward_length")
+    groups = h.get_int("expert_group_count", 0)
+    groups = groups if groups > 1 else 1  # build_moe_ffn groups only when n_expert_groups > 1
+    out.update(
+        num_experts=experts,
+        num_experts_per_tok=h.get_int("expert_used_count"),
+        moe_intermediate_size=ffn,
+        norm_topk_prob=bool(h.get("expert_weights_norm", False)),
+        dense_layers=tuple(range(min(lead, n))),
+        shared_expert_intermediate_size=h.get_int("expert_shared_count", 0) * ffn,
+        router_scoring=_GATING[gating],
+        router_bias=bias,
+        expert_groups=groups,
+        topk_groups=h.get_int("expert_group_used_count", 1) if groups > 1 else 1,
+        # llama.cpp scores a group by the sum of its best two (V3's noaux_tc); without groups: unused
+        group_scoring="top2_sum" if groups > 1 else "max",
+        # build_moe_ffn scales by expert_weights_scale when it is non-zero
+        routed_scaling_factor=h.get_float("expert_weights_scale", 0.0) or 1.0,
+        router_logits_float32=True,
+    )
+    return out
+
+
+def _deepseek2_yarn(h: "_Header", scaling: Optional[RopeScaling]) -> dict[str, Any]:
+    """``rope_scaling`` and ``attention_mscale`` as llama.cpp's deepseek2 computes them.
+
+    ``yarn_log_multiplier`` is 0.1 x ``mscale_all_dim`` (the converter's factor, divided back out by
+    ``load_arch_hparams``); ``llama_context`` sets the rope's attention factor to
+    ``attn_factor / (1 + 0.1 ln s)`` with a multiplier (mscale taken equal to mscale_all_dim), else
+    ``attn_factor`` (``get_mscale(s, 1)`` cancelled), and ggml's YaRN rope multiplies cos/sin by
+    ``1 + 0.1 ln s`` again: R = ``attn_factor`` (times ``mscale(s)`` without a multiplier). The graph
+    scales the softmax by ``(R * mscale(s, mscale_all_dim)) ** 2 / sqrt(qk_nope + qk_rope)``.
+    """
+    if scaling is None:
+        if h.get_float("rope.scaling.attn_factor", 1.0) != 1.0:
+            raise h.refuse("rope.scaling.attn_factor without yarn rope scaling")
+        return dict(attention_mscale=1.0)
+    if scaling.rope_type != "yarn":
+        raise h.refuse(f"rope scaling type {scaling.rope_type!r} (llama.cpp's deepseek2 scales with yarn)")
+    s = scaling.factor
+    log_mul = h.get("rope.scaling.yarn_log_multiplier")
+    # the decimal the converter wrote (0.1 x mscale_all_dim), shifted back: 0.0707 -> 0.707
+    m_all = float(Decimal(str(np.float32(log_mul))) * 10) if log_mul else 0.0
+    r = h.get_float("rope.scaling.attn_factor", 1.0) * (1.0 if m_all else mscale_of(s))
+    return dict(rope_scaling=dataclasses.replace(scaling, attention_factor=r),
+                attention_mscale=(r * mscale_of(s, m_all)) ** 2)
+
+
 ARCHITECTURES: dict[str, Arch] = {
     a.name: a
     for a in (
@@ -178,6 +322,7 @@ ARCHITECTURES: dict[str, Arch] = {
         Arch("qwen3", "qwen3", _qwen3_fields),
         Arch("qwen3moe", "qwen3_moe", _qwen3moe_fields),
         Arch("gemma3", "gemma3", _gemma3_fields, norm_shift=1.0, sandwich_norms=True),
+        Arch("deepseek2", "deepseek_v2", _deepseek2_fields, latent=True),
     )
 }
 
@@ -203,6 +348,9 @@ def canonical_names(arch: Arch, name: str, num_experts: int = 0) -> Optional[lis
     if not m:
         return None
     layer, stem, kind = m.groups()
+    if arch.latent and stem in _SPLIT_KV_B and kind == "weight":
+        # the absorbed layout's halves of kv_b_proj: attn_k_b's read joins attn_v_b to it (`_plan`)
+        return [f"model.layers.{layer}.{_KV_B}.weight"] if stem == "attn_k_b" else []
     g = names.get(stem)
     if g is None or not g.layer or (g.experts and kind != "weight") or (g.suffix and kind != "bias"):
         return None
@@ -238,9 +386,16 @@ class _Header:
     def __init__(self, gf: GGUFFile, arch: Arch):
         self.gf, self.arch, self.spec = gf, arch.name, arch
         # layers with a router: the routed ones of a mixture of experts
-        self.routed_layers = {
-            int(m.group(1)) for t in gf.tensors if (m := _LAYER_TENSOR.match(t.name)) and m.group(2) == "ffn_gate_inp"
-        }
+        self.stems: dict[str, set[int]] = {}  # layer tensor stem -> the layers holding it
+        for t in gf.tensors:
+            if m := _LAYER_TENSOR.match(t.name):
+                self.stems.setdefault(m.group(2), set()).add(int(m.group(1)))
+        self.routed_layers = self.stems.get("ffn_gate_inp", set())
+
+    def has_stem(self, stem: str, layer: Optional[int] = None) -> bool:
+        """Whether the file holds ``blk.N.<stem>.*`` (for layer ``layer``, or for any layer)."""
+        layers = self.stems.get(stem, set())
+        return bool(layers) if layer is None else layer in layers
 
     def refuse(self, feature: str) -> UnsupportedGGUF:
         return UnsupportedGGUF(f"{self.gf.path}: {self.arch}: unsupported GGUF feature: {feature}")
@@ -389,10 +544,10 @@ def _model_config(h: _Header, tensors: dict[str, GGUFTensorInfo], name: str,
     kv_heads = h.get_int("attention.head_count_kv", 0) or heads
     head_dim = h.get_int("attention.key_length", 0) or hidden // heads  # llama.cpp's n_embd_head_k
     value_dim = h.get_int("attention.value_length", 0) or head_dim
-    if value_dim != head_dim:
+    if value_dim != head_dim and not arch.latent:  # latent attention: its fields function sets the heads
         raise h.refuse(f"value heads of {value_dim} dims and key heads of {head_dim}")
     rot = h.get_int("rope.dimension_count", 0) or head_dim
-    if rot != head_dim:
+    if rot != head_dim and not arch.latent:
         raise h.refuse(f"partial rotary (rope.dimension_count {rot} != head_dim {head_dim})")
 
     emb = tensors.get("token_embd.weight")
@@ -516,10 +671,27 @@ def _identity(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def kv_b_from_split(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """``self_attn.kv_b_proj.weight`` [heads x (qk_nope + v_head), kv_lora_rank] from llama.cpp's
+    ``attn_k_b`` [heads, kv_lora_rank, qk_nope] and ``attn_v_b`` [heads, v_head, kv_lora_rank] (numpy order):
+    each head's no-rope key rows, then its value rows."""
+    if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise ValueError(f"attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} are not the halves of one "
+                         "kv_b_proj ([heads, kv_lora_rank, qk_nope] and [heads, v_head, kv_lora_rank])")
+    heads, rank = k_b.shape[:2]
+    merged = np.concatenate([np.swapaxes(k_b, 1, 2), v_b], axis=1)  # [heads, qk_nope + v_head, rank]
+    return np.ascontiguousarray(merged.reshape(-1, rank))
+
+
+def _with_v_b(gf: GGUFFile, v_b: GGUFTensorInfo) -> Transform:
+    return lambda k_b: kv_b_from_split(k_b.astype(np.float32, copy=False), dequantize(gf, v_b))
+
+
 def _plan(h: _Header, cfg: ModelConfig, tensors: list[GGUFTensorInfo]) -> list[TensorRead]:
     arch, path = h.spec, h.gf.path
     want = get_family(cfg.architecture).hf_tensor_shapes(cfg)
     names_of = arch.names
+    by_name = {t.name: t for t in tensors}
     reads, unexpected = [], []
     for t in tensors:
         if t.name == _ROPE_FREQS:
@@ -529,6 +701,15 @@ def _plan(h: _Header, cfg: ModelConfig, tensors: list[GGUFTensorInfo]) -> list[T
             unexpected.append(t.name)
             continue
         m = _LAYER_TENSOR.match(t.name)
+        if arch.latent and m and m.group(2) in _SPLIT_KV_B:
+            other = "attn_v_b" if m.group(2) == "attn_k_b" else "attn_k_b"
+            partner = by_name.get(f"blk.{m.group(1)}.{other}.weight")
+            if partner is None or f"blk.{m.group(1)}.attn_kv_b.weight" in by_name:
+                raise UnsupportedGGUF(f"{path}: {arch.name}: layer {m.group(1)} has {t.name} but "
+                                      f"{'also attn_kv_b' if partner is not None else 'no ' + other}")
+            if names:  # attn_k_b, read with its attn_v_b
+                reads.append(TensorRead(t, ((names[0], _with_v_b(h.gf, partner)),)))
+            continue
         g = names_of[m.group(2) if m else t.name]
         outputs = []
         for e, hf in enumerate(names):
@@ -565,10 +746,10 @@ def read_model(gf: GGUFFile, name: str) -> GGUFModel:
 
 
 def tensor_count(gf: GGUFFile) -> int:
-    """How many GGUF tensors a load reads (for progress totals): all but ``rope_freqs``; 0 for an
-    architecture this engine does not run."""
+    """How many GGUF tensors a load reads (for progress totals): all but ``rope_freqs`` (and ``attn_v_b``,
+    read with its ``attn_k_b``); 0 for an architecture this engine does not run."""
     name = gf.get("general.architecture")
     if name not in ARCHITECTURES:
         return 0
     arch = ARCHITECTURES[name]
-    return sum(1 for t in gf.tensors if canonical_names(arch, t.name, 1) is not None)
+    return sum(1 for t in gf.tensors if canonical_names(arch, t.name, 1))
