@@ -37,7 +37,8 @@ demo: setup
 # (GPU and TPU run that pure-JAX path, and CI has neither), the model-level tests again: the model's logits and
 # every family's logits, and the logits at every position at every TP size, plain and quantized (the 8 fake
 # devices change nothing for the one-device tests; the engine above the model, and the engine-level TP tests,
-# follow from those logits and do not depend on the path).
+# follow from those logits and do not depend on the path), and DeepSeek's latent attention at TP 4 (its cache
+# replicated, its heads split: a layout of its own).
 MESH8 = XLA_FLAGS=--xla_force_host_platform_device_count=8
 TP = tests/multidevice/test_tensor_parallel.py
 test: setup-test
@@ -45,7 +46,9 @@ test: setup-test
 	$(MESH8) $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider tests/multidevice
 	$(MESH8) JAXINFER_CPU_KERNELS=0 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider \
 	  tests/test_paged_model.py tests/test_families.py::test_logits_match_transformers_at_every_position \
-	  $(TP)::test_logits_at_every_position_match_tp1 $(TP)::test_quantized_logits_at_every_position_match_tp1
+	  $(TP)::test_logits_at_every_position_match_tp1 $(TP)::test_quantized_logits_at_every_position_match_tp1 \
+	  "$(TP)::test_family_logits_match_transformers_at_tp4[deepseek_v2]" \
+	  "$(TP)::test_family_logits_match_transformers_at_tp4[deepseek_v3]"
 
 # Benchmark against Hugging Face transformers (needs the reference extra: torch 2.13.0 CPU, transformers,
 # accelerate). The peer benchmarks live in benchmarks/ (not installed) and run from the repository root;

@@ -285,6 +285,9 @@ class EngineConfig:
 
     page_size: int = 16
     num_pages: int = 1024  # including the reserved dummy page 0
+    # vLLM's kv_cache_memory_bytes: the KV cache's bytes on each device; when set, num_pages is what fits
+    # (`jaxinfer.ops.mesh.kv_page_bytes`: a latent cache's pages are a fraction of per-head keys and values')
+    kv_cache_memory_bytes: Optional[int] = None
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget of one engine step (decode tokens + prefill chunks)
     max_model_len: Optional[int] = None  # None: the model's context length
@@ -335,6 +338,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}.")
         if self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
         for nm in ("batch_buckets", "chunk_buckets", "page_buckets"):
             b = getattr(self, nm)
             if not b or list(b) != sorted(set(b)) or b[0] <= 0:

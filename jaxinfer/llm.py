@@ -20,12 +20,12 @@ from jaxinfer import models
 from jaxinfer import progress
 from jaxinfer.loading import model_cache as cache
 from jaxinfer.loading.weights import resolve_model
-from jaxinfer.ops import backend
+from jaxinfer.ops import backend, kv_cache
 from jaxinfer.ops.quant import quantize_params
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine.core import Engine, RequestStream
-from jaxinfer.ops.mesh import mesh_placement, placement_report
+from jaxinfer.ops.mesh import fit_pages, mesh_placement, placement_report
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.outputs import StreamDelta, merge_choices
 from jaxinfer.engine.processor import InputProcessor, Prompt
@@ -76,7 +76,8 @@ class LLM:
         # directory converts it and saves the engine's tree; later loads restore it.
         loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine),
                             quantization=engine.quantization)
-        progress.say(f"model {source.name}: {models.describe(loaded.config)}; weights: {_weights_note(engine)}")
+        progress.say(f"model {source.name}: {models.describe(loaded.config)}; weights: {_weights_note(engine)}; "
+                     f"{_kv_note(loaded.config, engine)}")
         self.model_source = source
         self.model_cache_path = loaded.cache_path
         self._setup(
@@ -126,6 +127,7 @@ class LLM:
     ) -> None:
         enable_compilation_cache()
         self.model_config: ModelConfig = cfg
+        engine = fit_pages(cfg, engine)  # kv_cache_memory_bytes -> num_pages, by the model's cache layout
         self.tokenizer = tokenizer
         self.generation_defaults: GenerationDefaults = generation
         self.model_name = name
@@ -396,6 +398,7 @@ class LLM:
             "page_size": e.page_size,
             "num_pages": e.num_pages,
             "kv_capacity_tokens": (e.num_pages - 1) * e.page_size,
+            "kv_bytes_per_token": kv_cache.kv_bytes_per_token(c, e.cache_dtype),
             "backend": jax.default_backend(),
             "tensor_parallel_size": e.tensor_parallel_size,
             "processes": jax.process_count(),
@@ -466,6 +469,16 @@ def _weights_note(engine: EngineConfig) -> str:
     if engine.dtype_auto:
         return f"{held}; dtype auto: {backend.dtype_choice()[1]}"
     return held
+
+
+def _kv_note(cfg: ModelConfig, engine: EngineConfig) -> str:
+    """What one token costs in the KV cache (the load line): bytes over every layer, and its entry per layer."""
+    rows, width = kv_cache.token_entry(cfg)
+    entry = (f"a latent of {cfg.kv_lora_rank} + rotary key of {cfg.qk_rope_head_dim}" if cfg.latent
+             else f"{rows // 2} KV heads x 2 x {width}")
+    n = kv_cache.kv_bytes_per_token(cfg, engine.cache_dtype)
+    size = f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
+    return f"KV cache {size} a token ({entry} values a layer, {engine.cache_dtype})"
 
 
 def _engine_config(engine_config, dtype, max_model_len, overrides) -> EngineConfig:

@@ -89,6 +89,10 @@ def describe(cfg) -> str:
     extra = []
     if cfg.num_experts:
         extra.append(f"{millions(active_params(cfg))} active, {cfg.num_experts} experts, top {cfg.num_experts_per_tok}")
+    if cfg.latent:
+        extra.append(f"latent attention: {cfg.kv_lora_rank} + {cfg.qk_rope_head_dim} cached a token")
+    if cfg.shared_expert_intermediate_size:
+        extra.append(f"shared experts of {cfg.shared_expert_intermediate_size}")
     if cfg.sliding_window:
         n = sum(bool(cfg.layer_window(li)) for li in range(cfg.num_layers))
         extra.append(f"sliding window {cfg.sliding_window} on {n} of {cfg.num_layers} layers")

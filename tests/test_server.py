@@ -325,6 +325,8 @@ def test_model_info_and_tokenize(llm, client):
     assert info["num_pages"] == 256 and info["kv_capacity_tokens"] == 255 * 4
     assert info["page_buckets"] == list(ENGINE.page_buckets) and info["has_tokenizer"] is False
     assert info["max_waiting"] == -1 and info["tensor_parallel_size"] == 1
+    assert info["kv_bytes_per_token"] == llm.info()["kv_bytes_per_token"] == llm.model_config.num_layers * (
+        2 * llm.model_config.num_kv_heads * llm.model_config.head_dim * 4)  # float32 keys and values
     assert set(info["stats"]) >= {"running", "waiting", "kv_usage", "prefix_hit_rate", "generation_throughput"}
     with pytest.raises(ServerError) as e:
         client.tokenize("hello")

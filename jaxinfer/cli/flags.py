@@ -87,8 +87,9 @@ STRUCTURED_FLAGS = {"json_schema": "json", "json_object": "json_object", "regex"
 STRUCTURED_FLAG_OF = {kind: "--" + dest.replace("_", "-") for dest, kind in STRUCTURED_FLAGS.items()}
 
 # Engine flags that override a field of the preset (None: not given), as LLM(...) keywords.
-ENGINE_OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "num_pages", "max_num_batched_tokens",
-                    "tensor_parallel_size", "quantization", "batch_invariant", "speculative_config")
+ENGINE_OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "num_pages", "kv_cache_memory_bytes",
+                    "max_num_batched_tokens", "tensor_parallel_size", "quantization", "batch_invariant",
+                    "speculative_config")
 
 def speculative_config_arg(text: str):
     """--speculative-config: a JSON object of `jaxinfer.config.SpeculativeConfig` fields, checked here."""
@@ -144,6 +145,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, warmup: Optional[str] = None
                    help="most requests decoded together (default: the preset's)")
     g.add_argument("--num-pages", type=positive_int, metavar="N",
                    help="KV cache pages, page 0 reserved (default: the preset's)")
+    g.add_argument("--kv-cache-memory-bytes", type=positive_int, metavar="BYTES",
+                   help="the KV cache's bytes on each device: as many pages as fit (overrides --num-pages)")
     g.add_argument("--tensor-parallel-size", "--tp", type=positive_int, metavar="N",
                    help="split the model over N devices (tensor parallelism; default 1)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",

@@ -56,6 +56,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.ops.kv_cache import kv_bytes_per_token
 from jaxinfer.ops.quant import QuantizedWeight, is_quantized
 from jaxinfer.ops.spec import ArraySpec, family_descs, is_spec, model_specs
 
@@ -243,6 +244,27 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32) -> A
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def kv_page_bytes(model: ModelConfig, engine: EngineConfig) -> int:
+    """Bytes one KV cache page takes on each device of ``engine``'s mesh: a latent cache is whole on every
+    device; per-head keys and values are split over the ``tp`` devices (the layout's padded KV heads)."""
+    tp = engine.tensor_parallel_size
+    per_token = kv_bytes_per_token(TPLayout.of(model, tp).config(model), engine.cache_dtype)
+    return engine.page_size * (per_token if model.latent else per_token // tp)
+
+
+def fit_pages(model: ModelConfig, engine: EngineConfig) -> EngineConfig:
+    """``engine`` with ``num_pages`` from its ``kv_cache_memory_bytes`` (as many pages as fit, plus the reserved
+    page 0), or as it is when that is not set."""
+    budget = engine.kv_cache_memory_bytes
+    if budget is None:
+        return engine
+    pages = budget // kv_page_bytes(model, engine)
+    if pages < 1:
+        raise ValueError(f"kv_cache_memory_bytes {budget:,} holds no page of {engine.page_size} tokens "
+                         f"({kv_page_bytes(model, engine):,} bytes a page for this model)")
+    return engine.replace(num_pages=int(pages) + 1)
 
 
 def cache_spec(model: Optional[ModelConfig] = None) -> P:

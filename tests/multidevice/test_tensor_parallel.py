@@ -135,7 +135,7 @@ def run_chunks(cfg: ModelConfig, placed, m, tokens: list, chunk: int, page: int 
     total = -(-n // chunk) * chunk
     pages = -(-total // page)
     eng = EngineConfig(page_size=page, num_pages=pages + 2, dtype="float32")
-    cache = kv_cache.init_cache(cfg, eng, sharding=mesh.cache_sharding(m))
+    cache = kv_cache.init_cache(cfg, eng, sharding=mesh.cache_sharding(m, cfg))
     table = np.arange(pages + 1, 1, -1, dtype=np.int32)[None]
     ids = np.zeros(total, np.int32)
     ids[:n] = tokens
@@ -485,10 +485,11 @@ def family(name: str):
 def test_family_logits_match_transformers_at_tp4(name):
     """Every fixture has 4 heads over 2 KV heads: at TP 4 each KV head is on two devices, each with
     one of its query heads (TP 2, a plain split, is the tiny models' case above; not repeated here
-    to keep the module's time)."""
+    to keep the module's time). DeepSeek's latent attention: one head per device over the latent
+    cache every device holds whole."""
     tp = 4
     cfg, params, cases = family(name)
-    assert mesh.TPLayout.of(cfg, tp).kv_slots == (0, 0, 1, 1)
+    assert mesh.TPLayout.of(cfg, tp).kv_slots == ((0, 1, 2, 3) if cfg.latent else (0, 0, 1, 1))
     for ids, greedy, want in cases:
         got = logits_at_tp(cfg, params, ids + greedy, chunk=10, tp=tp)
         err = np.abs(got - want).max()
