@@ -163,7 +163,9 @@ def test_a_layout_that_changes_nothing_needs_no_relayout():
     assert mesh.family_relayouts(cfg, TPLayout.of(cfg, 1)) == {}
     # at 4 shards only the fused projections (and the Q/K/V biases, for a model that has them) are
     # reordered: wo's and w_down's rows stay in place
-    assert set(mesh.family_relayouts(cfg, TPLayout.of(cfg, 4))) == {("wqkv", 2), ("bqkv", 1), ("w_gate_up", 2)}
+    assert set(mesh.family_relayouts(cfg, TPLayout.of(cfg, 4))) == {("wqkv", 2), ("w_gate_up", 2)}
+    biased = dataclasses.replace(cfg, attention_bias=True)
+    assert set(mesh.family_relayouts(biased, TPLayout.of(biased, 4))) == {("wqkv", 2), ("bqkv", 1), ("w_gate_up", 2)}
 
 
 # ---------------------------------------------------------------------------
