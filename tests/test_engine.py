@@ -28,19 +28,22 @@ _RUNNERS: dict = {}
 # TINY with a 6-position sliding window on every layer (Mistral-style): its engines give back
 # the KV pages behind the window, so the workload tests run it too.
 TINY_SW = dataclasses.replace(TINY, architecture="mistral", sliding_window=6, name="tiny-sw")
+# TINY_ENGINE as `LLM` resolves it: the step-driven runners then have the program-cache fingerprint of every
+# `tiny_llm` (this file's too), so they load those programs instead of compiling a set of their own.
+ENGINE = TINY_ENGINE.resolved()
 
 
 def runner(window: int = 0):
     """One runner (params + KV cache) per model shared by the step-driven tests: engines come and go over it."""
     if window not in _RUNNERS:
         cfg = dataclasses.replace(TINY_SW, sliding_window=window) if window else TINY
-        _RUNNERS[window] = ModelRunner(cfg, TINY_ENGINE, tiny_params())
+        _RUNNERS[window] = ModelRunner(cfg, ENGINE, tiny_params())
     return _RUNNERS[window]
 
 
 def new_engine(num_pages=None, budget=None, prefix=True, policy="fcfs", window=0):
     r = runner(window)
-    ecfg = TINY_ENGINE if num_pages is None else TINY_ENGINE.replace(num_pages=num_pages)
+    ecfg = ENGINE if num_pages is None else ENGINE.replace(num_pages=num_pages)
     r.ecfg = ecfg
     return Engine(r, max_num_batched_tokens=budget, enable_prefix_caching=prefix, policy=policy, autostart=False)
 
@@ -449,14 +452,14 @@ def test_a_step_budget_below_the_padded_prefill_area_still_prefills_long_prompts
     on a roomy engine."""
     prompt = list(range(3, 33))
     r = runner()
-    r.ecfg = TINY_ENGINE.replace(batch_buckets=(4,), chunk_buckets=(8,))
+    r.ecfg = ENGINE.replace(batch_buckets=(4,), chunk_buckets=(8,))
     try:
         eng = Engine(r, max_num_batched_tokens=16, autostart=False)
         assert eng.scheduler.budget == 8  # the largest token bucket bounds a step
         s = eng.submit(make(prompt, 5))
         got = run_until_done(eng, [s])[0].outputs[0].token_ids
     finally:
-        r.ecfg = TINY_ENGINE
+        r.ecfg = ENGINE
     assert got == alone(prompt, 5)
 
 
