@@ -1,7 +1,8 @@
 """One process of the two-process test (tests/test_multihost.py): a tiny random Llama on a
 tensor-parallel mesh over every process's CPU devices. Process 0 generates, updates the weights to a
 second init and generates again, then back, and writes the tokens as JSON to argv[1]; the other
-process follows its steps and its weight updates.
+process follows its steps and its weight updates. The two inits come from the test in argv[2] (an .npz of
+their leaves), so neither process draws them again (jax.random compiles an op for each leaf's shape).
 
 Run by the test with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and
 XLA_FLAGS=--xla_force_host_platform_device_count=N set.
@@ -12,6 +13,8 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.engine import distributed
 
@@ -22,13 +25,30 @@ from conftest import TINY, TINY_ENGINE  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from jaxinfer.models import llama  # noqa: E402
-from jaxinfer.ops.spec import init_random  # noqa: E402
+from jaxinfer.ops.spec import init_random, is_spec  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(20, 45))]
 
 
+def inits() -> list:
+    """The test's two random inits of TINY (A and B), as it draws them: `init_random` at keys 0 and 1."""
+    return [init_random(llama.param_specs(TINY), jax.random.PRNGKey(seed)) for seed in (0, 1)]
+
+
+def save_inits(path) -> None:
+    np.savez(path, *[np.asarray(x) for tree in inits() for x in jax.tree.leaves(tree)])
+
+
+def load_inits(path) -> list:
+    treedef = jax.tree.structure(llama.param_specs(TINY), is_leaf=is_spec)
+    with np.load(path) as z:
+        leaves = [jnp.asarray(z[f"arr_{i}"]) for i in range(2 * treedef.num_leaves)]
+    return [jax.tree.unflatten(treedef, leaves[:treedef.num_leaves]),
+            jax.tree.unflatten(treedef, leaves[treedef.num_leaves:])]
+
+
 def main() -> None:
-    params = init_random(llama.param_specs(TINY), jax.random.PRNGKey(0))
+    params, params_b = load_inits(sys.argv[2])
     engine = TINY_ENGINE.replace(tensor_parallel_size=jax.device_count())
     llm = jaxinfer.LLM.from_params(TINY, params, engine_config=engine)
     if distributed.is_leader():
@@ -38,7 +58,7 @@ def main() -> None:
         draw = lambda: [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]  # noqa: E731
         got = {"tokens": draw(), "devices": jax.device_count(), "processes": jax.process_count()}
         # new weights mid-run (`LLM.update_params`): the leader broadcasts them, the follower takes them
-        llm.update_params(init_random(llama.param_specs(TINY), jax.random.PRNGKey(1)))
+        llm.update_params(params_b)
         got["tokens_b"] = draw()
         llm.update_params(params)
         got["tokens_again"] = draw()

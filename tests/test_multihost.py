@@ -12,13 +12,10 @@ import socket
 import subprocess
 import sys
 
-import jax
 import pytest
 
 import jaxinfer
 from conftest import TINY, TINY_ENGINE
-from jaxinfer.models import llama
-from jaxinfer.ops.spec import init_random
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 
@@ -31,13 +28,16 @@ def _free_port() -> int:
 
 def test_two_processes_draw_the_tokens_of_one(tmp_path):
     sys.path.insert(0, os.path.dirname(WORKER))
-    from multihost_worker import PROMPTS
+    from multihost_worker import PROMPTS, inits, save_inits
+
+    weights = tmp_path / "inits.npz"
+    save_inits(weights)  # drawn once here (this process has the ops compiled), not in each worker
 
     env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2",
                XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     out = tmp_path / "tokens.json"
     procs = [
-        subprocess.Popen([sys.executable, WORKER, str(out)], env=dict(env, JAX_PROCESS_ID=str(i)),
+        subprocess.Popen([sys.executable, WORKER, str(out), str(weights)], env=dict(env, JAX_PROCESS_ID=str(i)),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in (0, 1)
     ]
@@ -55,12 +55,12 @@ def test_two_processes_draw_the_tokens_of_one(tmp_path):
     assert got["devices"] == 8 and got["processes"] == 2
     assert "followed" in logs[1] and "and 1 warm-up and 2 updates" in logs[1], logs[1][-2000:]
 
-    params = init_random(llama.param_specs(TINY), jax.random.PRNGKey(0))
+    params, params_b = inits()
     llm = jaxinfer.LLM.from_params(TINY, params, engine_config=TINY_ENGINE)
     try:
         sp = jaxinfer.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
-        llm.update_params(init_random(llama.param_specs(TINY), jax.random.PRNGKey(1)))
+        llm.update_params(params_b)
         want_b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
     finally:
         llm.close()

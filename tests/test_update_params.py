@@ -26,6 +26,8 @@ from conftest import TINY, TINY_ENGINE, tiny_params  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from jaxinfer.engine.compile_cache import compile_count  # noqa: E402
+from jaxinfer.models import llama  # noqa: E402
+from jaxinfer.ops.spec import is_spec  # noqa: E402
 
 PROMPTS = [list(range(1, 14)), [5, 6, 7], [400, 3, 77, 12, 9]]
 WORKER_PROMPTS = PROMPTS[:2]  # fewer programs to compile on the meshes
@@ -263,11 +265,26 @@ def test_quantized_update_stores_what_a_fresh_quantized_engine_holds(weights, mo
 # -- tensor parallelism: this file as a worker ------------------------------------------------
 
 
-def _run_worker(tmp_path, devices: int) -> dict:
+def _save_weights(path, trees) -> None:
+    """The trees' leaves in one .npz: the worker takes this process's draws instead of drawing them again
+    (`tiny_params` compiles a jax.random op for each leaf's shape: seconds in a fresh process)."""
+    np.savez(path, *[np.asarray(x) for tree in trees for x in jax.tree.leaves(tree)])
+
+
+def _load_weights(path) -> list:
+    treedef = jax.tree.structure(llama.param_specs(TINY), is_leaf=is_spec)
+    n = treedef.num_leaves
+    with np.load(path) as z:
+        leaves = [jax.numpy.asarray(z[f"arr_{i}"]) for i in range(len(z.files))]
+    return [jax.tree.unflatten(treedef, leaves[i:i + n]) for i in range(0, len(leaves), n)]
+
+
+def _run_worker(tmp_path, devices: int, weights) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    out = tmp_path / "tp.json"
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=500)
+    out, npz = tmp_path / "tp.json", tmp_path / "weights.npz"
+    _save_weights(npz, weights)
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), str(npz)], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=500)
     assert p.returncode == 0, f"the worker exited with {p.returncode}:\n{p.stdout[-3000:]}"
     return json.loads(out.read_text())
 
@@ -276,15 +293,15 @@ def test_tensor_parallel_update_and_params(tmp_path, llm, weights, fresh_b):
     """One process, 4 devices: KV heads replicated over shards, the MLP split; updates and
     `params` go through the layout and back."""
     llm.update_params(weights[0])
-    got = _run_worker(tmp_path, 4)
+    got = _run_worker(tmp_path, 4, weights)
     assert got["tp"] == 4
     assert got["a"] == tokens(llm, WORKER_PROMPTS) and got["b"] == fresh_b[0][:2] and got["a_again"] == got["a"]
     assert got["compiles"] == 0
     assert got["params_a"] and got["params_b"] and got["int8"], got
 
 
-def _worker(out_path: str) -> None:
-    a, b = tiny_params(seed=0), tiny_params(seed=1)
+def _worker(out_path: str, weights_path: str) -> None:
+    a, b = _load_weights(weights_path)  # the test's `weights`: tiny_params at seeds 0 and 1
     engine = TINY_ENGINE.replace(tensor_parallel_size=jax.device_count())
     llm = jaxinfer.LLM.from_params(TINY, a, engine_config=engine)
     res: dict = {"tp": engine.tensor_parallel_size}
@@ -312,4 +329,4 @@ def _worker(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])
