@@ -22,14 +22,18 @@ Proposers (`Proposer`: ``propose(tokens, k) -> drafts``, the request's prompt an
 How many (`Speculator.budget_for`), from the request's own history only — never the batch, the load or
 preemption, so a seeded request draws the same tokens whatever runs beside it:
 
-- start at k = ``num_speculative_tokens``; after a verify that accepted every draft, k stays at the
-  most; after one that accepted a < k, the next k is a + 1 (what was accepted, and one more);
-- after ``MISS_LIMIT`` steps in a row without an accepted draft (the proposer found nothing, or every
-  draft was rejected), the request stops proposing for ``pause`` of its own output tokens
-  (``PAUSE_START``, doubling up to ``PAUSE_MAX`` each time it happens again); any accepted draft
-  resets the pause. A paused request decodes as without speculation, and the engine does not wait
-  for its tokens before the next step (`Speculator.wants_tokens`): low-acceptance text (open-ended
-  chat) keeps most of the plain engine's overlap of host and device.
+- slow start: k starts at ``K_START`` (1) and doubles after each verify that accepted every draft, up
+  to ``num_speculative_tokens``; after one that accepted a < k drafts, the next k is a + 1 (what was
+  accepted, and one more). A request earns long drafts by having short ones accepted, so requests
+  whose drafts fail rarely verify more than a token or two (at a high batch that keeps a step of
+  many such requests within its token bucket);
+- after ``MISS_LIMIT`` verifies in a row that accepted nothing, or ``NOMATCH_LIMIT`` steps in a row
+  where the proposer found nothing (cheaper: no verify work, only the sync below), the request stops
+  proposing for ``pause`` of its own output tokens (``PAUSE_START``, doubling up to ``PAUSE_MAX`` each
+  time it happens again) and starts again from ``K_START``; any accepted draft resets the pause. A
+  paused request decodes as without speculation, and the engine does not wait for its tokens before
+  the next step (`Speculator.wants_tokens`): low-acceptance text (open-ended chat) keeps most of the
+  plain engine's overlap of host and device.
 - never more than ``max_tokens`` allows (the segment's last row draws one more token) or than a
   step's token budget shared by ``max_num_seqs`` requests allows (`max_drafts`).
 """
@@ -53,7 +57,9 @@ from jaxinfer.loading.weights import resolve_model
 from jaxinfer.ops.mesh import mesh_placement
 from jaxinfer.sampling_params import SamplingParams
 
-MISS_LIMIT = 3  # steps in a row without an accepted draft before a request pauses speculating
+MISS_LIMIT = 3  # verifies in a row that accepted nothing before a request pauses speculating
+NOMATCH_LIMIT = 5  # steps in a row without a proposal before it pauses
+K_START = 1  # drafts of a request's first verify, and of its first after a pause (slow start)
 PAUSE_START = 8  # output tokens of the first pause
 PAUSE_MAX = 64  # the longest pause
 
@@ -95,6 +101,7 @@ class SpecState:
 
     k: int  # drafts to propose next
     misses: int = 0  # verifies in a row that accepted nothing
+    nomatch: int = 0  # steps in a row without a proposal
     pause: int = 0  # length of the next pause, in output tokens
     resume_at: int = 0  # output count from which the request proposes again
     draft_done: int = 0  # method "draft_model": positions whose keys and values are in the draft's cache
@@ -167,7 +174,7 @@ class Speculator:
         """How many drafts ``r`` proposes now (the module's rule), within its max_tokens and context."""
         st = r.spec
         if st is None:
-            st = r.spec = SpecState(k=self.k)
+            st = r.spec = SpecState(k=min(K_START, self.k))
         if r.num_sampled < st.resume_at:
             return 0
         room = min(r.max_tokens - r.num_sampled, self.max_model_len - r.num_computed) - 1
@@ -198,7 +205,7 @@ class Speculator:
             if r.constraint is not None:  # structured output: only the drafts its grammar allows
                 r.drafts = draft_prefix(r.constraint, r.drafts)
             if not r.drafts:
-                self._missed(r)
+                self._no_match(r)
         self.stats.propose_s += time.perf_counter() - t0
 
     def fill(self, decodes) -> None:
@@ -228,21 +235,33 @@ class Speculator:
         r.metrics.spec_accepted_tokens += accepted
         st = r.spec
         st.draft_done = min(st.draft_done, r.num_computed)  # the draft's KV of rejected drafts is stale
-        st.k = self.k if accepted == drafted else min(self.k, accepted + 1)
+        st.nomatch = 0
+        if accepted < drafted:
+            st.k = min(self.k, accepted + 1)
+        elif drafted >= st.k:  # a full segment, all accepted (fewer proposed: k stays)
+            st.k = min(self.k, 2 * st.k)
         if accepted:
             st.misses, st.pause = 0, 0
         else:
-            self._missed(r)
+            st.misses += 1
+            if st.misses >= MISS_LIMIT:
+                self._pause(r)
 
-    def _missed(self, r) -> None:
-        """A step of ``r`` without an accepted draft (no proposal, or every draft rejected): after
-        `MISS_LIMIT` in a row, a pause of its next `pause` tokens."""
+    def _no_match(self, r) -> None:
+        """A step of ``r`` whose proposer found nothing: after `NOMATCH_LIMIT` in a row, a pause."""
         st = r.spec
-        st.misses += 1
-        if st.misses >= MISS_LIMIT:
-            st.pause = min(PAUSE_MAX, st.pause * 2) if st.pause else PAUSE_START
-            st.resume_at = r.num_sampled + st.pause
-            st.misses = 0
+        st.nomatch += 1
+        if st.nomatch >= NOMATCH_LIMIT:
+            self._pause(r)
+
+    def _pause(self, r) -> None:
+        """``r`` stops proposing for its next `pause` tokens (doubling each time, up to `PAUSE_MAX`), then
+        starts again from `K_START` drafts."""
+        st = r.spec
+        st.pause = min(PAUSE_MAX, st.pause * 2) if st.pause else PAUSE_START
+        st.resume_at = r.num_sampled + st.pause
+        st.misses = st.nomatch = 0
+        st.k = min(K_START, self.k)
 
 
 PLACEHOLDER = -1  # a draft token not drawn yet (method "draft_model", between `propose` and `fill`)
