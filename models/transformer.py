@@ -96,14 +96,18 @@ def latent_attention(p: LatentAttention, cfg: ModelConfig, li: int, h: jax.Array
     inv_freq, rope_scale = rope
     q_rope = apply_rope(q[..., dn:], positions, inv_freq, rope_scale, cfg.rope_interleave)
     k_rope = apply_rope(kv[:, :, None, lat:], positions, inv_freq, rope_scale, cfg.rope_interleave)
-    w = p.wkv_b.astype(jnp.float32).reshape(lat, nh, dn + dv)  # per head: [nope key | value] columns
-    precision = backend.current().lax_precision
-    q_lat = jnp.einsum("bthd,lhd->bthl", q[..., :dn], w[..., :dn], precision=precision)
+    # per head [nope key rows | value rows] x latent; float32 products on CPU (XLA's bfloat16 dot is slow
+    # there), the weights' own dtype elsewhere, accumulated in float32
+    choice = backend.current()
+    wdt = jnp.float32 if choice.platform == "cpu" else p.wkv_b.dtype
+    w = p.wkv_b.astype(wdt)
+    mix = dict(precision=choice.lax_precision, preferred_element_type=jnp.float32)
+    q_lat = jnp.einsum("bthd,hdl->bthl", q[..., :dn].astype(wdt), w[:, :dn], **mix)
     query = jnp.concatenate([q_lat, q_rope], axis=-1).reshape(b * t, nh, lat + dr)
     entry = jnp.concatenate([c[:, :, None, :], k_rope], axis=-1).reshape(b * t, 1, lat + dr)
     meta = attn if ragged else attn.ragged()
     o_lat, cache_layer = latent_paged_attention(query, entry, cache_layer, meta, scale=cfg.attn_scale, value_dim=lat)
-    o = jnp.einsum("nhl,lhv->nhv", o_lat, w[..., dn:], precision=precision)
+    o = jnp.einsum("nhl,hvl->nhv", o_lat.astype(wdt), w[:, dn:], **mix)
     return matmul(o.reshape(b, t, nh * dv), p.wo), cache_layer
 
 

@@ -91,8 +91,9 @@ def _qk_head(cfg: ModelConfig) -> int:
 
 # Multi-head latent attention (DeepSeek): the query through a low-rank bottleneck (or one projection), the
 # key/value through one latent shared by the heads (plus a shared rotary key), the latent's up-projection
-# per head (``wkv_b``: [latent, heads x (nope key | value)], read per head, never quantized: the absorbed
-# attention folds it into the query and the output, `jaxinfer.models.transformer.latent_attention`).
+# per head (``wkv_b``: [heads, nope key rows | value rows, latent], Hugging Face's rows as they are, never
+# quantized: the absorbed attention folds it into the query and the output,
+# `jaxinfer.models.transformer.latent_attention`).
 LATENT_ATTENTION: tuple[WeightDesc, ...] = (
     WeightDesc("wq", lambda c: (c.hidden_size, c.num_heads * _qk_head(c)), ("embed", "heads"),
                (Source("self_attn.q_proj", "attn_q"),), relayout=(1, "latent_q"), quant="layer",
@@ -109,8 +110,9 @@ LATENT_ATTENTION: tuple[WeightDesc, ...] = (
     WeightDesc("kv_a_norm", lambda c: (c.kv_lora_rank,), (None,),
                (Source("self_attn.kv_a_layernorm", "attn_kv_a_norm"),), kind="vector", init="norm",
                requires=("latent",)),
-    WeightDesc("wkv_b", lambda c: (c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.head_dim)), (None, "heads"),
-               (Source("self_attn.kv_b_proj", "attn_kv_b"),), relayout=(1, "latent_kv_b"), requires=("latent",)),
+    WeightDesc("wkv_b", lambda c: (c.num_heads, c.qk_nope_head_dim + c.head_dim, c.kv_lora_rank), ("heads", None, None),
+               (Source("self_attn.kv_b_proj", "attn_kv_b"),), kind="heads", relayout=(0, "latent_heads"),
+               requires=("latent",)),
     WeightDesc("wo", lambda c: (c.q_size, c.hidden_size), ("heads", "embed"), (_O,), relayout=(0, "wo"),
                quant="layer", requires=("latent",)),
 )
@@ -280,6 +282,8 @@ def _source_shapes(d: WeightDesc, cfg: ModelConfig) -> list[tuple[int, ...]]:
         return [shape]
     if d.kind == "head":
         return [shape[::-1]]
+    if d.kind == "heads":
+        return [(shape[0] * shape[1], shape[2])]
     k, n = shape[-2:]  # linear, experts: [.., in, out]
     return [(s.rows(cfg) if s.rows else n, k) for s in d.sources]
 
@@ -334,6 +338,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig, dtype: Any 
         if d.kind == "experts":
             return put(np.stack([np.concatenate([get(n) for n in d.hf_names(prefix, e)], axis=0).T
                                  for e in range(cfg.num_experts)]))
+        if d.kind == "heads":  # [heads x rows, in] -> [heads, rows, in]
+            return put(get(d.hf_names(prefix)[0]).reshape(d.shape(cfg)))
         # the embeddings or the LM head: quantized in the HF orientation [vocab, hidden], else float
         # ([vocab, hidden] embeddings, [hidden, vocab] head)
         w = raw(d.hf_names(prefix)[0])

@@ -38,20 +38,20 @@ def _replace_layers(params, block: str, **leaves):
     return dataclasses.replace(params, layers=layers)
 
 
+# the weights' ablations share one program; each config ablation compiles its own (the routing's own
+# ablations are the numpy transcriptions below, which need no model)
 ABLATIONS = {
     "latent norm": lambda cfg, p: (cfg, _replace_layers(p, "attention", kv_a_norm=jnp.ones_like)),
+    "no shared expert": lambda cfg, p: (cfg, _replace_layers(p, "mlp", shared_down=jnp.zeros_like)),
+    "no correction bias": lambda cfg, p: (cfg, _replace_layers(p, "mlp", router_bias=jnp.zeros_like)),
     "rope halves, not pairs": lambda cfg, p: (dataclasses.replace(cfg, rope_interleave=False), p),
     "no mscale on the softmax scale": lambda cfg, p: (dataclasses.replace(cfg, attention_mscale=1.0), p),
-    "no shared expert": lambda cfg, p: (cfg, _replace_layers(p, "mlp", shared_down=jnp.zeros_like)),
-    "no group limit": lambda cfg, p: (dataclasses.replace(cfg, topk_groups=cfg.expert_groups), p),
-    "no correction bias": lambda cfg, p: (cfg, _replace_layers(p, "mlp", router_bias=jnp.zeros_like)),
-    "no routed scaling": lambda cfg, p: (dataclasses.replace(cfg, routed_scaling_factor=1.0), p),
 }
 
 
 def test_every_feature_moves_the_logits_past_the_tolerance():
     """Dropping any one feature of DeepSeek-V3's puts the engine's logits far outside the 1e-4 the real model
-    keeps (V2's own routing, the group's best expert, is `test_v2_group_limited_greedy_routing` below)."""
+    keeps (the routing's group limits and scaling: the transcriptions below)."""
     f = family("deepseek_v3")
     ids, greedy, want = f.cases[0]
     seq = ids + greedy
@@ -62,29 +62,49 @@ def test_every_feature_moves_the_logits_past_the_tolerance():
         assert err > 1e-2, f"{label} moves the logits by only {err:.1e}"
 
 
-def test_v2_group_limited_greedy_routing():
-    """V2's "group_limited_greedy", written out in numpy as transformers computes it: softmax scores, the
-    `topk_group` groups with the best single expert, the top-k of their experts, weights not renormalised,
-    times routed_scaling_factor. Checked on many rows where the group limit changes the choice."""
+def _numpy_route(logits: np.ndarray, cfg, bias=None) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' DeepSeek routers in numpy: V2 (softmax; groups by their best expert; masked to 0) and V3
+    (sigmoid; the choice adds the bias; groups by their best two summed; masked to -inf; weights without the
+    bias, renormalised)."""
+    n, e = logits.shape
+    if cfg.router_scoring == "softmax":
+        s = np.exp(logits - logits.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+    else:
+        s = 1 / (1 + np.exp(-logits))
+    choice = s + (0 if bias is None else bias)
+    g = choice.reshape(n, cfg.expert_groups, -1)
+    group_score = g.max(-1) if cfg.group_scoring == "max" else np.sort(g, -1)[..., -2:].sum(-1)
+    keep = np.zeros((n, cfg.expert_groups), bool)
+    np.put_along_axis(keep, np.argsort(-group_score, -1)[:, : cfg.topk_groups], True, 1)
+    fill = 0.0 if cfg.router_scoring == "softmax" else -np.inf
+    masked = np.where(np.repeat(keep, e // cfg.expert_groups, -1), choice, fill)
+    experts = np.argsort(-masked, -1, kind="stable")[:, : cfg.num_experts_per_tok]
+    w = np.take_along_axis(s, experts, 1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, experts
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_routing_is_transformers_group_limited_choice(name):
+    """The router against a numpy transcription of transformers' (V2 "group_limited_greedy", V3 "noaux_tc"),
+    over many rows where the group limit, and for V3 the correction bias, change the experts chosen."""
     from jaxinfer.models import moe
 
-    cfg = family("deepseek_v2").cfg
-    assert (cfg.router_scoring, cfg.group_scoring, cfg.norm_topk_prob) == ("softmax", "max", False)
+    f = family(name)
+    cfg = f.cfg
     assert cfg.expert_groups > cfg.topk_groups
-    logits = np.random.default_rng(0).normal(0, 2, (256, cfg.num_experts)).astype(np.float32)
-    w, e = jax.jit(lambda x: moe.route(x, cfg))(jnp.asarray(logits))
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    g = p.reshape(len(p), cfg.expert_groups, -1)
-    best_groups = np.argsort(-g.max(-1), axis=-1)[:, : cfg.topk_groups]
-    masked = np.zeros_like(g)
-    np.put_along_axis(masked, best_groups[:, :, None], np.take_along_axis(g, best_groups[:, :, None], 1), 1)
-    masked = masked.reshape(len(p), -1)
-    want_e = np.argsort(-masked, axis=-1)[:, : cfg.num_experts_per_tok]
+    bias = np.asarray(f.params.layers[-1].mlp.router_bias) if cfg.router_bias else None
+    logits = np.random.default_rng(0).normal(0, 2, (512, cfg.num_experts)).astype(np.float32)
+    w, e = jax.jit(lambda x, b: moe.route(x, cfg, b))(jnp.asarray(logits), bias)
+    want_w, want_e = _numpy_route(logits, cfg, bias)
     np.testing.assert_array_equal(np.asarray(e), want_e)
-    np.testing.assert_allclose(np.asarray(w), np.take_along_axis(p, want_e, 1) * cfg.routed_scaling_factor,
-                               rtol=1e-6)
-    assert (want_e != np.argsort(-p, axis=-1)[:, : cfg.num_experts_per_tok]).any()  # the limit mattered
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-6)
+    free = dataclasses.replace(cfg, topk_groups=cfg.expert_groups)
+    assert (_numpy_route(logits, free, bias)[1] != want_e).any()  # the group limit mattered
+    if bias is not None:
+        assert (_numpy_route(logits, cfg)[1] != want_e).any()  # and so did the bias
 
 
 def test_latent_cache_bytes_per_token_against_per_head_keys_and_values():

@@ -79,9 +79,10 @@ def test_hf_tensors_convert_to_the_specs_shapes(cfg):
     check_tree(T.param_specs(cfg), params)
     # a fused leaf is its sources side by side: q | k | v columns, gate | up
     attention = params.layers[0].attention
-    if cfg.latent:  # one source per leaf, transposed to [in, out]
+    if cfg.latent:  # the latent's up-projection head by head: [heads, nope key rows | value rows, latent]
         kv_b = tensors["model.layers.0.self_attn.kv_b_proj.weight"]
-        np.testing.assert_array_equal(attention.wkv_b, kv_b.T)
+        rows = cfg.qk_nope_head_dim + cfg.head_dim
+        np.testing.assert_array_equal(attention.wkv_b[1], kv_b[rows : 2 * rows])
         return
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(attention.wqkv[:, : q.shape[0]], q.T)

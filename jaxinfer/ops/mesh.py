@@ -202,7 +202,7 @@ INDEX_MAPS = {
     "shared_gate_up": lambda lay, cfg: lay.gate_up_columns(cfg.shared_expert_intermediate_size),
     "shared_down": lambda lay, cfg: lay.down_rows(cfg.shared_expert_intermediate_size),
     "latent_q": lambda lay, cfg: lay.head_columns(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
-    "latent_kv_b": lambda lay, cfg: lay.head_columns(cfg.qk_nope_head_dim + cfg.head_dim),
+    "latent_heads": lambda lay, cfg: np.asarray(lay.q_slots),
 }
 
 

@@ -112,7 +112,7 @@ def nbytes(specs) -> int:
 
 
 QUANT_ROLES = ("", "layer", "embed", "head")
-KINDS = ("vector", "linear", "experts", "embed", "head")
+KINDS = ("vector", "linear", "experts", "embed", "head", "heads")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ class WeightDesc:
     norms that scale by ``1 + w``); ``sources`` the Hugging Face tensors it fuses, in order;
     ``kind`` how they become the leaf: "vector" (1-D, concatenated), "linear" (``[out, in]``
     tensors fused on ``out``, transposed), "experts" (one linear per expert, stacked), "embed"
-    (``[vocab, hidden]`` as it is), "head" (transposed; kept ``[vocab, hidden]`` when quantized);
+    (``[vocab, hidden]`` as it is), "head" (transposed; kept ``[vocab, hidden]`` when quantized),
+    "heads" (one ``[heads x rows, in]`` tensor as ``[heads, rows, in]``: a per-head product's weight, kept float);
     ``suffix`` "weight" or "bias"; ``relayout`` its tensor-parallel re-ordering (axis, index map
     kind) or None; ``quant`` its quantization role (`QUANT_ROLES`); ``requires`` the `ModelConfig`
     flags it exists under (``"!flag"``: only without it)."""
