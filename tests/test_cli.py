@@ -26,7 +26,10 @@ needs_model = pytest.mark.skipif(not HAS_MODEL, reason="bundled model not instal
 
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 8
-ENGINE = ["--engine-config", "cpu", "--max-model-len", "2048"]
+# The session SmolLM2's engine (tests/conftest.py: SMOLLM2_ENGINE) as flags: the same resolved engine config, so
+# the CLI processes load from the program cache what the other SmolLM2 tests compiled, and the library's answer
+# is the session's model's (test_engine_flags_give_the_session_smollm2_engine checks that they agree).
+ENGINE = ["--engine-config", "cpu", "--num-pages", "320", "--max-num-seqs", "8", "--dtype", "float32"]
 CMD = [sys.executable, "-m", "jaxinfer"]
 
 
@@ -294,16 +297,34 @@ def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model
 # --------------------------------------------------------------------------- #
 
 
+def test_engine_flags_give_the_session_smollm2_engine():
+    """ENGINE resolves (as `jaxinfer generate` resolves its flags) to the session SmolLM2's engine config, the
+    program cache's key: otherwise the CLI processes below compile programs of their own."""
+    from jaxinfer.cli.flags import llm_kwargs
+    from jaxinfer.cli.main import build_parser
+    from jaxinfer.llm import _engine_config
+    from jaxinfer.ops.backend import resolve_engine_config
+    from conftest import SMOLLM2_ENGINE
+
+    kw = llm_kwargs(build_parser().parse_args(["generate", PROMPT, *ENGINE]))
+    assert (kw.pop("model"), kw.pop("enable_prefix_caching"), kw.pop("model_cache")) == (
+        "SmolLM2-135M-Instruct", True, True)
+    got = _engine_config(kw.pop("engine_config"), kw.pop("dtype", None), kw.pop("max_model_len", None), kw)
+    assert got == resolve_engine_config(SMOLLM2_ENGINE)
+
+
 @pytest.fixture(scope="module")
-def runs():
+def runs(smollm2_llm):
     """Compute the library's answer in-process, then start every model-using CLI process at once.
 
     The library goes first so the processes find the converted model and the compiled programs
     in the caches it filled, instead of four processes converting and compiling the same at once.
+    The library is the session's SmolLM2, of ENGINE's config: a worker that ran another SmolLM2
+    file holds it and its programs already, and the programs are on disk for the processes.
     """
     import jaxinfer
 
-    llm = jaxinfer.LLM(engine_config="cpu", max_model_len=2048)
+    llm = smollm2_llm
     params = jaxinfer.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     expected = llm.chat([{"role": "user", "content": PROMPT}], params)[0]
 
