@@ -37,7 +37,11 @@ ENGINE = EngineConfig(
     max_num_seqs=32,
     max_num_batched_tokens=96,
     batch_buckets=(1, 32),  # alone (1 row) and among the others (32): the two shapes the property is about
-    chunk_buckets=(8, 64),
+    # one prefill chunk size (more rows than the decode kernel's tile): the target's prompt alone and among
+    # the others, and the mixed steps of its decode rows with their chunks. Token buckets 1, 32, 64: the
+    # target's steps are (1 request, 1 token), (32, 32), (32, 64), as they were with an 8 bucket too (that one
+    # held only other requests' last few decode rows): 3 programs per precision.
+    chunk_buckets=(64,),
     page_buckets=(32,),  # one page-table width: fewer programs to compile per precision
     max_logprobs=5,
     kv_cache_dtype="float32",  # as the CPU preset has it; "kv-bfloat16" below caches in bfloat16
