@@ -16,7 +16,8 @@ element rather than as block copies; that gather and the masked softmax were the
 a batched decode step and a large part of a batched prefill (`python -m benchmarks.engine` shows
 the split). So on the CPU platform attention goes to a native kernel that reads the pages where
 they lie (`jaxinfer/ops/kernels/paged_attention_cpu.cc`), for decode rows and prefill chunks
-alike, in any mix. Which path a program takes is the step's `jaxinfer.ops.backend.KernelChoice`
+alike, in any mix; the latent cache of multi-head latent attention has a kernel of its own in the same
+source (`latent_kernel_call`). Which path a program takes is the step's `jaxinfer.ops.backend.KernelChoice`
 (decided once, after the kernels load), never the process's state while tracing:
 a program for a GPU or TPU never sees the CPU kernel.
 
@@ -47,7 +48,10 @@ Batch invariance (a query token's output bitwise the same whatever else is compu
   output element (key blocks at absolute positions, a fixed tree for each q.k, the same softmax
   steps); a token gives the same bits in a decode step, anywhere in a chunk of any size, beside
   any other requests, as a ragged step or as ``[B, T]`` rows, and on any thread
-  (tests/test_attention_invariance.py, tests/test_ragged_attention.py).
+  (tests/test_attention_invariance.py, tests/test_ragged_attention.py). Multi-head latent attention
+  (DeepSeek, `latent_paged_attention`) on CPU goes to the same source's latent kernel, built the same way
+  (one routine per row, key blocks at absolute positions, fixed trees), and is batch-invariant too
+  (tests/test_latent_attention_kernel.py).
 - Pure-JAX path on CPU (``JAXINFER_CPU_KERNELS=0``): no, measured op by op (on the earlier
   gather-everything form; the ragged form's tile and block sizes follow the step's shape too).
   The q.k einsum changes its order of summation with the number of query rows and with the keys
@@ -81,8 +85,8 @@ from jaxinfer.ops.gather_attention import (
     ragged_gather_attention,
 )
 
-__all__ = ["AttentionMetadata", "RaggedMetadata", "gather_attention", "latent_paged_attention", "paged_attention",
-           "prepare_cpu_kernel", "ragged_gather_attention", "ragged_paged_attention"]
+__all__ = ["AttentionMetadata", "RaggedMetadata", "gather_attention", "latent_kernel_call", "latent_paged_attention",
+           "paged_attention", "prepare_cpu_kernel", "ragged_gather_attention", "ragged_paged_attention"]
 
 
 def ragged_paged_attention(
@@ -141,9 +145,12 @@ def latent_paged_attention(
     q: [N, H, D]; entry: [N, 1, D] (the step's tokens' entries, written to their slots);
     cache_layer: [num_pages, page_size, 1, D]. Returns (out [N, H, value_dim], updated cache_layer).
 
-    Every platform runs the pure-JAX path (`ragged_gather_attention`; no kernel takes this layout yet).
-    On a device mesh each device attends its own heads over the whole latent cache, which every
-    device holds (the entry is the same for every head, as sglang-jax and vLLM's TPU backend keep it).
+    On CPU with the native attention kernel in the step's `KernelChoice` (``cpu_attention``) and shapes it
+    takes (`jaxinfer.ops.backend.latent_attention_fits`: D and ``value_dim`` multiples of 8, a float32 or
+    bfloat16 cache) it runs the native latent kernel (`latent_kernel_call`), batch-invariant as the GQA kernel;
+    elsewhere the pure-JAX path (`ragged_gather_attention`). On a device mesh each device attends its own
+    heads over the whole latent cache, which every device holds (the entry is the same for every head, as
+    sglang-jax and vLLM's TPU backend keep it).
     """
     n, h, d = q.shape
     if entry.shape != (n, 1, d) or cache_layer.shape[2:] != (1, d):
@@ -158,7 +165,50 @@ def latent_paged_attention(
 
 
 def _latent_attend(q, entry, cache_layer, meta: RaggedMetadata, scale: float, value_dim: int):
+    """Latent attention on one device's heads: the native CPU kernel where the step's choice has it and it
+    takes the shapes, else pure JAX."""
+    if backend.current().cpu_attention and backend.latent_attention_fits(q.shape[2], value_dim, cache_layer.dtype):
+        return _cpu_latent_attention(q, entry, cache_layer, meta, scale, value_dim)
     return ragged_gather_attention(q, entry, None, cache_layer, meta, scale, value_dim=value_dim)
+
+
+LATENT_TARGET = "jaxinfer_latent_attention"  # in `CPU_SOURCE`, registered with the GQA kernel
+
+
+def latent_kernel_call(target: str = LATENT_TARGET, share: bool = True):
+    """The native latent kernel's FFI call as ``fn(q, entry, cache_layer, meta, scale, value_dim) -> (out,
+    cache)`` (``target``: another build's name, for tests and benchmarks; ``share``: split the work over XLA's
+    intra-op pool). q float32 [N, H, D], entry float32 [N, 1, D]; it writes the step's entries in place."""
+
+    def call(q, entry, cache_layer, meta: RaggedMetadata, scale: float, value_dim: int):
+        n, h, _ = q.shape
+        return jax.ffi.ffi_call(
+            target,
+            (jax.ShapeDtypeStruct((n, h, value_dim), jnp.float32),
+             jax.ShapeDtypeStruct(cache_layer.shape, cache_layer.dtype)),
+            input_output_aliases={2: 1},
+        )(q, entry, cache_layer, meta.page_table, meta.positions, meta.query_start, scale=np.float32(scale),
+          value_dim=np.int64(value_dim), share=share)
+
+    return call
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _cpu_latent_attention(q, entry, cache_layer, meta: RaggedMetadata, scale: float, value_dim: int):
+    """CPU: the native latent kernel writes the step's entries into the cache in place, then attends.
+    Derivatives are those of the pure-JAX path, which computes the same function."""
+    f32 = jnp.float32
+    out, cache_layer = latent_kernel_call(share=mesh.tp_size() == 1)(
+        q.astype(f32), entry.astype(f32), cache_layer, meta, scale, value_dim)
+    return out.astype(q.dtype), cache_layer
+
+
+@_cpu_latent_attention.defjvp
+def _cpu_latent_attention_jvp(scale, value_dim, primals, tangents):
+    def pure(q, entry, cache_layer, meta):
+        return ragged_gather_attention(q, entry, None, cache_layer, meta, scale, value_dim=value_dim)
+
+    return jax.jvp(pure, primals, tangents)
 
 
 def paged_attention(

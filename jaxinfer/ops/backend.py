@@ -180,6 +180,13 @@ def cpu_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, cache_d
             and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16))
 
 
+def latent_attention_fits(dim: int, value_dim: int, cache_dtype) -> bool:
+    """The shapes and dtypes the native CPU latent-attention kernel takes: an entry of ``dim`` values and a
+    value of its first ``value_dim``, both multiples of 8 (``value_dim <= dim <= 1024``)."""
+    return (dim % 8 == 0 and value_dim % 8 == 0 and 8 <= value_dim <= dim <= 1024
+            and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16))
+
+
 def engine_preset(platform: Optional[str] = None) -> EngineConfig:
     """The engine preset (configs/*.json) for ``platform``, by default JAX's default backend."""
     return EngineConfig.for_backend(platform or host_platform())

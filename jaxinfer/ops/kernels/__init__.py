@@ -40,7 +40,8 @@ MATMUL = "matmul_cpu.cc"  # `jaxinfer.ops.cpu_matmul`
 PAGED_ATTENTION = "paged_attention_cpu.cc"  # `jaxinfer.ops.attention`
 TARGETS = {
     MATMUL: {"jaxinfer_matmul_float": "JaxinferMatmulFloat", "jaxinfer_matmul_q": "JaxinferMatmulQ"},
-    PAGED_ATTENTION: {"jaxinfer_paged_attention": "JaxinferPagedAttention"},
+    PAGED_ATTENTION: {"jaxinfer_paged_attention": "JaxinferPagedAttention",
+                      "jaxinfer_latent_attention": "JaxinferLatentAttention"},
 }
 _TITLES = {MATMUL: "matmul", PAGED_ATTENTION: "attention"}
 

@@ -44,6 +44,9 @@
 //     accumulator times 1 / sum.
 // tests/test_attention_invariance.py checks it bitwise.
 // head_dim must be 16, 32, 64, 128 or 256 (Gemma 3) (jaxinfer/ops/attention.py checks before calling).
+//
+// A second handler, for multi-head latent attention over a latent cache (`LatentAttention`, FFI target
+// jaxinfer_latent_attention), follows the same scheme; it is described where it begins below.
 
 #include <algorithm>
 #include <atomic>
@@ -493,6 +496,364 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Multi-head latent attention (DeepSeek's MLA in its absorbed form) over a latent cache: one entry
+// of D values per token (the latent, then the rotary key), shared by every query head: each head's
+// key is the whole entry, its value the entry's first value_dim values.
+//
+//   q           [N, H, D]        float32   queries (the latent's up-projection folded in, RoPE applied)
+//   entry       [N, 1, D]        float32   the tokens' entries, written to their slots first
+//   cache       [P, S, 1, D]               float32 or bfloat16 (rounded to nearest even)
+//   page_table, positions, query_start: as above
+//   out         [N, H, value_dim] float32; cache_out: the cache, updated (aliases `cache`)
+//
+// D and value_dim are runtime sizes, multiples of 8 (value_dim <= D <= kLatentMaxDim). The same
+// scheme as the grouped-query kernel: work items are (request, group of heads, tile of the request's
+// query tokens) on the same shared counter; every row (token x head) is computed on its own by one
+// routine with one order per output element, whatever rows share its item, so a token's output is
+// bitwise the same in a decode step, anywhere in a prefill chunk, beside any other requests:
+//   * key blocks at absolute positions (`block_start` / `block_end`);
+//   * each score q.k: two 8-lane accumulators, even and odd vectors of D in order, added, then the
+//     fixed halving tree (computed for four rows at once sharing the key loads, or for one: the same
+//     operations per row);
+//   * per block the softmax steps of `attend_rows`;
+//   * values added to each row in key order, one multiply-add per key and element.
+// How many heads an item takes follows the step (so a decode step of one request still splits over
+// the threads); no row depends on it. tests/test_latent_attention_kernel.py checks it bitwise.
+
+constexpr int kLanes8 = 8;
+typedef float vf8 __attribute__((vector_size(kLanes8 * sizeof(float))));
+typedef int32_t vi8 __attribute__((vector_size(kLanes8 * sizeof(int32_t))));
+typedef uint16_t vh8 __attribute__((vector_size(kLanes8 * sizeof(uint16_t))));
+
+constexpr int64_t kLatentMaxDim = 1024;  // D, at most
+constexpr int64_t kLatentMaxHeads = 32;  // heads per work item, at most
+constexpr int64_t kLatentTileRows = 48;  // target query rows (tokens x heads) per prefill tile
+constexpr int64_t kLatentMaxRows = 64;
+
+inline vf8 load8(const float* p) {
+  vf8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline vf8 load8(const uint16_t* p) {
+  vh8 h;
+  std::memcpy(&h, p, sizeof(h));
+  vi8 bits = __builtin_convertvector(h, vi8) << 16;
+  vf8 x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+inline float hsum8(vf8 x) {  // the fixed halving tree
+#if defined(__clang__)
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#else
+  x += __builtin_shuffle(x, vi8{4, 5, 6, 7, 0, 1, 2, 3});
+  x += __builtin_shuffle(x, vi8{2, 3, 0, 1, 6, 7, 4, 5});
+  x += __builtin_shuffle(x, vi8{1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+  return x[0];
+}
+
+struct LatentScratch {
+  std::vector<vf8> q;    // [rows][D / 8], scaled
+  std::vector<vf8> acc;  // [rows][value_dim / 8]
+  float s[kLatentMaxRows][kBlock];
+};
+
+LatentScratch& latent_scratch() {
+  thread_local std::unique_ptr<LatentScratch> mem(new LatentScratch());
+  return *mem;
+}
+
+struct LatentProblem {
+  const float* q;
+  const void* cache;
+  const int32_t* page_table;
+  const int32_t* positions;
+  const int32_t* query_start;
+  const int64_t* items;  // per work item (before the head group): request * 2^32 + first token
+  float* out;
+  int64_t tokens, requests, heads, dim, value_dim, page_size, num_pages, pages_per_row;
+  int64_t group_heads, head_groups, tile_tokens, num_items;
+  float scale;
+};
+
+// Scores of R query rows (q[r], d8 vectors each) against one key: per row two accumulators, even and
+// odd vectors in order, their sum, then the halving tree. R = 4 shares each key load among four rows;
+// every row's operations are those of R = 1.
+template <typename T, int R>
+inline void latent_dots(const vf8* const* q, const T* k, int64_t d8, float* const* s, int64_t j) {
+  vf8 a[R], b[R];
+  for (int r = 0; r < R; ++r) a[r] = b[r] = vf8{};
+  int64_t dv = 0;
+  for (; dv + 1 < d8; dv += 2) {
+    const vf8 k0 = load8(k + dv * kLanes8), k1 = load8(k + (dv + 1) * kLanes8);
+    for (int r = 0; r < R; ++r) {
+      a[r] += q[r][dv] * k0;
+      b[r] += q[r][dv + 1] * k1;
+    }
+  }
+  if (dv < d8) {
+    const vf8 k0 = load8(k + dv * kLanes8);
+    for (int r = 0; r < R; ++r) a[r] += q[r][dv] * k0;
+  }
+  for (int r = 0; r < R; ++r) s[r][j] = hsum8(a[r] + b[r]);
+}
+
+// acc[r] += w[r][j] * v[j] for keys j0 <= j < j1 in order of j, for R rows sharing the value loads,
+// four vectors of value_dim at a time (then one at a time for the rest).
+template <typename T, int R>
+inline void latent_values(vf8* const* acc, const float* const* w, const T* v0, int64_t stride, int64_t j0,
+                          int64_t j1, int64_t v8) {
+  if (j0 >= j1) return;
+  int64_t c = 0;
+  for (; c + 4 <= v8; c += 4) {
+    vf8 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) a[r][u] = acc[r][c + u];
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* v = v0 + j * stride + c * kLanes8;
+      const vf8 x0 = load8(v), x1 = load8(v + kLanes8), x2 = load8(v + 2 * kLanes8), x3 = load8(v + 3 * kLanes8);
+      for (int r = 0; r < R; ++r) {
+        const float wj = w[r][j];
+        a[r][0] += wj * x0;
+        a[r][1] += wj * x1;
+        a[r][2] += wj * x2;
+        a[r][3] += wj * x3;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) acc[r][c + u] = a[r][u];
+  }
+  for (; c < v8; ++c) {
+    vf8 a[R];
+    for (int r = 0; r < R; ++r) a[r] = acc[r][c];
+    for (int64_t j = j0; j < j1; ++j) {
+      const vf8 x = load8(v0 + j * stride + c * kLanes8);
+      for (int r = 0; r < R; ++r) a[r] += w[r][j] * x;
+    }
+    for (int r = 0; r < R; ++r) acc[r][c] = a[r];
+  }
+}
+
+template <typename T>
+void latent_rows(const LatentProblem& p, int64_t b, int64_t t0, int64_t hg) {
+  const int64_t d8 = p.dim / kLanes8, v8 = p.value_dim / kLanes8;
+  const int64_t h0 = hg * p.group_heads, hn = std::min(p.group_heads, p.heads - h0);
+  const int64_t rows = std::min<int64_t>(p.tile_tokens, p.query_start[b + 1] - t0) * hn;
+  LatentScratch& sc = latent_scratch();
+  if (static_cast<int64_t>(sc.q.size()) < rows * d8) sc.q.resize(rows * d8);
+  if (static_cast<int64_t>(sc.acc.size()) < rows * v8) sc.acc.resize(rows * v8);
+  vf8* qs[kLatentMaxRows];
+  vf8* accs[kLatentMaxRows];
+  float* ss[kLatentMaxRows];
+  int64_t lo[kLatentMaxRows], hi[kLatentMaxRows];
+  float m[kLatentMaxRows], l[kLatentMaxRows];
+  int64_t first = INT64_MAX, last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t bt = t0 + r / hn;
+    const int64_t pos = p.positions[bt];
+    lo[r] = 0;
+    hi[r] = pos < 0 ? 0 : pos + 1;
+    if (hi[r] > lo[r]) {
+      first = std::min(first, lo[r]);
+      last = std::max(last, hi[r]);
+    }
+    qs[r] = sc.q.data() + r * d8;
+    accs[r] = sc.acc.data() + r * v8;
+    ss[r] = sc.s[r];
+    const float* qr = p.q + (bt * p.heads + h0 + r % hn) * p.dim;
+    for (int64_t dv = 0; dv < d8; ++dv) qs[r][dv] = load8(qr + dv * kLanes8) * p.scale;
+    for (int64_t dv = 0; dv < v8; ++dv) accs[r][dv] = vf8{};
+    m[r] = kNeg;
+    l[r] = 0.0f;
+  }
+  const int32_t* table = p.page_table + b * p.pages_per_row;
+  const int64_t stride = p.dim;  // between consecutive positions of a page
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  int64_t jlo[kLatentMaxRows], jhi[kLatentMaxRows];
+  for (int64_t start = first < last ? block_start(first, p.page_size) : last; start < last;) {
+    const int64_t bs = start, n = std::min(block_end(start, p.page_size), last) - start;
+    start += n;
+    const int64_t page = table[bs / p.page_size];
+    if (page < 0 || page >= p.num_pages) continue;  // the engine never does this; guards memory
+    const T* k0 = static_cast<const T*>(p.cache) + (page * p.page_size + bs % p.page_size) * stride;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      for (int64_t j = 0; j < n; ++j) latent_dots<T, 4>(qs + r, k0 + j * stride, d8, ss + r, j);
+    for (; r < rows; ++r)
+      for (int64_t j = 0; j < n; ++j) latent_dots<T, 1>(qs + r, k0 + j * stride, d8, ss + r, j);
+    for (r = 0; r < rows; ++r) {
+      jlo[r] = std::max<int64_t>(lo[r] - bs, 0);
+      jhi[r] = std::min<int64_t>(hi[r] - bs, n);
+      if (jlo[r] >= jhi[r]) continue;  // no key of this block for this row
+      const vi in = (lane >= static_cast<int32_t>(jlo[r])) & (lane < static_cast<int32_t>(jhi[r]));
+      vf sv;
+      std::memcpy(&sv, sc.s[r], sizeof(sv));
+      sv = in ? sv : splat(kNeg);
+      const float mx = std::max(m[r], hmax(sv));
+      vf e = vexp(sv - mx);
+      e = in ? e : splat(0.0f);
+      const float c = m[r] == mx ? 1.0f : std::exp(m[r] - mx);
+      l[r] = l[r] * c + hsum(e);
+      m[r] = mx;
+      std::memcpy(sc.s[r], &e, sizeof(e));
+      if (c != 1.0f)
+        for (int64_t dv = 0; dv < v8; ++dv) accs[r][dv] = accs[r][dv] * c;
+    }
+    asm volatile("" ::: "memory");  // as in `attend_rows`: the rescale never fuses into an add
+    for (r = 0; r < rows; r += 2) {
+      if (r + 1 == rows) {
+        latent_values<T, 1>(accs + r, ss + r, k0, stride, jlo[r], jhi[r], v8);
+        break;
+      }
+      const int64_t r1 = r + 1;
+      const int64_t a = std::max(jlo[r], jlo[r1]), z = std::min(jhi[r], jhi[r1]);
+      if (a >= z) {
+        latent_values<T, 1>(accs + r, ss + r, k0, stride, jlo[r], jhi[r], v8);
+        latent_values<T, 1>(accs + r1, ss + r1, k0, stride, jlo[r1], jhi[r1], v8);
+        continue;
+      }
+      latent_values<T, 1>(accs + r, ss + r, k0, stride, jlo[r], a, v8);
+      latent_values<T, 1>(accs + r1, ss + r1, k0, stride, jlo[r1], a, v8);
+      latent_values<T, 2>(accs + r, ss + r, k0, stride, a, z, v8);
+      latent_values<T, 1>(accs + r, ss + r, k0, stride, z, jhi[r], v8);
+      latent_values<T, 1>(accs + r1, ss + r1, k0, stride, z, jhi[r1], v8);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = p.out + ((t0 + r / hn) * p.heads + h0 + r % hn) * p.value_dim;
+    const float inv = (hi[r] > lo[r] && l[r] > 0.0f) ? 1.0f / l[r] : 0.0f;
+    for (int64_t dv = 0; dv < v8; ++dv) {
+      const vf8 o = accs[r][dv] * inv;
+      std::memcpy(out + dv * kLanes8, &o, sizeof(o));
+    }
+  }
+}
+
+template <typename T>
+void write_entries(const LatentProblem& p, const float* entry, void* cache) {
+  const int64_t d = p.dim;
+  for (int64_t b = 0; b < p.requests; ++b)
+    for (int64_t bt = p.query_start[b]; bt < p.query_start[b + 1]; ++bt) {
+      const int64_t pos = p.positions[bt];
+      if (pos < 0) continue;
+      const int64_t page = p.page_table[b * p.pages_per_row + pos / p.page_size];
+      if (page < 0 || page >= p.num_pages) continue;
+      T* dst = static_cast<T*>(cache) + (page * p.page_size + pos % p.page_size) * d;
+      for (int64_t i = 0; i < d; ++i) from_float(entry[bt * d + i], dst + i);
+    }
+}
+
+void run_latent_items(const LatentProblem& p, bool bf16, Progress& prog, int64_t total) {
+  for (;;) {
+    const int64_t item = prog.next.fetch_add(1);
+    if (item >= total) return;
+    const int64_t hg = item % p.head_groups;
+    const int64_t packed = p.items[item / p.head_groups];
+    const int64_t b = packed >> 32, t0 = packed & 0xffffffffLL;
+    if (bf16)
+      latent_rows<uint16_t>(p, b, t0, hg);
+    else
+      latent_rows<float>(p, b, t0, hg);
+    prog.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error LatentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> entry,
+                           ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> positions,
+                           ffi::Buffer<ffi::S32> query_start, float scale, int64_t value_dim, bool share,
+                           ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> cache) {
+  const auto qd = q.dimensions();
+  const auto cd = cache->dimensions();
+  const auto ed = entry.dimensions();
+  const auto td = page_table.dimensions();
+  const auto pd = positions.dimensions();
+  const auto sd = query_start.dimensions();
+  const auto od = out->dimensions();
+  if (qd.size() != 3 || ed.size() != 3 || cd.size() != 4 || td.size() != 2 || pd.size() != 1 || sd.size() != 1 ||
+      od.size() != 3)
+    return ffi::Error::InvalidArgument("latent attention: q must be [N,H,D], entry [N,1,D], cache [P,S,1,D], "
+                                       "page_table [R,NP], positions [N], query_start [R+1], out [N,H,value_dim]");
+  LatentProblem p;
+  p.tokens = qd[0];
+  p.heads = qd[1];
+  p.dim = qd[2];
+  p.value_dim = value_dim;
+  p.num_pages = cd[0];
+  p.page_size = cd[1];
+  p.requests = td[0];
+  p.pages_per_row = td[1];
+  p.scale = scale;
+  if (cd[2] != 1 || cd[3] != p.dim || ed[0] != p.tokens || ed[1] != 1 || ed[2] != p.dim || pd[0] != p.tokens ||
+      sd[0] != p.requests + 1 || od[0] != p.tokens || od[1] != p.heads || od[2] != value_dim || p.heads < 1)
+    return ffi::Error::InvalidArgument("latent attention: shapes do not agree");
+  if (cache->untyped_data() != cache_in.untyped_data())
+    return ffi::Error::InvalidArgument("latent attention: the cache output must alias the cache input");
+  if (p.dim % kLanes8 != 0 || p.dim > kLatentMaxDim)
+    return ffi::Error::InvalidArgument("latent attention: the entry's size D must be a multiple of 8, at most 1024");
+  if (value_dim % kLanes8 != 0 || value_dim < kLanes8 || value_dim > p.dim)
+    return ffi::Error::InvalidArgument("latent attention: value_dim must be a multiple of 8, 8 .. D");
+  const bool bf16 = cache->element_type() == ffi::DataType::BF16;
+  if (!bf16 && cache->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("latent attention: the cache must be float32 or bfloat16");
+  const int32_t* qs = query_start.typed_data();
+  if (qs[0] < 0 || qs[p.requests] > p.tokens)
+    return ffi::Error::InvalidArgument("latent attention: query_start must lie within 0 .. the token count");
+  int64_t active = 0;
+  for (int64_t b = 0; b < p.requests; ++b) {
+    if (qs[b + 1] < qs[b]) return ffi::Error::InvalidArgument("latent attention: query_start must not decrease");
+    active += qs[b + 1] > qs[b];
+  }
+  const int64_t capacity = p.pages_per_row * p.page_size;
+  for (int64_t i = qs[0]; i < qs[p.requests]; ++i)
+    if (positions.typed_data()[i] >= capacity)
+      return ffi::Error::InvalidArgument("latent attention: a position lies past the pages given");
+  // Heads per item: at most kLatentMaxHeads; fewer (down to 4) when the step has fewer requests than
+  // threads, so a small decode step still splits over the pool. No row's result depends on it.
+  const int64_t threads = share ? std::max<int64_t>(1, pool.num_threads()) : 1;
+  int64_t groups = (p.heads + kLatentMaxHeads - 1) / kLatentMaxHeads;
+  while (active * groups < threads && (p.heads + 2 * groups - 1) / (2 * groups) >= 4) groups *= 2;
+  p.group_heads = (p.heads + groups - 1) / groups;
+  p.head_groups = (p.heads + p.group_heads - 1) / p.group_heads;
+  p.tile_tokens = std::max<int64_t>(1, kLatentTileRows / p.group_heads);
+  p.q = q.typed_data();
+  p.cache = cache->untyped_data();
+  p.page_table = page_table.typed_data();
+  p.positions = positions.typed_data();
+  p.query_start = qs;
+  p.out = out->typed_data();
+
+  const int64_t row = p.heads * p.value_dim;
+  std::memset(p.out, 0, sizeof(float) * qs[0] * row);
+  std::memset(p.out + qs[p.requests] * row, 0, sizeof(float) * (p.tokens - qs[p.requests]) * row);
+
+  auto items = std::make_shared<std::vector<int64_t>>();
+  items->reserve(p.requests + p.tokens / p.tile_tokens + 1);
+  for (int64_t b = 0; b < p.requests; ++b)
+    for (int64_t t = qs[b]; t < qs[b + 1]; t += p.tile_tokens) items->push_back((b << 32) | t);
+  p.items = items->data();
+  p.num_items = static_cast<int64_t>(items->size());
+
+  if (bf16)
+    write_entries<uint16_t>(p, entry.typed_data(), cache->untyped_data());
+  else
+    write_entries<float>(p, entry.typed_data(), cache->untyped_data());
+
+  const int64_t total = p.num_items * p.head_groups;
+  auto prog = std::make_shared<Progress>();
+  const int64_t helpers = share ? std::min<int64_t>(pool.num_threads(), total) - 1 : 0;
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([prog, items, p, bf16, total] { run_latent_items(p, bf16, *prog, total); });
+  run_latent_items(p, bf16, *prog, total);
+  while (prog->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
@@ -509,4 +870,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
                                   .Attr<int64_t>("window")  // 0: full causal attention
                                   .Attr<bool>("share")      // share the items with the intra-op pool
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::AnyBuffer>());       // cache, updated in place
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferLatentAttention, LatentAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // entry
+                                  .Arg<ffi::AnyBuffer>()         // cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("value_dim")
+                                  .Attr<bool>("share")           // share the items with the intra-op pool
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [N, H, value_dim]
                                   .Ret<ffi::AnyBuffer>());       // cache, updated in place
