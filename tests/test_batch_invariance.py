@@ -89,7 +89,16 @@ def llm(request):
         pytest.skip("the native CPU kernels are off or unavailable: the pure-JAX path is checked op by op below")
     opts = PRECISIONS[request.param]
     engine = ENGINE.replace(**opts)
-    m = jaxinfer.LLM.from_params(TINY, tiny_params(TINY), engine_config=engine)
+    params = tiny_params(TINY)
+    if not engine.quantization:  # LLM.from_params runs the tree as given: in the weights' dtype, as a loader gives it
+        from jaxinfer.models import llama
+        from jaxinfer.ops.spec import is_spec
+
+        specs = llama.param_specs(TINY, jnp.dtype(engine.dtype))
+        params = jax.tree.map(lambda s, x: x.astype(s.dtype), specs, params, is_leaf=is_spec)
+    m = jaxinfer.LLM.from_params(TINY, params, engine_config=engine)
+    wqkv = m.runner.params.layers[0].attention.wqkv
+    assert wqkv.bits == int(engine.quantization[3:]) if engine.quantization else wqkv.dtype == engine.dtype
     yield m
     m.close()
 
