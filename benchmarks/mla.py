@@ -11,9 +11,9 @@ the difference is the attention alone:
   (`jaxinfer.models.transformer.latent_attention`);
 * **gqa**: a Llama-shaped model with ``--kv-heads`` KV heads of ``--head-dim``, its MLP widened so both run
   the same parameters per token (within one multiple of 64 of the MLP width);
-* **gqa-jax**: the gqa engine with its attention on the pure-JAX gather path, the path every latent step
-  takes (no native kernel takes the latent layout yet), so mla against gqa-jax compares the two forms of
-  attention on the same code and mla against gqa what a user gets today.
+* **gqa-jax**: the gqa engine with its attention on the pure-JAX gather path (what GPUs and TPUs run, and CPU
+  with ``JAXINFER_CPU_KERNELS=0``), so mla (on CPU: the latent attention kernel) against gqa and gqa-jax
+  compares MLA's native kernel with GQA's native and pure-JAX attention.
 
 For each context length and batch size, every engine's real decode step is timed (`benchmarks.core.StepBench`:
 the runner's compiled ragged step called with its cache fed back, each request at that context, the prefix
