@@ -56,6 +56,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -406,6 +407,36 @@ void run_items(const Problem& p, bool bf16, Progress& prog, int64_t total) {
   }
 }
 
+// What both kernels check of a step's segments: query_start within 0 .. the token count and not decreasing,
+// every real token's position inside its request's pages. `who` names the kernel in the error.
+ffi::Error check_segments(const std::string& who, const int32_t* qs, const int32_t* positions, int64_t requests,
+                          int64_t tokens, int64_t capacity) {
+  if (qs[0] < 0 || qs[requests] > tokens)
+    return ffi::Error::InvalidArgument(who + ": query_start must lie within 0 .. the token count");
+  for (int64_t b = 0; b < requests; ++b)
+    if (qs[b + 1] < qs[b]) return ffi::Error::InvalidArgument(who + ": query_start must not decrease");
+  for (int64_t i = qs[0]; i < qs[requests]; ++i)
+    if (positions[i] >= capacity) return ffi::Error::InvalidArgument(who + ": a position lies past the pages given");
+  return ffi::Error::Success();
+}
+
+// Tokens outside every request's segment are padding: their output rows (`row` floats each) are zeros (a
+// segment's own padding tokens come out as zeros from the row routines, which give them no keys).
+void zero_padding(float* out, const int32_t* qs, int64_t requests, int64_t tokens, int64_t row) {
+  std::memset(out, 0, sizeof(float) * qs[0] * row);
+  std::memset(out + qs[requests] * row, 0, sizeof(float) * (tokens - qs[requests]) * row);
+}
+
+// The work items of both kernels, before their head split: (request << 32 | the first token of a tile of
+// `tile` tokens of its segment), request by request.
+std::shared_ptr<std::vector<int64_t>> tile_items(const int32_t* qs, int64_t requests, int64_t tokens, int64_t tile) {
+  auto items = std::make_shared<std::vector<int64_t>>();
+  items->reserve(requests + tokens / tile + 1);
+  for (int64_t b = 0; b < requests; ++b)
+    for (int64_t t = qs[b]; t < qs[b + 1]; t += tile) items->push_back((b << 32) | t);
+  return items;
+}
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> query_start, float scale,
@@ -446,14 +477,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (!bf16 && cache->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("paged attention: the cache must be float32 or bfloat16");
   const int32_t* qs = query_start.typed_data();
-  if (qs[0] < 0 || qs[p.requests] > p.tokens)
-    return ffi::Error::InvalidArgument("paged attention: query_start must lie within 0 .. the token count");
-  for (int64_t b = 0; b < p.requests; ++b)
-    if (qs[b + 1] < qs[b]) return ffi::Error::InvalidArgument("paged attention: query_start must not decrease");
-  const int64_t capacity = p.pages_per_row * p.page_size;
-  for (int64_t i = qs[0]; i < qs[p.requests]; ++i)
-    if (positions.typed_data()[i] >= capacity)
-      return ffi::Error::InvalidArgument("paged attention: a position lies past the pages given");
+  ffi::Error segments = check_segments("paged attention", qs, positions.typed_data(), p.requests, p.tokens,
+                                       p.pages_per_row * p.page_size);
+  if (segments.failure()) return segments;
   p.tile_tokens = std::max<int64_t>(1, kTileRows / p.group);
   p.q = q.typed_data();
   p.cache = cache->untyped_data();
@@ -462,17 +488,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   p.query_start = qs;
   p.out = out->typed_data();
 
-  // Tokens outside every request's segment are padding: zeros out (segments' padding tokens
-  // come out as zeros from `attend_rows`, which gives them no keys).
-  const int64_t row = p.heads * p.head_dim;
-  std::memset(p.out, 0, sizeof(float) * qs[0] * row);
-  std::memset(p.out + qs[p.requests] * row, 0, sizeof(float) * (p.tokens - qs[p.requests]) * row);
-
-  // Work items before the kv head: (request, first token of a tile of its segment).
-  auto items = std::make_shared<std::vector<int64_t>>();
-  items->reserve(p.requests + p.tokens / p.tile_tokens + 1);
-  for (int64_t b = 0; b < p.requests; ++b)
-    for (int64_t t = qs[b]; t < qs[b + 1]; t += p.tile_tokens) items->push_back((b << 32) | t);
+  zero_padding(p.out, qs, p.requests, p.tokens, p.heads * p.head_dim);
+  auto items = tile_items(qs, p.requests, p.tokens, p.tile_tokens);  // then each kv head of each
   p.items = items->data();
   p.num_items = static_cast<int64_t>(items->size());
 
@@ -802,17 +819,11 @@ ffi::Error LatentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (!bf16 && cache->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("latent attention: the cache must be float32 or bfloat16");
   const int32_t* qs = query_start.typed_data();
-  if (qs[0] < 0 || qs[p.requests] > p.tokens)
-    return ffi::Error::InvalidArgument("latent attention: query_start must lie within 0 .. the token count");
-  int64_t active = 0;
-  for (int64_t b = 0; b < p.requests; ++b) {
-    if (qs[b + 1] < qs[b]) return ffi::Error::InvalidArgument("latent attention: query_start must not decrease");
-    active += qs[b + 1] > qs[b];
-  }
-  const int64_t capacity = p.pages_per_row * p.page_size;
-  for (int64_t i = qs[0]; i < qs[p.requests]; ++i)
-    if (positions.typed_data()[i] >= capacity)
-      return ffi::Error::InvalidArgument("latent attention: a position lies past the pages given");
+  ffi::Error segments = check_segments("latent attention", qs, positions.typed_data(), p.requests, p.tokens,
+                                       p.pages_per_row * p.page_size);
+  if (segments.failure()) return segments;
+  int64_t active = 0;  // requests with tokens in this step
+  for (int64_t b = 0; b < p.requests; ++b) active += qs[b + 1] > qs[b];
   // Heads per item: at most kLatentMaxHeads; fewer (down to 4) when the step has fewer requests than
   // threads, so a small decode step still splits over the pool. No row's result depends on it.
   const int64_t threads = share ? std::max<int64_t>(1, pool.num_threads()) : 1;
@@ -828,14 +839,8 @@ ffi::Error LatentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   p.query_start = qs;
   p.out = out->typed_data();
 
-  const int64_t row = p.heads * p.value_dim;
-  std::memset(p.out, 0, sizeof(float) * qs[0] * row);
-  std::memset(p.out + qs[p.requests] * row, 0, sizeof(float) * (p.tokens - qs[p.requests]) * row);
-
-  auto items = std::make_shared<std::vector<int64_t>>();
-  items->reserve(p.requests + p.tokens / p.tile_tokens + 1);
-  for (int64_t b = 0; b < p.requests; ++b)
-    for (int64_t t = qs[b]; t < qs[b + 1]; t += p.tile_tokens) items->push_back((b << 32) | t);
+  zero_padding(p.out, qs, p.requests, p.tokens, p.heads * p.value_dim);
+  auto items = tile_items(qs, p.requests, p.tokens, p.tile_tokens);  // then each group of heads of each
   p.items = items->data();
   p.num_items = static_cast<int64_t>(items->size());
 
