@@ -163,6 +163,26 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
+// One row's online-softmax step over a block of up to 16 scores ``s`` (keys jlo .. jhi - 1 of it count):
+// the running max ``m`` and sum ``l`` move on, ``s`` becomes the block's weights (zero outside), and the
+// factor the row's accumulator must be rescaled by is returned (1 when the max did not move). Both kernels,
+// GQA and latent, take this one step, so they round alike.
+inline float softmax_block(float* s, int64_t jlo, int64_t jhi, float& m, float& l) {
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vi in = (lane >= static_cast<int32_t>(jlo)) & (lane < static_cast<int32_t>(jhi));
+  vf sv;
+  std::memcpy(&sv, s, sizeof(sv));
+  sv = in ? sv : splat(kNeg);
+  const float mx = std::max(m, hmax(sv));
+  vf e = vexp(sv - mx);
+  e = in ? e : splat(0.0f);
+  const float c = m == mx ? 1.0f : std::exp(m - mx);
+  l = l * c + hsum(e);
+  m = mx;
+  std::memcpy(s, &e, sizeof(e));
+  return c;
+}
+
 // Per-thread working memory (kept off the stack).
 struct Scratch {
   vf q[kMaxRows][kMaxDV];    // the item's query rows, scaled
@@ -286,7 +306,6 @@ void attend_rows(const Problem& p, int64_t b, int64_t t0, int64_t kvh) {
   }
   const int32_t* table = p.page_table + b * p.pages_per_row;
   const int64_t stride = 2 * p.kv_heads * d;  // between consecutive positions of a page
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   int64_t jlo[kMaxRows], jhi[kMaxRows];
   for (int64_t start = first < last ? block_start(first, p.page_size) : last; start < last;) {
     const int64_t bs = start, n = std::min(block_end(start, p.page_size), last) - start;
@@ -302,17 +321,7 @@ void attend_rows(const Problem& p, int64_t b, int64_t t0, int64_t kvh) {
       jlo[r] = std::max<int64_t>(lo[r] - bs, 0);
       jhi[r] = std::min<int64_t>(hi[r] - bs, n);
       if (jlo[r] >= jhi[r]) continue;  // no key of this block for this row
-      const vi in = (lane >= static_cast<int32_t>(jlo[r])) & (lane < static_cast<int32_t>(jhi[r]));
-      vf sv;
-      std::memcpy(&sv, sc.s[r], sizeof(sv));
-      sv = in ? sv : splat(kNeg);
-      const float mx = std::max(m[r], hmax(sv));
-      vf e = vexp(sv - mx);
-      e = in ? e : splat(0.0f);
-      const float c = m[r] == mx ? 1.0f : std::exp(m[r] - mx);
-      l[r] = l[r] * c + hsum(e);
-      m[r] = mx;
-      std::memcpy(sc.s[r], &e, sizeof(e));
+      const float c = softmax_block(sc.s[r], jlo[r], jhi[r], m[r], l[r]);
       if (c != 1.0f)
         for (int dv = 0; dv < DV; ++dv) sc.acc[r][dv] = sc.acc[r][dv] * c;
     }
@@ -691,7 +700,6 @@ void latent_rows(const LatentProblem& p, int64_t b, int64_t t0, int64_t hg) {
   }
   const int32_t* table = p.page_table + b * p.pages_per_row;
   const int64_t stride = p.dim;  // between consecutive positions of a page
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   int64_t jlo[kLatentMaxRows], jhi[kLatentMaxRows];
   for (int64_t start = first < last ? block_start(first, p.page_size) : last; start < last;) {
     const int64_t bs = start, n = std::min(block_end(start, p.page_size), last) - start;
@@ -708,17 +716,7 @@ void latent_rows(const LatentProblem& p, int64_t b, int64_t t0, int64_t hg) {
       jlo[r] = std::max<int64_t>(lo[r] - bs, 0);
       jhi[r] = std::min<int64_t>(hi[r] - bs, n);
       if (jlo[r] >= jhi[r]) continue;  // no key of this block for this row
-      const vi in = (lane >= static_cast<int32_t>(jlo[r])) & (lane < static_cast<int32_t>(jhi[r]));
-      vf sv;
-      std::memcpy(&sv, sc.s[r], sizeof(sv));
-      sv = in ? sv : splat(kNeg);
-      const float mx = std::max(m[r], hmax(sv));
-      vf e = vexp(sv - mx);
-      e = in ? e : splat(0.0f);
-      const float c = m[r] == mx ? 1.0f : std::exp(m[r] - mx);
-      l[r] = l[r] * c + hsum(e);
-      m[r] = mx;
-      std::memcpy(sc.s[r], &e, sizeof(e));
+      const float c = softmax_block(sc.s[r], jlo[r], jhi[r], m[r], l[r]);
       if (c != 1.0f)
         for (int64_t dv = 0; dv < v8; ++dv) accs[r][dv] = accs[r][dv] * c;
     }
