@@ -32,16 +32,18 @@ of a fixed width, so a request with a bias runs the same program as any other.
 
 Speculative decoding (`Drafts`): a request's rows are a segment — the distribution after its input
 token and after each of its k draft tokens — and row j verifies draft j + 1 (a single chosen token,
-so p_draft = 1 at it). A greedy row accepts while the draft is its argmax; a sampled row accepts with
-probability p_target(draft) (min(1, p/q) with q = 1), where p_target is the row's distribution after
-every stage above, and on a rejection draws from the residual, p_target without the draft,
-renormalised (Gumbel-max with the draft left out). Each segment keeps its rows up to its first
-rejection (or its last row, the bonus draw): every kept row but the last emits its draft, the last
-its own draw — so greedy output is the argmax chain, and sampled output has exactly the target's
-distribution (Leviathan et al., 2023). Row j's draws use the request's seed and the position it
-draws (the acceptance's uniform from a key folded once more), so a seeded request stays
-reproducible and independent of the batch; its penalties count the drafts before it in its
-segment (``SamplingMetadata.prior``) as outputs.
+so p_draft = 1 at it). A greedy row accepts while the draft is its argmax. A sampled row draws its token
+exactly as a plain decode row at that position would (Gumbel-max with the request's seed and the
+position, from the row's distribution after every stage above) and accepts the draft when the draw is
+the draft. That is the standard rejection rule for a one-hot draft (Leviathan et al., 2023; vLLM's
+``min(1, p/q)`` with q = 1): the draft is accepted with probability p_target(draft), and after a rejection
+the token drawn follows p_target without the draft, renormalised. Each segment keeps its rows up to its
+first non-accepting row (or its last row, the bonus draw): every kept row but the last emits its draft,
+the last its own draw. So greedy output is the argmax chain, sampled output has exactly the target's
+distribution, and since every kept row draws what plain decoding would draw there, a seeded request
+draws the same tokens with and without speculation, whatever it drafted (bitwise where the verify
+rows' logits are those of plain decode rows: the CPU kernels). A row's penalties count the drafts
+before it in its segment (``SamplingMetadata.prior``) as outputs.
 """
 
 from __future__ import annotations
@@ -298,12 +300,6 @@ def _row_keys(seeds, positions):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-def _accept_key(key):
-    """The key of a verify row's acceptance draw: the row's own key folded once more, so it never
-    repeats the Gumbel noise of the row's draw."""
-    return jax.random.fold_in(key, 0x5EC)
-
-
 def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState,
            drafts: Optional[Drafts] = None) -> tuple[SamplerOutput, SamplerState]:
     """logits: [B, V] float32 -> drawn tokens (and top logprobs), updated sampler state.
@@ -330,8 +326,6 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState,
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], banned.shape)
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    draft = drafts.token if drafts is not None else jnp.full((b,), -1, jnp.int32)
-    has_draft = draft >= 0
 
     def draw(lg):
         is_greedy = ~md.sampling_rows()
@@ -339,29 +333,22 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState,
         scaled = jax.lax.cond(md.any_filters(), lambda x: _apply_filters(x, md), lambda x: x, scaled)
         keys = _row_keys(md.seeds, md.sample_pos)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-        if drafts is None:
-            drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-            return jnp.where(is_greedy, greedy, drawn), jnp.zeros((b,), jnp.bool_)
-        # a verify row: accept its draft d with probability p(d); else draw from p without d
-        p_draft = jnp.take_along_axis(invariant.softmax(scaled), jnp.maximum(draft, 0)[:, None], axis=-1)[:, 0]
-        u = jax.vmap(lambda k: jax.random.uniform(_accept_key(k), (), jnp.float32))(keys)
-        residual = jnp.where(has_draft[:, None] & (jnp.arange(v)[None, :] == draft[:, None]), -jnp.inf, scaled)
-        drawn = jnp.argmax(residual + gumbel, axis=-1).astype(jnp.int32)
-        return jnp.where(is_greedy, greedy, drawn), ~is_greedy & (u < p_draft)
+        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(is_greedy, greedy, drawn)
 
-    candidate, sampled_ok = jax.lax.cond(md.any_sampling(), draw, lambda lg: (greedy, jnp.zeros((b,), jnp.bool_)),
-                                         logits)
-    if drafts is None:
-        tokens, emitted, last = candidate, None, jnp.ones((b,), jnp.bool_)
-    else:
-        ok = has_draft & jnp.where(md.sampling_rows(), sampled_ok, greedy == draft)
-        # each segment stops at its first row that does not accept (a rejection, or its last row)
+    # every row draws what plain decoding draws at its position (greedy rows the argmax)
+    tokens = jax.lax.cond(md.any_sampling(), draw, lambda lg: greedy, logits)
+    emitted, last = None, jnp.ones((b,), jnp.bool_)
+    if drafts is not None:
+        # a verify row accepts its draft when it drew it (a sampled row: with probability p(d); else its
+        # draw follows p without d); each segment keeps its rows up to its first that does not accept (a
+        # rejection, or its last row): each kept row's token is its draw (the draft, but at the last)
+        ok = (drafts.token >= 0) & (tokens == drafts.token)
         seg = jnp.clip(drafts.segment, 0, drafts.num_segments)
         j = jnp.arange(b, dtype=jnp.int32)
         stop = jnp.full((drafts.num_segments + 1,), b, jnp.int32).at[seg].min(jnp.where(ok, b, j))[seg]
         emitted = (j <= stop) & (drafts.segment < drafts.num_segments)
         last = j == stop
-        tokens = jnp.where(j < stop, draft, candidate)
     num_slots = state.last_tokens.shape[0]
     out_slots = jnp.where(md.is_output & (True if emitted is None else emitted), md.slot_ids, num_slots)
     counts = jax.lax.cond(
