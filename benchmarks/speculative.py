@@ -14,8 +14,9 @@ shares one tokenizer offline); each round runs every workload on each, the order
 * **open chat, batch 1**: open-ended questions (little to copy: low acceptance);
 * **32 concurrent**: 32 open-chat requests at once: output tokens per second of the batch.
 
-The acceptance rate and mean accepted length of each workload are printed with the speed-ups, and the
-host time the proposer and the per-step sync took. Targets (issue 24): grounded >= 1.8x, open chat and
+The acceptance rate and mean accepted length of each workload are printed with the speed-ups, the
+host time the proposer and the per-step sync took, and the batch above which no step speculates
+(``disable_by_batch_size``: by default where a decode step turns compute-bound on this machine). Targets (issue 24): grounded >= 1.8x, open chat and
 32 concurrent >= 0.95x plain.
 """
 
@@ -120,7 +121,9 @@ def measure(bench) -> None:
     st = llms["ngram"].engine.speculator.stats
     bench.figures["host"] = {"propose_s": st.propose_s, "sync_s": st.sync_s,
                              "spec_syncs": llms["ngram"].engine.stats.spec_syncs,
-                             "steps": llms["ngram"].engine.stats.steps}
+                             "steps": llms["ngram"].engine.stats.steps,
+                             "batch_limit": llms["ngram"].engine.speculator.batch_limit,
+                             "unspeculated_steps": st.unspeculated_steps}
     bench.figures["k"] = a.k
 
 
@@ -145,7 +148,8 @@ def report(res: dict) -> str:
         compare(rows, names=("speculative", "plain"), label="median of rounds"),
         table(["workload", "acceptance rate", "mean accepted length"], acc),
         f"host: proposing {h['propose_s'] * 1e3:.0f} ms, waiting for the previous step before proposing "
-        f"{h['sync_s']:.1f} s over {h['spec_syncs']} syncs in {h['steps']} steps",
+        f"{h['sync_s']:.1f} s over {h['spec_syncs']} syncs in {h['steps']} steps; no drafts in the "
+        f"{h['unspeculated_steps']} steps with more than {h['batch_limit']} requests decoding (disable_by_batch_size)",
         *targets_block(targets),
     ])
 

@@ -222,6 +222,12 @@ class SpeculativeConfig:
     tokens matched earlier in the prompt and output, the tokens that followed proposed) or
     "draft_model" (``model``, a smaller model with the same vocabulary, proposing its argmax; its weights
     quantized by ``quantization``, as vLLM's field).
+
+    ``disable_by_batch_size`` (vLLM's name): in a step where more than this many requests decode, none
+    proposes (a step that is compute-bound gains nothing from verifying drafts). None: the decode batch
+    from which a step is compute-bound on this machine by its measured peaks
+    (`jaxinfer.engine.roofline.compute_bound_batch`), or no limit where the peaks are unknown. Whatever
+    it disables, a request's tokens are the same: a verify row draws what plain decoding draws.
     """
 
     method: str = "ngram"
@@ -230,6 +236,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: Optional[str] = None
     quantization: Optional[str] = None  # the draft model's weights: None (the engine's dtype), "int8" or "int4"
+    disable_by_batch_size: Optional[int] = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -249,6 +256,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's path or name.")
         if self.method == "ngram" and (self.model or self.quantization):
             raise ValueError("speculative_config 'model' and 'quantization' are for method 'draft_model', not 'ngram'.")
+        v = self.disable_by_batch_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"speculative_config disable_by_batch_size must be an integer >= 0 or null, got {v!r}.")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"speculative_config quantization must be int8, int4 or None, got {self.quantization!r}.")
 

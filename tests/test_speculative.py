@@ -23,6 +23,7 @@ import jaxinfer
 from conftest import TINY, TINY_ENGINE, Oracle, requires_smollm2, tiny_params
 from jaxinfer import SamplingParams, StructuredOutputsParams
 from jaxinfer.config import EngineConfig, SpeculativeConfig
+from jaxinfer.engine.roofline import CostModel, MachinePeaks, compute_bound_batch
 from jaxinfer.engine.speculative import NgramProposer, max_drafts
 from jaxinfer.ops.sampler import Drafts, init_sampler_state, sample
 from jaxinfer.engine.sampling import RowSampling, build_metadata
@@ -38,7 +39,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, 
 def test_rejection_rule_keeps_the_target_distribution(temperature, top_k, top_p):
     """Segments of two rows (draft d at row 0, the bonus at row 1), one seed each: a draft is accepted
     with probability p(d); after a rejection the token follows p without d, renormalised; so the first
-    token's marginal is p itself."""
+    token's marginal is p itself; and each emitted row's token is the one plain sampling draws there."""
     v, m = 8, 6000
     base = jnp.asarray(np.log(np.array([0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02])), jnp.float32)
     d = 1
@@ -56,9 +57,13 @@ def test_rejection_rule_keeps_the_target_distribution(temperature, top_k, top_p)
     rows = [RowSampling(params, seed, 10 + j, 0, prior=(d,) if j else ()) for seed in range(m) for j in range(2)]
     md = build_metadata(rows, b, num_slots=1, max_logprobs=0, prior_width=1)
     drafts = Drafts(jnp.asarray(np.tile([d, -1], m), jnp.int32), jnp.asarray(np.repeat(np.arange(m), 2), jnp.int32), m)
-    out, _ = jax.jit(sample)(jnp.broadcast_to(base, (b, v)), md, init_sampler_state(1, v), drafts)
+    logits = jnp.broadcast_to(base, (b, v))
+    out, _ = jax.jit(sample)(logits, md, init_sampler_state(1, v), drafts)
     tokens, emitted = np.asarray(out.tokens).reshape(m, 2), np.asarray(out.emitted).reshape(m, 2)
     accepted = emitted[:, 1]
+    # every emitted row drew what plain decoding draws at its position (the same rows, no drafts)
+    plain, _ = jax.jit(sample)(logits, md, init_sampler_state(1, v))
+    assert (tokens == np.asarray(plain.tokens).reshape(m, 2))[emitted].all()
     assert (tokens[accepted, 0] == d).all() and (tokens[~accepted, 0] != d).all()
     # acceptance ~ Binomial(m, p(d)): within 4.5 standard deviations
     assert abs(accepted.sum() - m * p[d]) < 4.5 * np.sqrt(m * p[d] * (1 - p[d]))
@@ -115,6 +120,25 @@ def test_max_drafts_leaves_every_running_request_room_for_a_full_segment():
     assert max_drafts(ecfg, budget=4) == 0
 
 
+def test_the_compute_bound_batch_is_where_a_decode_steps_flops_floor_reaches_its_bytes_floor():
+    """The default disable_by_batch_size: at that many decode rows the step's flops take at least as long
+    as its bytes at the machine's peaks, at one fewer they take less; unknown peaks give no limit."""
+    cost = CostModel(TINY, tiny_params(), np.float32)
+    for bw, fl in ((20.0, 150.0), (5.0, 400.0), (100.0, 50.0)):
+        peaks = MachinePeaks(bw, fl)
+        n = compute_bound_batch(cost, peaks)
+
+        def terms(rows):
+            c = cost.step([1] * rows, [0] * rows)
+            return c.flops / (fl * 1e9), c.bytes / (bw * 1e9)
+
+        flops_s, bytes_s = terms(n)
+        assert flops_s >= bytes_s
+        flops_s, bytes_s = terms(n - 1) if n > 1 else (0.0, 1.0)
+        assert flops_s < bytes_s
+    assert compute_bound_batch(cost, MachinePeaks(20.0, 0.0)) is None
+
+
 def test_config_errors_name_the_field_and_the_limit():
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
         SpeculativeConfig(num_speculative_tokens=0)
@@ -122,6 +146,8 @@ def test_config_errors_name_the_field_and_the_limit():
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match=r"unknown speculative_config keys \['lookahead'\]"):
         EngineConfig(speculative_config={"lookahead": 3})
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an integer >= 0 or null, got -1"):
+        SpeculativeConfig(disable_by_batch_size=-1)
     with pytest.raises(ValueError, match="method must be one of ngram, draft_model"):
         SpeculativeConfig.of('{"method": "eagle"}')
     assert EngineConfig(speculative_config=json.dumps(SPEC)).num_speculative_tokens == K
@@ -215,23 +241,56 @@ def test_preemption_and_prefix_hits_keep_the_greedy_output(engines):
     assert spec.engine.allocator.hits > 0
 
 
-def test_seeded_sampling_is_reproducible_and_the_same_alone_or_in_a_batch(engines):
-    _, spec = engines
+def test_seeded_sampling_draws_the_plain_engines_tokens_alone_or_in_a_batch(engines):
+    """A verify row draws what plain decoding draws at its position: seeded requests (top-p, logprobs) give
+    the plain engine's tokens and logprobs, in a batch and alone, with drafts accepted and rejected."""
+    plain, spec = engines
     prompts = prompts_of(4, seed=21)
-    sp = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, ignore_eos=True, seed=1234)
-    spec.engine.speculator.proposer = Guess()
-    batch = ids(spec.generate(prompts, sp))
-    again = ids(spec.generate(prompts, sp))
-    alone = [ids(spec.generate([p], sp))[0] for p in prompts[:2]]
-    assert batch == again and alone == batch[:2]
-    assert spec.engine.speculator.stats.num_accepted_tokens > 0
+    sp = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, ignore_eos=True, seed=1234, logprobs=2)
+    want = plain.generate(prompts, sp)
+    spec.engine.speculator.proposer = Oracle({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, want)})
+    before = spec.engine.speculator.stats.snapshot()
+    batch = spec.generate(prompts, sp)
+    alone = [spec.generate([p], sp)[0] for p in prompts[:2]]
+    assert ids(batch) == ids(want) and ids(alone) == ids(want)[:2]
+    for g, w in zip(batch + alone, want + want[:2]):
+        assert [lp.logprob for lp in g.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in w.outputs[0].logprobs], abs=1e-5)
+    after = spec.engine.speculator.stats.snapshot()
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert 0 < accepted < after["num_draft_tokens"] - before["num_draft_tokens"]
 
 
-class Guess:
-    """Drafts a request's own recent tokens again (a deterministic function of them, like prompt lookup)."""
-
-    def propose(self, tokens: np.ndarray, k: int) -> list:
-        return tokens[-k - 2:-2].tolist()[:k]
+def test_a_step_with_more_requests_decoding_than_disable_by_batch_size_drafts_nothing(engines):
+    """disable_by_batch_size 2: while more than two of eight requests decode, no request proposes and the
+    engine reads no step early for drafts; the last two (the longest) speculate; greedy and seeded tokens
+    are the plain engine's either way."""
+    plain, spec = engines
+    prompts = prompts_of(8, seed=60)
+    spec_engine = spec.engine.speculator
+    assert spec_engine.batch_limit is None or spec_engine.batch_limit >= TINY_ENGINE.max_num_seqs
+    for base in (SamplingParams(temperature=0.0, ignore_eos=True),
+                 SamplingParams(temperature=1.0, ignore_eos=True, seed=7)):
+        sp = [dataclasses.replace(base, max_tokens=8 + 4 * i) for i in range(len(prompts))]  # a tail of few
+        want = plain.generate(prompts, sp)
+        spec_engine.proposer = Oracle({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, want)})
+        limit, spec_engine.batch_limit = spec_engine.batch_limit, 2
+        before, syncs, steps = spec_engine.stats.snapshot(), spec.engine.stats.spec_syncs, spec.engine.stats.steps
+        try:
+            got = spec.generate(prompts, sp)
+        finally:
+            spec_engine.batch_limit = limit
+        assert ids(got) == ids(want)
+        after = spec_engine.stats.snapshot()
+        unspeculated = after["unspeculated_steps"] - before["unspeculated_steps"]
+        assert unspeculated > 0 and after["num_accepted_tokens"] > before["num_accepted_tokens"]
+        # a step that does not speculate reads early only right after a verify (at most one per speculating step)
+        speculating = spec.engine.stats.steps - steps - unspeculated
+        assert spec.engine.stats.spec_syncs - syncs <= 2 * speculating < spec.engine.stats.steps - steps
+    cfg = TINY_ENGINE.replace(speculative_config={**SPEC, "disable_by_batch_size": 2})
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=cfg)
+    assert llm.engine.speculator.batch_limit == 2
+    llm.close()
 
 
 def test_sampled_speculation_draws_from_the_plain_distribution(engines):

@@ -37,7 +37,7 @@ from jaxinfer.engine.distributed import to_host
 from jaxinfer.outputs import Logprob, StreamDelta
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request, TokenRef
-from jaxinfer.engine.roofline import EngineRoofline
+from jaxinfer.engine.roofline import EngineRoofline, compute_bound_batch
 from jaxinfer.engine.runner import ModelRunner, read_output
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.speculative import speculator_for
@@ -148,11 +148,14 @@ class Engine:
         budget = max_num_batched_tokens or self.ecfg.max_num_batched_tokens
         self.scheduler = Scheduler(self.ecfg, self.allocator, max_num_batched_tokens=budget, policy=policy,
                                    kv_window=runner.cfg.kv_window)
-        # speculative decoding (`jaxinfer.engine.speculative`): None unless the engine config asks for it
-        self.speculator = speculator_for(self.ecfg, self.scheduler.budget, runner.max_model_len, runner)
         self.stats = EngineStats(self)
         # each step program's physical floor and measured time; None where the peaks are unknown
         self.roofline = EngineRoofline.for_runner(runner, self.stats.on_step_timed)
+        # speculative decoding (`jaxinfer.engine.speculative`): None unless the engine config asks for it
+        bound = None  # the decode batch from which a step is compute-bound here: speculation's default limit
+        if self.ecfg.speculative_config is not None and self.roofline is not None:
+            bound = compute_bound_batch(self.roofline.cost, self.roofline.peaks, most=self.ecfg.max_num_seqs)
+        self.speculator = speculator_for(self.ecfg, self.scheduler.budget, runner.max_model_len, runner, bound)
         self.log_stats_interval = log_stats_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -309,7 +312,7 @@ class Engine:
             # first (one batched dispatch cannot wait for some rows only), and finish what ended
             self.stats.grammar_syncs += 1
             self._read_pending()
-        elif self._pending and spec is not None and any(spec.must_read(r) for r in self.scheduler.running):
+        elif self._pending and spec is not None and spec.must_read(self.scheduler.running):
             # drafts follow the tokens just accepted
             t0 = time.perf_counter()
             self.stats.spec_syncs += 1

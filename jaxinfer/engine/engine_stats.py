@@ -31,8 +31,7 @@ class EngineStats:
         self.roofline: dict = {k: RooflineHistogram() for k in ROOFLINE_KINDS}
         self._mark = (time.perf_counter(), 0, 0)
         self._roofline_mark: dict = {}  # kind -> (measured s, floor s) at the last line
-        spec = getattr(engine, "speculator", None)
-        self._spec_mark = (0, 0, 0, [0] * len(spec.stats.accepted_per_pos) if spec else [])
+        self._spec_mark = None  # speculative decoding's counters at the last line (set at the first)
 
     def on_step_timed(self, t) -> None:
         """One dispatched program timed (`jaxinfer.engine.roofline.StepTiming`): into the kind's
@@ -83,7 +82,7 @@ class EngineStats:
         if spec is None:
             return ""
         st = spec.stats
-        d0, t0, a0, pos0 = self._spec_mark
+        d0, t0, a0, pos0 = self._spec_mark or (0, 0, 0, [0] * len(st.accepted_per_pos))
         self._spec_mark = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos))
         drafts, drafted, accepted = st.num_drafts - d0, st.num_draft_tokens - t0, st.num_accepted_tokens - a0
         if not drafts:

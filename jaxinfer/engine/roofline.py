@@ -309,6 +309,26 @@ def floor_seconds(cost: StepCost, peaks: MachinePeaks) -> float:
     return max(t_bytes, t_flops)
 
 
+def compute_bound_batch(cost: "CostModel", peaks: MachinePeaks, most: int = 1024) -> Optional[int]:
+    """The fewest decode rows (one token each, no context) whose step's flops take at least as long as
+    its bytes at the machine's peaks: from there on each more token costs compute, where below it the
+    step's time is the weights' read. None where a peak is unknown (or past ``most`` rows)."""
+    if peaks.bandwidth_gbps <= 0 or peaks.flops_gflops <= 0:
+        return None
+
+    def compute_bound(rows: int) -> bool:
+        c = cost.step([1] * rows, [0] * rows)
+        return c.flops / peaks.flops_gflops >= c.bytes / peaks.bandwidth_gbps
+
+    if not compute_bound(most):
+        return None
+    lo, hi = 1, most  # the least bound batch lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if compute_bound(mid) else (mid + 1, hi)
+    return lo
+
+
 def _leaf_bytes(x: Any) -> int:
     if is_quantized(x):
         return int(x.nbytes)

@@ -19,8 +19,10 @@ Proposers (`Proposer`: ``propose(tokens, k) -> drafts``, the request's prompt an
   field, gathered at `LogitsRows.index`) and its own small head run in the step after; its drafts go
   into `Request.drafts` as any other's. None is built: no such weights exist offline to test against.
 
-How many (`Speculator.budget_for`), from the request's own history only — never the batch, the load or
-preemption, so a seeded request draws the same tokens whatever runs beside it:
+How many (`Speculator.budget_for`). A verify row draws what plain decoding would draw at its position
+(`jaxinfer.ops.sampler`) and accepts the draft when it drew it, so a request's tokens — greedy or seeded —
+are the same however many drafts it verified, or none: the rule below changes speed, never output, and
+may look at the batch. Per request, from its own history:
 
 - slow start: k starts at ``K_START`` (1) and doubles after each verify that accepted every draft, up
   to ``num_speculative_tokens``; after one that accepted a < k drafts, the next k is a + 1 (what was
@@ -36,6 +38,12 @@ preemption, so a seeded request draws the same tokens whatever runs beside it:
   plain engine's overlap of host and device.
 - never more than ``max_tokens`` allows (the segment's last row draws one more token) or than a
   step's token budget shared by ``max_num_seqs`` requests allows (`max_drafts`).
+
+Per step, from the batch (`Speculator.speculates`): when more requests decode than
+``disable_by_batch_size`` (vLLM's field; by default the batch from which a decode step is compute-bound
+on this machine, `jaxinfer.engine.roofline.compute_bound_batch`), no request proposes: every further
+token of such a step costs compute, so drafts would slow it, and the engine keeps plain decoding's
+overlap (no sync). A request's own history is left as it was for the next step that speculates.
 """
 
 from __future__ import annotations
@@ -119,6 +127,7 @@ class SpecStats:
         self.accepted_per_pos = [0] * k
         self.propose_s = 0.0  # host time proposing
         self.sync_s = 0.0  # host time waiting for the previous step before proposing
+        self.unspeculated_steps = 0  # steps in which too many requests decoded to speculate (`disable_by_batch_size`)
 
     def add(self, drafted: int, accepted: int) -> None:
         if not drafted:
@@ -148,6 +157,7 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "propose_s": self.propose_s,
             "sync_s": self.sync_s,
+            "unspeculated_steps": self.unspeculated_steps,
         }
 
 
@@ -155,8 +165,10 @@ class Speculator:
     """The engine's speculative decoding on the host (the module's docstring)."""
 
     def __init__(self, config: SpeculativeConfig, ecfg: EngineConfig, budget: int, max_model_len: int,
-                 runner=None):
+                 runner=None, compute_bound: Optional[int] = None):
         self.config = config
+        # more requests decoding than this: the step does not speculate (None: no limit)
+        self.batch_limit = config.disable_by_batch_size if config.disable_by_batch_size is not None else compute_bound
         self.k = max_drafts(ecfg, budget)
         if not self.k:
             raise ValueError(
@@ -185,18 +197,33 @@ class Speculator:
         the proposer sees its last tokens. (A paused request runs without that sync.)"""
         return not r.finished and r.prefill_done and not r.done_sampling and self.budget_for(r) > 0
 
-    def must_read(self, r) -> bool:
-        """The engine reads the steps in flight before scheduling when ``r`` has a verify segment among
-        them (its counters wait for what was accepted) or `wants_tokens`."""
-        return bool(r.drafts) or self.wants_tokens(r)
+    def speculates(self, running) -> bool:
+        """Whether this step's decode rows may carry drafts: no more of ``running`` decode next than
+        `batch_limit` (the module's docstring)."""
+        if self.batch_limit is None:
+            return True
+        decoding = sum(1 for r in running if not r.finished and r.prefill_done and not r.done_sampling)
+        return decoding <= self.batch_limit
+
+    def must_read(self, running) -> bool:
+        """The engine reads the steps in flight before scheduling when one of ``running`` has a verify
+        segment among them (its counters wait for what was accepted), or when this step speculates and
+        one `wants_tokens`."""
+        if any(r.drafts for r in running):
+            return True
+        return self.speculates(running) and any(self.wants_tokens(r) for r in running)
 
     def propose(self, running) -> None:
         """Set `Request.drafts` of every running request whose next step decodes (others: none). A request
-        whose last token is still on device (paused, so the engine did not wait for it) proposes nothing."""
+        whose last token is still on device (paused, so the engine did not wait for it) proposes nothing;
+        in a step that does not speculate, none does."""
         t0 = time.perf_counter()
+        on = self.speculates(running)
+        if not on:
+            self.stats.unspeculated_steps += 1
         for r in running:
             r.drafts = []
-            if not self.wants_tokens(r) or not isinstance(r.last_token, int):
+            if not on or not self.wants_tokens(r) or not isinstance(r.last_token, int):
                 continue
             if self.draft is not None:  # room for k drafts; `fill` runs the draft model once pages are given
                 r.drafts = [PLACEHOLDER] * self.budget_for(r)
@@ -368,9 +395,11 @@ class DraftModel:
         return proposals
 
 
-def speculator_for(ecfg: EngineConfig, budget: int, max_model_len: int, runner=None) -> Optional[Speculator]:
+def speculator_for(ecfg: EngineConfig, budget: int, max_model_len: int, runner=None,
+                   compute_bound: Optional[int] = None) -> Optional[Speculator]:
     """The engine's `Speculator`, or None when ``ecfg.speculative_config`` is None; ``runner``: the target's
-    (a draft model takes its page layout and mesh)."""
+    (a draft model takes its page layout and mesh); ``compute_bound``: the decode batch from which a step
+    is compute-bound here (the default ``disable_by_batch_size``), None if unknown."""
     if ecfg.speculative_config is None:
         return None
-    return Speculator(ecfg.speculative_config, ecfg, budget, max_model_len, runner)
+    return Speculator(ecfg.speculative_config, ecfg, budget, max_model_len, runner, compute_bound)

@@ -81,6 +81,7 @@ from jaxinfer.tools.harness import write_json
 ACCEL_TESTS = [
     "tests/test_paged_model.py",
     "tests/test_sampler.py",
+    "tests/test_speculative.py",  # the verify rows' draws and acceptance on the device, lossless against plain
     "tests/test_families.py::test_logits_match_transformers_at_every_position",
     "tests/test_families.py::test_bfloat16_weights_track_float32",
     "tests/test_parity.py",
