@@ -113,6 +113,22 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert prop.propose(np.array([1, 2, 1, 2]), 5) == [1, 2]  # what there is, up to k
 
 
+def test_may_propose_is_false_only_where_no_next_token_gives_a_proposal():
+    """The engine skips reading a step early when prompt lookup cannot match whatever token it draws:
+    over random short sequences of a small vocabulary, may_propose(known) is False only where
+    propose(known + [x]) is empty for every x, and it is False for some."""
+    rng = np.random.default_rng(0)
+    falses = 0
+    for n_min, n_max in ((1, 3), (2, 4), (3, 3)):
+        prop = NgramProposer(n_min, n_max)
+        for _ in range(300):
+            known = rng.integers(0, 6, size=int(rng.integers(1, 12)))
+            if not prop.may_propose(known):
+                falses += 1
+                assert all(prop.propose(np.append(known, x), 3) == [] for x in range(6)), (n_min, known)
+    assert falses > 0
+
+
 def test_max_drafts_leaves_every_running_request_room_for_a_full_segment():
     ecfg = TINY_ENGINE.replace(speculative_config=SPEC)
     assert max_drafts(ecfg, budget=64) == 3  # 4 requests x (1 + 3) <= 64

@@ -102,6 +102,19 @@ class NgramProposer:
                 return tokens[start:start + k].tolist()
         return []
 
+    def may_propose(self, known: np.ndarray) -> bool:
+        """Whether ``known`` followed by any one token can have a proposal: its last ``n_min`` - 1 tokens
+        occur earlier (a match of n >= n_min tokens ending at the next token holds them at its end). False
+        lets the engine skip reading the step in flight that draws that token."""
+        n = self.n_min - 1
+        size = known.shape[0]
+        if n == 0:
+            return size > 0
+        if size <= n:
+            return False
+        windows = np.lib.stride_tricks.sliding_window_view(known[:-1], n)
+        return bool((windows == known[size - n:]).all(axis=1).any())
+
 
 @dataclasses.dataclass
 class SpecState:
@@ -211,7 +224,15 @@ class Speculator:
         one `wants_tokens`."""
         if any(r.drafts for r in running):
             return True
-        return self.speculates(running) and any(self.wants_tokens(r) for r in running)
+        return self.speculates(running) and any(self.wants_tokens(r) and self._may_propose(r) for r in running)
+
+    def _may_propose(self, r) -> bool:
+        """Whether ``r`` can have drafts once its token in flight is read (prompt lookup: `NgramProposer.may_propose`
+        on the tokens before it; other proposers: always)."""
+        check = getattr(self.proposer, "may_propose", None)
+        if self.draft is not None or check is None or isinstance(r.last_token, int):
+            return True
+        return check(np.asarray(r.known_token_ids(), np.int64))
 
     def propose(self, running) -> None:
         """Set `Request.drafts` of every running request whose next step decodes (others: none). A request
@@ -223,7 +244,10 @@ class Speculator:
             self.stats.unspeculated_steps += 1
         for r in running:
             r.drafts = []
-            if not on or not self.wants_tokens(r) or not isinstance(r.last_token, int):
+            if not on or not self.wants_tokens(r):
+                continue
+            if not isinstance(r.last_token, int):  # not read: no proposal could follow it (`_may_propose`)
+                self._no_match(r)
                 continue
             if self.draft is not None:  # room for k drafts; `fill` runs the draft model once pages are given
                 r.drafts = [PLACEHOLDER] * self.budget_for(r)
