@@ -77,7 +77,8 @@ def test_bench_over_http_completes_every_request_with_its_length_and_ordered_per
     vocab = server.llm.model_config.vocab_size
     workload = synthetic_workload(16, (6, 24), (4, 12), vocab, seed=1)
     cfg = BenchConfig(request_rate=40.0, max_concurrency=4, warmup_requests=2, seed=1, progress=False)
-    backend = _Counting(server.http_url, server.llm.model_name, api_key=TOKEN, poll_interval=0.05)
+    # polled often: the tiny model's requests are short, and the peaks must see one running
+    backend = _Counting(server.http_url, server.llm.model_name, api_key=TOKEN, poll_interval=0.005)
     result = run_benchmark(backend, workload, cfg, serving.warmup_workload(workload, 2, vocab, 1))
     assert backend.calls == 16 + 2 and backend.most_in_flight <= 4
     assert backend.client is None, "the HTTP client is closed after the run"
