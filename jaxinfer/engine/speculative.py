@@ -116,6 +116,11 @@ class NgramProposer:
         return bool((windows == known[size - n:]).all(axis=1).any())
 
 
+def decodes_next(r) -> bool:
+    """``r``'s next step is a decode row: its prompt is in, and it has tokens left to draw."""
+    return not r.finished and r.prefill_done and not r.done_sampling
+
+
 @dataclasses.dataclass
 class SpecState:
     """One request's speculation history (`Speculator.budget_for`)."""
@@ -208,15 +213,14 @@ class Speculator:
     def wants_tokens(self, r) -> bool:
         """``r`` decodes next and would propose: the engine reads the step in flight before this one, so
         the proposer sees its last tokens. (A paused request runs without that sync.)"""
-        return not r.finished and r.prefill_done and not r.done_sampling and self.budget_for(r) > 0
+        return decodes_next(r) and self.budget_for(r) > 0
 
     def speculates(self, running) -> bool:
         """Whether this step's decode rows may carry drafts: no more of ``running`` decode next than
         `batch_limit` (the module's docstring)."""
         if self.batch_limit is None:
             return True
-        decoding = sum(1 for r in running if not r.finished and r.prefill_done and not r.done_sampling)
-        return decoding <= self.batch_limit
+        return sum(1 for r in running if decodes_next(r)) <= self.batch_limit
 
     def must_read(self, running) -> bool:
         """The engine reads the steps in flight before scheduling when one of ``running`` has a verify
