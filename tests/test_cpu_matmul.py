@@ -59,6 +59,15 @@ def make_weight(rng, scheme: str, k: int, n: int):
     return jax.tree.map(jnp.asarray, qw), 0, ref
 
 
+def as_multiplied(x, w, targets=None):
+    """x as the kernel multiplies it by ``w``: rounded to bfloat16 where the build's path takes a bfloat16
+    weight on the AMX tiles (`cpu_matmul.bf16_dot`), else as it is (float32)."""
+    simd = targets.get("isa", "") if targets else KernelChoice.loaded().simd
+    if cpu_matmul.bf16_dot(w, simd):
+        return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    return x
+
+
 def check(y, x, ref, tol=TOL):
     x = np.asarray(x, np.float64)
     bound = np.abs(x) @ np.abs(ref)
@@ -140,7 +149,7 @@ def run_all(rows: int, shapes, targets=None) -> None:
 
     out = f(xs, {key: v[0] for key, v in ws.items()})
     for key, y in out.items():
-        check(np.asarray(y), xs[key[1]], ws[key][2])
+        check(np.asarray(y), as_multiplied(xs[key[1]], ws[key][0], targets), ws[key][2])
 
 
 SHAPES = ((64, 100), (576, 49))
@@ -216,7 +225,7 @@ def check_invariance(rows_list, targets=None, share=None) -> None:
                 assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (
                     f"{key}: row {r} of {m} differs from the row alone at columns "
                     f"{np.flatnonzero(got != want)[:8]}")
-            check(y, xs[key[1]], forms[key][2])
+            check(y, as_multiplied(xs[key[1]], forms[key][0], targets), forms[key][2])
 
 
 def test_rows_bitwise_the_same_alone_and_among_others():
@@ -269,18 +278,35 @@ def _variant(flags, isa, required):
     return targets
 
 
-@pytest.mark.parametrize("name", ["avx2", "scalar"])
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+
+
+@pytest.mark.parametrize("name", ["avx512", "avx2", "scalar"])
 def test_other_builds(name):
-    """The AVX2 path (8 lanes, 12-row decode tiles) and the scalar fallback (8-row tiles):
-    against the reference, and the same row bits alone and among others across their tiles."""
+    """The AVX-512 path without AMX (bfloat16 weights widened, x in float32: every AVX-512 CPU without
+    AMX, and ``JAXINFER_CPU_AMX=0``), the AVX2 path (8 lanes, 12-row decode tiles) and the scalar fallback
+    (8-row tiles): against the reference, and the same row bits alone and among others across their tiles."""
+    if name == "avx512":
+        if KernelChoice.loaded().simd != "amx":
+            pytest.skip("no AMX path here: the default build is the AVX-512 (or narrower) one the tests above run")
+        targets = _variant(["-O3", "-march=native", *NO_AMX, "-fopenmp-simd"], "avx512", {"avx512f"})
+        for m in (1, 5, 16, 17, 130):
+            run_all(m, SHAPES, targets=targets)
+        check_invariance((1, 2, 16, 17, 48, 100), targets=targets)
+        x = jnp.ones((2, 64), jnp.float32)
+        with pytest.raises(Exception, match="bf16_dot asks for AMX bfloat16 products"):
+            jax.block_until_ready(jax.ffi.ffi_call(targets["float"], jax.ShapeDtypeStruct((2, 8), jnp.float32))(
+                x, jnp.ones((64, 8), jnp.bfloat16), w_contract=np.int64(0), share=True, bf16_dot=True))
+        return
     if name == "avx2":
         if "avx512f" not in cpu_flags():
             pytest.skip("no AVX-512 here: the default build is this AVX2 build, which every test above runs")
-        targets = _variant(["-O3", "-march=native", "-mno-avx512f", "-fopenmp-simd"], "avx2", {"avx2", "fma", "f16c"})
+        targets = _variant(["-O3", "-march=native", "-mno-avx512f", *NO_AMX, "-fopenmp-simd"], "avx2",
+                           {"avx2", "fma", "f16c"})
         rows = (1, 5, 12, 13, 25, 48, 130)
         inv = (1, 2, 7, 12, 13, 19, 48, 64, 128)
     else:
-        targets = _variant(["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma"], "scalar", set())
+        targets = _variant(["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma", *NO_AMX], "scalar", set())
         rows = (1, 9, 48, 130)
         inv = (1, 3, 8, 9, 13, 48, 100)
     for m in rows:
@@ -300,16 +326,17 @@ def test_errors_name_the_problem():
     call = lambda target, shape, *args, **attrs: jax.ffi.ffi_call(  # noqa: E731
         target, jax.ShapeDtypeStruct(shape, f32))(*args, **attrs)
     share = dict(share=True)
+    fshare = dict(share=True, bf16_dot=False)  # the float target's attributes
     _raises(r"INVALID_ARGUMENT.*do not agree on the contraction",
-            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((63, 8), f32), w_contract=np.int64(0), **share))
+            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((63, 8), f32), w_contract=np.int64(0), **fshare))
     _raises(r"w_contract must be 0 or 1",
-            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((64, 8), f32), w_contract=np.int64(2), **share))
+            lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((64, 8), f32), w_contract=np.int64(2), **fshare))
     _raises(r"w must be float32, bfloat16 or float16, got int8",
             lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((64, 8), jnp.int8), w_contract=np.int64(0),
-                         **share))
+                         **fshare))
     _raises(r"x \[2, 64\] and w \[8, 60\] do not agree",
             lambda: call(cpu_matmul.TARGET_FLOAT, (2, 8), x, jnp.ones((8, 60), jnp.bfloat16), w_contract=np.int64(1),
-                         **share))
+                         **fshare))
     q8, s = jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float16)
     none = jnp.zeros((0, 8), jnp.float16)
     def qattrs(bits, group, wc=0):

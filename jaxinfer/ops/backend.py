@@ -49,7 +49,7 @@ from jaxinfer.ops import kernels
 from jaxinfer.ops.attention_pallas import tpu_kernel_fits
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-SIMD_LEVELS = ("", "avx512", "avx2", "scalar")
+SIMD_LEVELS = ("", "amx", "avx512", "avx2", "scalar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +60,10 @@ class KernelChoice:
     cpu_matmul:    products go to the native CPU kernel (`jaxinfer.ops.cpu_matmul`) where it takes the weight.
     cpu_attention: attention goes to the native CPU paged-attention kernel where it takes the shapes.
     tpu_attention: attention goes to Pallas ``ragged_paged_attention`` where it takes the shapes.
-    simd:          the SIMD path of the CPU matmul kernel ("avx512", "avx2", "scalar"; "" when unknown or
-                   not used): a different build of the same source, so programs compiled with one are not
-                   programs of the other.
+    simd:          the SIMD path of the CPU matmul kernel ("amx", "avx512", "avx2", "scalar"; "" when unknown
+                   or not used): a different build of the same source, so programs compiled with one are not
+                   programs of the other. "amx" is AVX-512 with bfloat16 weights' products on the AMX tiles
+                   (activations rounded to bfloat16 for them; `jaxinfer.ops.cpu_matmul`).
     matmul_precision: XLA's float32 products (dot_general, einsums) at the platform's "default" precision
                    (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs) or at "highest" (full float32). The
                    native CPU kernels compute float32 exactly either way.

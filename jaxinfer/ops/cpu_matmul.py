@@ -82,7 +82,8 @@ def load_variant(flags: Sequence[str]) -> tuple[dict, str]:
     tests and benchmarks: pass the targets to `matmul` (``targets=``). Cached on disk like the
     default build. Raises RuntimeError when it cannot be built."""
     lib, names = kernels.load_variant(SOURCE, flags)
-    return {"float": names[TARGET_FLOAT], "q": names[TARGET_Q]}, kernels.matmul_isa(lib)
+    isa = kernels.matmul_isa(lib)
+    return {"float": names[TARGET_FLOAT], "q": names[TARGET_Q], "isa": isa}, isa
 
 
 # ---------------------------------------------------------------------------
@@ -140,10 +141,13 @@ def fits(rows: int, w: Any, w_contract: int = 0, choice: Optional[KernelChoice] 
     )
 
 
-def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0) -> jax.Array:
+def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0, bf16_x: bool = False) -> jax.Array:
     """XLA's path for the same function: dequantize (a quantized weight) or widen (a 16-bit
-    one), then dot, in float32. The kernel's derivatives; the reference its tests use."""
+    one), then dot, in float32 (``bf16_x``: x rounded to bfloat16 first, as the AMX path does). The
+    kernel's derivatives; the reference its tests use."""
     f32 = jnp.float32
+    if bf16_x:
+        x2 = x2.astype(jnp.bfloat16)
     if isinstance(w, QuantizedWeight) and _axis(w) == 1 and w.bits == 8 and w.offset is None:
         n, k = w.q.shape  # [N, K], scale [N, K / group]
         group = w.group or k
@@ -169,11 +173,19 @@ def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] =
     names = (targets["float"], targets["q"]) if targets else (TARGET_FLOAT, TARGET_Q)
     if share is None:
         share = mesh.tp_size() == 1
-    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names, bool(share))
+    simd = targets.get("isa", "") if targets else backend.current().simd
+    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names, bool(share), bf16_dot(w, simd))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool):
+def bf16_dot(w: Any, simd: str) -> bool:
+    """Whether the kernel built for ``simd`` multiplies ``w`` on the AMX tiles with x rounded to
+    bfloat16 (a bfloat16 weight on the "amx" path), rather than x in float32 times the widened weight."""
+    return (simd == "amx" and not isinstance(w, QuantizedWeight)
+            and jnp.dtype(getattr(w, "dtype", jnp.float32)) == jnp.bfloat16)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
+def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool, amx: bool = False):
     m, k = x2.shape
     if isinstance(w, QuantizedWeight):
         qc = 1 if _axis(w) == 1 else 0  # the axis of q that meets x's K
@@ -184,9 +196,9 @@ def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool):
             share=share)
     n = w.shape[1 - w_contract]
     return jax.ffi.ffi_call(names[0], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
-        x2, w, w_contract=np.int64(w_contract), share=share)
+        x2, w, w_contract=np.int64(w_contract), share=share, bf16_dot=amx)
 
 
 @_kernel_matmul.defjvp
-def _kernel_matmul_jvp(w_contract, names, share, primals, tangents):
-    return jax.jvp(functools.partial(xla_matmul, w_contract=w_contract), primals, tangents)
+def _kernel_matmul_jvp(w_contract, names, share, amx, primals, tangents):
+    return jax.jvp(functools.partial(xla_matmul, w_contract=w_contract, bf16_x=amx), primals, tangents)

@@ -31,7 +31,7 @@ import warnings
 from typing import Optional, Sequence
 
 from jaxinfer import progress
-from jaxinfer.env import cache_root, cpu_flags, is_on
+from jaxinfer.env import CPU_AMX, cache_root, cpu_flags, is_on
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -130,10 +130,15 @@ def library(source: str) -> Optional[ctypes.CDLL]:
 
 
 def matmul_isa(lib: ctypes.CDLL) -> str:
-    """The SIMD path a build of `MATMUL` was compiled for: "avx512", "avx2" or "scalar"."""
+    """The SIMD path a build of `MATMUL` runs: "amx" (AVX-512, with bfloat16 weights' products on the AMX
+    tiles: built for a CPU with AMX-BF16, the OS grants the tile state, and ``$JAXINFER_CPU_AMX`` is not
+    0), "avx512", "avx2" or "scalar"."""
     fn = lib.JaxinferMatmulIsa
     fn.restype = ctypes.c_char_p
-    return fn().decode()
+    isa = fn().decode()
+    if isa == "avx512" and is_on(CPU_AMX) and lib.JaxinferMatmulAmx():
+        return "amx"
+    return isa
 
 
 def build(source: str, flags: Optional[Sequence[str]] = None) -> str:

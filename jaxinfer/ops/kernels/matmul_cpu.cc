@@ -80,6 +80,14 @@
 #include <immintrin.h>
 #endif
 
+// The AMX path (bfloat16 weights): built where the compiler targets AMX-TILE, AMX-BF16 and AVX512-BF16
+// (-march=native on such a CPU), used where the kernel grants this process the tile state.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__x86_64__)
+#define JAXINFER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -251,9 +259,15 @@ constexpr int64_t kMaxBandUnits = 16;  // a work item's columns, at most, in uni
 // A hint only: an address past the weight's end (the last block's lookahead) is harmless.
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
-// How many vectors wide a panel is for a tile of MT rows: as many as fit the register budget, <= 4.
+// How many vectors wide a panel is for a tile of MT rows: as many as fit the register budget, at most
+// kMaxPanel (a power of two). A wide panel reads a long contiguous run of each weight row (AVX-512 at
+// one row: 16 vectors, 512 bytes of bfloat16), which is what lets a decode step stream the weights at
+// the memory's speed; the width never changes a result (each column's sums are the same operations).
+constexpr int kMaxPanel = 4;
 constexpr int panel_vectors(int mt) {
-  return 4 * mt <= Vec::kBudget ? 4 : (2 * mt <= Vec::kBudget ? 2 : 1);
+  int nv = kMaxPanel;
+  while (nv > 1 && nv * mt > Vec::kBudget) nv /= 2;
+  return nv;
 }
 
 // ---------------------------------------------------------------------------
@@ -311,6 +325,12 @@ struct Problem {
   int offset_mode = kNoOffset;
   bool transposed = false;
   bool blocked = false;  // [K, N]: the many-row path
+  // The AMX path (bfloat16 weights, `amx`): x rounded to bfloat16, [mp, kp] (rows to a multiple of 16,
+  // K to one of 32, zeros past x); for the [N, K] layout also as column pairs (see amx_item_t).
+  bool amx = false;
+  const uint16_t* xb = nullptr;
+  const uint32_t* xpairs = nullptr;
+  int64_t mp = 0, kp = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -327,11 +347,11 @@ inline void fold(const Problem& p, typename V::F (&acc)[MT][NV], int64_t m0, int
   if constexpr (is_float(KIND)) {
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) V::store(y + i * N + v * L, V::add(V::load(y + i * N + v * L), acc[i][v]));
   } else {
     F s[NV], o[NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       s[v] = V::load_h(p.scale + g * N + n + v * L);
       if constexpr (OFF == kOffset) o[v] = V::load_h(p.offset + g * N + n + v * L);
@@ -339,7 +359,7 @@ inline void fold(const Problem& p, typename V::F (&acc)[MT][NV], int64_t m0, int
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
       const float xs = OFF != kNoOffset && last ? p.xsum[(m0 + i) * p.groups + g] : 0.f;
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
         F a = acc[i][v];
         if constexpr (OFF == kMinus8) {
@@ -367,7 +387,7 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
   F acc[MT][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
 
   if constexpr (KIND != kU4) {
@@ -377,15 +397,15 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
     for (int64_t k = k0; k < k1; ++k) {
       F wv[NV];
       if (KIND != kF32 || pf)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
         for (int line = 0; line < NV * L * kBytes; line += 64)
           prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) wv[v] = load_w<V, KIND>(p.w, k * N + n + v * L);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         const F xb = V::set1(xt[k * MT + i]);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
         for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
       }
     }
@@ -393,15 +413,15 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
     const uint8_t* q = static_cast<const uint8_t*>(p.w);
     for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
       F lo[NV], hi[NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int line = 0; line < NV * L; line += 64) prefetch(q + (j + kPrefetchRows / 2) * N + n + line);
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, lo[v], hi[v]);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         const F a = V::set1(xt[2 * j * MT + i]);        // x[2j]
         const F b = V::set1(xt[(2 * j + 1) * MT + i]);  // x[2j + 1]
-#pragma GCC unroll 4
+#pragma GCC unroll 16
         for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, hi[v], V::fma(a, lo[v], acc[i][v]));
       }
     }
@@ -445,6 +465,15 @@ void tail_columns(const Problem& p, int64_t m0, int64_t mt, int64_t n0, int64_t 
   }
 }
 
+// The whole vectors [n, end) of one block, in panels as wide as NV vectors, then narrower ones for
+// what is left (halving: a narrow panel reads a short run of each weight row).
+template <class V, int MT, int NV, int KIND, int OFF>
+inline void panels(const Problem& p, int64_t m0, int64_t n, int64_t end, int64_t k0, int64_t k1, int64_t g,
+                   bool last) {
+  for (; n + NV * V::L <= end; n += NV * V::L) panel<V, MT, NV, KIND, OFF>(p, m0, n, k0, k1, g, last);
+  if constexpr (NV > 1) panels<V, MT, NV / 2, KIND, OFF>(p, m0, n, end, k0, k1, g, last);
+}
+
 // One tile of MT rows over the band's columns [c0, c1), all of K.
 template <int MT, int KIND, int OFF>
 void tile_kn(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
@@ -454,15 +483,12 @@ void tile_kn(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
   const int64_t N = p.n;
   for (int i = 0; i < MT; ++i) std::fill(p.y + (m0 + i) * N + c0, p.y + (m0 + i) * N + c1, 0.f);
   const int64_t vec_end = c0 + (c1 - c0) / L * L;  // columns in whole vectors
-  const int64_t wide_end = c0 + (vec_end - c0) / (NV * L) * (NV * L);
   const int64_t block = std::min<int64_t>(kKBlock, p.group);
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t g0 = g * p.group, g1 = g0 + p.group;
     for (int64_t k0 = g0; k0 < g1; k0 += block) {
       const int64_t k1 = std::min(g1, k0 + block);
-      const bool last = k1 == g1;
-      for (int64_t n = c0; n < wide_end; n += NV * L) panel<V, MT, NV, KIND, OFF>(p, m0, n, k0, k1, g, last);
-      for (int64_t n = wide_end; n < vec_end; n += L) panel<V, MT, 1, KIND, OFF>(p, m0, n, k0, k1, g, last);
+      panels<V, MT, NV, KIND, OFF>(p, m0, c0, vec_end, k0, k1, g, k1 == g1);
     }
   }
   if (vec_end < c1) tail_columns<KIND, OFF>(p, m0, MT, vec_end, c1);
@@ -605,6 +631,13 @@ void item_kn(const Problem& p, int64_t item) {
 // ---------------------------------------------------------------------------
 // [N, K] layout (float32, bf16, f16): y[m, n] = sum_k x[m, k] w[n, k]
 
+// How far ahead each weight row of a transposed tile prefetches (bytes; 0: no software prefetch). The
+// rows are contiguous, so that is the next panels' bytes; see the int8 [N, K] path below for the figures.
+#ifndef JAXINFER_PREFETCH_T
+#define JAXINFER_PREFETCH_T 8192
+#endif
+constexpr int64_t kPrefetchT = JAXINFER_PREFETCH_T;
+
 // A transposed tile: kTileT rows of x by kRowsT weight rows, kTileT * kRowsT accumulators
 // (measured on AVX-512, 1 to 16 rows: 4 x 6 beats 2 x 8, 3 x 8 and 4 x 4).
 constexpr int kTileT = Vec::L == 16 ? 4 : 2;
@@ -623,8 +656,13 @@ inline void panel_t(const Problem& p, int64_t m0, int64_t n0) {
   for (int i = 0; i < MT; ++i)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[i][t] = V::zero();
+  constexpr int64_t kBytes = elem_bytes(KIND);
+  const char* wbytes = static_cast<const char*>(p.w);
   int64_t k = 0;
   for (; k + L <= K; k += L) {
+    if (kPrefetchT > 0 && ((k * kBytes) & 63) < L * kBytes)  // one line per 64 bytes of each row
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) prefetch(wbytes + (w0 + t * K + k) * kBytes + kPrefetchT);
     F xv[MT];
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) xv[i] = V::load(x + i * K + k);
@@ -678,11 +716,6 @@ void item_t(const Problem& p, int64_t item) {
 // one line per 64 bytes (rows are contiguous, so that is the next panels' bytes): measured
 // single-threaded at M = 1 on the cold [49152, 576] head (AVX-512), 6.3 GB/s without,
 // 8.1 at 2 KB, ~9.5-10 from 4 to 16 KB (flat; an L2 hint instead of L1 made no difference).
-
-#ifndef JAXINFER_PREFETCH_T
-#define JAXINFER_PREFETCH_T 8192
-#endif
-constexpr int64_t kPrefetchT = JAXINFER_PREFETCH_T;  // bytes; 0: no software prefetch
 
 enum QtMode { kQtRow = 0, kQtGroup = 1, kQtScalar = 2 };
 
@@ -796,9 +829,332 @@ void item_qt(const Problem& p, int64_t item) {
 }
 
 // ---------------------------------------------------------------------------
+// AMX, bfloat16 weights: y = bf16(x) @ w on the tile unit
+//
+// Where the build and the CPU have AMX and the caller asks for it (attr bf16_dot), a bfloat16
+// weight's products run on the tiles, as oneDNN's and llama.cpp's bfloat16 products do: x is
+// rounded to bfloat16 (to nearest even), and each output element is one float32 accumulator of a
+// tile: C = 0, then for each 32 contraction rows in order one TDPBF16PS adds their 32 products (the
+// pairs in order). Contraction rows past K are zeros in x and in w, and so are columns past N in the
+// repacked weight: every element, the last columns too, takes the same instructions. A tile product
+// treats its rows independently, so a row's result is bitwise the same alone, in any batch, in any
+// grouping of tiles and on any thread split: one order for any M.
+//
+// [K, N] (the layers' weights): a work item is a band of columns; it repacks the band as pairs of
+// contraction rows (the B operand: tile j of 16 columns, pair q = rows 2q and 2q + 1 interleaved,
+// one 64-byte row per pair and tile, the tiles of a pair side by side; kept in L2), then runs x's rows 32 at a time against two tiles of
+// columns at a time, four accumulators over all of K.
+// [N, K] (a tied LM head): the weight's rows are the A operand as they lie in memory (16 rows, 32
+// contraction values each); x as column pairs is the B operand; up to four tiles of 16 rows of x
+// share each weight tile. The accumulator holds y transposed.
+
+#ifdef JAXINFER_AMX
+namespace amx {
+
+bool permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: ask for the tile state
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: 0-3 accumulators (16 x 16 float32), 4-5 the A operand, 6-7 the B operand.
+// Each work item configures its thread's tiles and releases them at its end (XLA's other work on the
+// thread may use the tiles with a configuration of its own).
+inline void configure() {
+  Config c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// 64-byte aligned (a tile row split over two cache lines loads at half the speed).
+inline uint16_t* align64(uint16_t* p) {
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
+uint16_t* scratch16(size_t n) {
+  static thread_local std::vector<uint16_t> buf;
+  if (buf.size() < n + 32) buf.resize(n + 32);
+  return align64(buf.data());
+}
+
+inline __mmask16 first(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
+}
+
+// A float32 row of K values rounded to bfloat16 into dst (kp values, zeros past K).
+void round_row(const float* x, int64_t K, int64_t kp, uint16_t* dst) {
+  for (int64_t k = 0; k < kp; k += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(first(K - k), x + std::min(k, K));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// x rounded into xb [mp, kp]; for the [N, K] layout also pairs [kp / 2, mp]: pairs[q][m] = x[m][2q] |
+// x[m][2q + 1] << 16, the B operand (16 pairs of contraction rows by 16 rows of x a tile).
+void pack(Problem& p, std::vector<uint16_t>& xb, std::vector<uint32_t>& pairs) {
+  p.mp = (p.m + 15) / 16 * 16;
+  p.kp = (p.k + 31) / 32 * 32;
+  xb.assign(static_cast<size_t>(p.mp * p.kp + 32), 0);
+  uint16_t* rows = align64(xb.data());
+  for (int64_t i = 0; i < p.m; ++i) round_row(p.x + i * p.k, p.k, p.kp, rows + i * p.kp);
+  p.xb = rows;
+  if (p.transposed) {
+    const int64_t kq = p.kp / 2;
+    pairs.resize(static_cast<size_t>(kq * p.mp + 16));
+    uint32_t* at = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pairs.data()) + 63) & ~uintptr_t{63});
+    for (int64_t i = 0; i < p.mp; ++i)
+      for (int64_t q = 0; q < kq; ++q) std::memcpy(at + q * p.mp + i, rows + i * p.kp + 2 * q, 4);
+    p.xpairs = at;
+  }
+}
+
+// An accumulator's 16 x 16 float32 (stored in c) into y: y[m0 + i][n0 + j] = c[i][j] (or, `transposed`,
+// y[m0 + j][n0 + i]), for the rows and columns that exist.
+inline void write(const Problem& p, const float* c, int64_t m0, int64_t n0, bool transposed) {
+  const int64_t rows = std::min<int64_t>(16, p.m - m0), cols = std::min<int64_t>(16, p.n - n0);
+  if (!transposed) {
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(p.y + (m0 + i) * p.n + n0, c + i * 16, cols * sizeof(float));
+  } else {
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t i = 0; i < cols; ++i) p.y[(m0 + j) * p.n + n0 + i] = c[i * 16 + j];
+  }
+}
+
+// The tile intrinsics take the tile's number as a literal.
+#define JAXINFER_AMX_WRITE(T, p, m0, n0, transposed) \
+  do {                                                \
+    alignas(64) float c_[16 * 16];                    \
+    _tile_stored(T, c_, 64);                          \
+    write(p, c_, m0, n0, transposed);                 \
+  } while (0)
+
+// Columns per band of the [K, N] path: its repacked panel (K x band bfloat16) stays within ~512 KB of L2.
+inline int64_t kn_band_units(int64_t k) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(k, 1)); }
+
+// Pairs [q0, q1) of the band's columns [c0, c1) repacked into wb (tiles of 16 columns): pair q's row of
+// tile j at ((q - q0) * tiles + j) * 32, so a tile is 16 rows tiles * 64 bytes apart. Rows past K and
+// columns past c1 are zeros.
+void repack(const Problem& p, int64_t c0, int64_t c1, int64_t tiles, int64_t q0, int64_t q1, uint16_t* wb) {
+  const int64_t N = p.n, K = p.k;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  // Two rows' 32 columns (a: row 2q, b: row 2q + 1) into two tiles' rows: lane 2j of the first takes
+  // a[j], lane 2j + 1 b[j]; the second the same for columns 16 + j.
+  alignas(64) uint16_t order[2][32];
+  for (int j = 0; j < 16; ++j) {
+    order[0][2 * j] = static_cast<uint16_t>(j);
+    order[0][2 * j + 1] = static_cast<uint16_t>(32 + j);
+    order[1][2 * j] = static_cast<uint16_t>(16 + j);
+    order[1][2 * j + 1] = static_cast<uint16_t>(48 + j);
+  }
+  const __m512i first_half = _mm512_load_si512(order[0]), second_half = _mm512_load_si512(order[1]);
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t k = 2 * q;
+    if (k + kPrefetchRows + 1 < K)
+      for (int64_t c = c0; c < c1; c += 32) {
+        prefetch(w + (k + kPrefetchRows) * N + c);
+        prefetch(w + (k + kPrefetchRows + 1) * N + c);
+      }
+    uint16_t* row = wb + (q - q0) * tiles * 32;
+    for (int64_t j = 0; j < tiles; j += 2) {
+      const int64_t n = c0 + 16 * j, left = c1 - n;
+      const __mmask32 m = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
+      const __m512i a = k < K ? _mm512_maskz_loadu_epi16(m, w + k * N + n) : _mm512_setzero_si512();
+      const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(m, w + (k + 1) * N + n) : _mm512_setzero_si512();
+      _mm512_store_si512(row + j * 32, _mm512_permutex2var_epi16(a, first_half, b));
+      if (j + 1 < tiles) _mm512_store_si512(row + (j + 1) * 32, _mm512_permutex2var_epi16(a, second_half, b));
+    }
+  }
+}
+
+// At most 32 rows of x (decode): the band in groups of column tiles whose accumulators fit the tile
+// registers (four tiles of 16 columns for 16 rows, two for 32); for each group, each block of 32
+// contraction rows is repacked (in L1) and multiplied in as it streams from memory.
+void item_kn_stream(const Problem& p, int64_t c0, int64_t c1, int64_t tiles) {
+  const int64_t kq = p.kp / 2, blocks = p.kp / 32, astride = p.kp * 2;
+  const bool two = p.mp > 16;
+  const int64_t group = two ? 2 : 4;
+  uint16_t* wb = scratch16(static_cast<size_t>(group * 16 * 32));
+  configure();
+  for (int64_t j0 = 0; j0 < tiles; j0 += group) {
+    const int64_t gt = std::min(group, tiles - j0), g0 = c0 + 16 * j0, g1 = std::min(c1, g0 + 16 * gt);
+    const int64_t bstride = gt * 64;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      repack(p, g0, g1, gt, 16 * kb, std::min(kq, 16 * kb + 16), wb);
+      _tile_loadd(4, p.xb + kb * 32, astride);
+      _tile_loadd(6, wb, bstride);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) {
+        _tile_loadd(5, p.xb + 16 * p.kp + kb * 32, astride);
+        _tile_dpbf16ps(2, 5, 6);
+        if (gt > 1) {
+          _tile_loadd(7, wb + 32, bstride);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      } else {
+        if (gt > 1) {
+          _tile_loadd(7, wb + 32, bstride);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (gt > 2) {
+          _tile_loadd(6, wb + 64, bstride);
+          _tile_dpbf16ps(2, 4, 6);
+        }
+        if (gt > 3) {
+          _tile_loadd(7, wb + 96, bstride);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+    }
+    JAXINFER_AMX_WRITE(0, p, 0, g0, false);
+    if (gt > 1) JAXINFER_AMX_WRITE(1, p, 0, g0 + 16, false);
+    if (two) {
+      JAXINFER_AMX_WRITE(2, p, 16, g0, false);
+      if (gt > 1) JAXINFER_AMX_WRITE(3, p, 16, g0 + 16, false);
+    } else {
+      if (gt > 2) JAXINFER_AMX_WRITE(2, p, 0, g0 + 32, false);
+      if (gt > 3) JAXINFER_AMX_WRITE(3, p, 0, g0 + 48, false);
+    }
+  }
+  _tile_release();
+}
+
+void item_kn(const Problem& p, int64_t item) {
+  const int64_t N = p.n, kq = p.kp / 2;
+  const int64_t c0 = item * p.band, c1 = std::min(N, c0 + p.band);
+  const int64_t tiles = (c1 - c0 + 15) / 16;
+  if (p.mp <= 32) return item_kn_stream(p, c0, c1, tiles);
+  // More rows: the whole band repacked once (kept in L2), then 32 rows x 32 columns of y at a time in
+  // four tile registers over all of K.
+  uint16_t* wb = scratch16(static_cast<size_t>(tiles * kq * 32));
+  repack(p, c0, c1, tiles, 0, kq, wb);
+  configure();
+  const int64_t stride = p.kp * 2, blocks = p.kp / 32;
+  for (int64_t m0 = 0; m0 < p.mp; m0 += 32) {
+    const bool two = m0 + 16 < p.mp;
+    const uint16_t* a0 = p.xb + m0 * p.kp;
+    const uint16_t* a1 = a0 + 16 * p.kp;
+    for (int64_t j = 0; j < tiles; j += 2) {
+      const bool pair = j + 1 < tiles;
+      const uint16_t* b0 = wb + j * 32;
+      const uint16_t* b1 = b0 + 32;
+      const int64_t bstride = tiles * 64, bblock = 16 * tiles * 32;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < blocks; ++kb) {
+        _tile_loadd(4, a0 + kb * 32, stride);
+        _tile_loadd(6, b0 + kb * bblock, bstride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (pair) {
+          _tile_loadd(7, b1 + kb * bblock, bstride);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two) {
+          _tile_loadd(5, a1 + kb * 32, stride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (pair) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      const int64_t n0 = c0 + 16 * j;
+      JAXINFER_AMX_WRITE(0, p, m0, n0, false);
+      if (pair) JAXINFER_AMX_WRITE(1, p, m0, n0 + 16, false);
+      if (two) JAXINFER_AMX_WRITE(2, p, m0 + 16, n0, false);
+      if (two && pair) JAXINFER_AMX_WRITE(3, p, m0 + 16, n0 + 16, false);
+    }
+  }
+  _tile_release();
+}
+
+void item_t(const Problem& p, int64_t item) {
+  const int64_t N = p.n, K = p.k;
+  const int64_t r0 = item * p.band, r1 = std::min(N, r0 + p.band);
+  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  const int64_t blocks = p.kp / 32, bstride = p.mp * 4;
+  configure();
+  for (int64_t n0 = r0; n0 < r1; n0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, r1 - n0);
+    const uint16_t* a = w + n0 * K;
+    int64_t stride = K * 2;
+    const bool direct = rows == 16 && K == p.kp;
+    if (!direct) {  // a copy with zeros past the weight's rows and K
+      uint16_t* pad = scratch16(static_cast<size_t>(16 * p.kp));
+      std::fill(pad, pad + 16 * p.kp, uint16_t{0});
+      for (int64_t i = 0; i < rows; ++i) std::memcpy(pad + i * p.kp, w + (n0 + i) * K, K * sizeof(uint16_t));
+      a = pad;
+      stride = p.kp * 2;
+    }
+    for (int64_t g = 0; g < p.mp; g += 64) {  // up to four tiles of 16 rows of x share each weight tile
+      const int64_t nt = std::min<int64_t>(4, (p.mp - g) / 16);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < blocks; ++kb) {
+        if (direct && g == 0)
+          for (int i = 0; i < 16; ++i) prefetch(reinterpret_cast<const char*>(a + i * K + kb * 32) + kPrefetchT);
+        _tile_loadd(4, a + kb * 32, stride);
+        const uint32_t* b = p.xpairs + kb * 16 * p.mp + g;
+        _tile_loadd(6, b, bstride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nt > 1) {
+          _tile_loadd(7, b + 16, bstride);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (nt > 2) {
+          _tile_loadd(6, b + 32, bstride);
+          _tile_dpbf16ps(2, 4, 6);
+        }
+        if (nt > 3) {
+          _tile_loadd(7, b + 48, bstride);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+      JAXINFER_AMX_WRITE(0, p, g, n0, true);
+      if (nt > 1) JAXINFER_AMX_WRITE(1, p, g + 16, n0, true);
+      if (nt > 2) JAXINFER_AMX_WRITE(2, p, g + 32, n0, true);
+      if (nt > 3) JAXINFER_AMX_WRITE(3, p, g + 48, n0, true);
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+#endif  // JAXINFER_AMX
+
+bool amx_available() {
+#ifdef JAXINFER_AMX
+  return amx::permitted();
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // work sharing
 
 void run_item(const Problem& p, int64_t item) {
+#ifdef JAXINFER_AMX
+  if (p.amx) return p.transposed ? amx::item_t(p, item) : amx::item_kn(p, item);
+#endif
   if (p.transposed) {
     switch (p.kind) {
       case kI8: return item_qt(p, item);
@@ -858,18 +1214,19 @@ void pack_x(Problem& p, std::vector<float>& buf) {
 
 // Splits the output columns into items, then runs them on the calling thread and up to
 // `pool.num_threads() - 1` pool threads. `unit`: the column granularity of a band.
-void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t weight_bytes) {
+void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t weight_bytes,
+         int64_t max_units = kMaxBandUnits) {
   const int64_t threads = share ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // A product this small is done before a pool thread wakes up.
   const bool alone = threads == 1 || weight_bytes * std::max<int64_t>(1, p.m) < (64 << 10);
   const int64_t units = (p.n + unit - 1) / unit;
   // Wide bands stream better (a band's rows are read left to right); as few items as keep a
   // band within kMaxBandUnits, in a multiple of the thread count so that threads get equal shares.
-  int64_t per = std::min<int64_t>(units, kMaxBandUnits);
+  int64_t per = std::min<int64_t>(units, max_units);
   if (!alone) {
     for (int64_t c = 1;; ++c) {
       per = (units + threads * c - 1) / (threads * c);
-      if (per <= kMaxBandUnits) break;
+      if (per <= max_units) break;
     }
   }
   p.band = per * unit;
@@ -910,7 +1267,7 @@ const char* dtype_name(ffi::DataType t) {
 }
 
 ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, int64_t w_contract,
-                       bool share, ffi::ResultBuffer<ffi::F32> y) {
+                       bool share, bool bf16_dot, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("cpu matmul: x, w and y must be 2-D; got x " + dims_str(xd) + ", w " +
@@ -940,6 +1297,22 @@ ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   p.group = std::max<int64_t>(1, p.k);
   p.groups = p.k == 0 ? 0 : 1;
   p.transposed = w_contract == 1;
+  if (bf16_dot && p.kind == kBF16) {
+    if (!amx_available())
+      return ffi::Error::InvalidArgument("cpu matmul: bf16_dot asks for AMX bfloat16 products, which this build or "
+                                         "CPU does not have (JaxinferMatmulAmx() says whether it does)");
+#ifdef JAXINFER_AMX
+    p.amx = true;
+    std::vector<uint16_t> xb;
+    std::vector<uint32_t> pairs;
+    amx::pack(p, xb, pairs);
+    if (p.transposed)
+      run(pool, share, p, 16, p.k * p.n * 2);
+    else
+      run(pool, share, p, 32, p.k * p.n * 2, amx::kn_band_units(p.k));
+    return ffi::Error::Success();
+#endif
+  }
   std::vector<float> xt;
   if (p.transposed) {
     run(pool, share, p, kRowsT, p.k * p.n * elem_bytes(p.kind));
@@ -1068,6 +1441,9 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 
 extern "C" const char* JaxinferMatmulIsa() { return kIsa; }
 
+// 1 where bfloat16 weights can take the AMX path (attr bf16_dot): built with AMX and granted the tile state.
+extern "C" int JaxinferMatmulAmx() { return amx_available() ? 1 : 0; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulFloat, MatmulFloat,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1075,6 +1451,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulFloat, MatmulFloat,
                                   .Arg<ffi::AnyBuffer>()         // w f32 / bf16 / f16 [K, N] or [N, K]
                                   .Attr<int64_t>("w_contract")   // the axis of w that meets x's K
                                   .Attr<bool>("share")           // share the items with the intra-op pool
+                                  .Attr<bool>("bf16_dot")        // bfloat16 w: AMX products of bf16(x)
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulQ, MatmulQ,
