@@ -85,7 +85,7 @@ def thunk_parts(hlo: str, cfg) -> dict:
             n = (dims[0] if wc and wc.group(1) == "1" else dims[-1]) if dims else 0
             parts[name] = "row sums (norms, softmax)" if n == 1 else by_shape.get((k, n), f"matmul other [{k}, {n}]")
         else:
-            parts[name] = f"custom call {target}"
+            parts[name] = "sampler top-k" if target == "TopK" else f"custom call {target}"
     return parts
 
 
