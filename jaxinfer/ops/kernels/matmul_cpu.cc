@@ -325,10 +325,11 @@ struct Problem {
   int offset_mode = kNoOffset;
   bool transposed = false;
   bool blocked = false;  // [K, N]: the many-row path
-  // The AMX path (bfloat16 weights, `amx`): x rounded to bfloat16, [mp, kp] (rows to a multiple of 16,
-  // K to one of 32, zeros past x); for the [N, K] layout also as column pairs (see amx_item_t).
+  // The AMX path (bfloat16 weights, `amx`): x rounded to bfloat16, rows to a multiple of 16 (mp), K to
+  // one of 32 or 16 (kp), zeros past x, as the layout's operands (see amx::pack).
   bool amx = false;
   const uint16_t* xb = nullptr;
+  const uint16_t* xo = nullptr;
   const uint32_t* xpairs = nullptr;
   int64_t mp = 0, kp = 0;
 };
@@ -833,17 +834,15 @@ void item_qt(const Problem& p, int64_t item) {
 //
 // Where the build and the CPU have AMX and the caller asks for it (attr bf16_dot), a bfloat16
 // weight's products run on the tiles, as oneDNN's and llama.cpp's bfloat16 products do: x is
-// rounded to bfloat16 (to nearest even), and each output element is one float32 accumulator of a
-// tile: C = 0, then for each 32 contraction rows in order one TDPBF16PS adds their 32 products (the
-// pairs in order). Contraction rows past K are zeros in x and in w, and so are columns past N in the
-// repacked weight: every element, the last columns too, takes the same instructions. A tile product
-// treats its rows independently, so a row's result is bitwise the same alone, in any batch, in any
-// grouping of tiles and on any thread split: one order for any M.
+// rounded to bfloat16 (to nearest even) and each output element is one float32 accumulator of a
+// tile: 0, then one TDPBF16PS per block of contraction rows, in order. Contraction rows past K are
+// zeros in x and in w (a zero-padded copy of the last block), and so are columns past N. The tile
+// unit's sum inside one TDPBF16PS is its own (no sequence of FMAs reproduces it: measured), so the
+// same instructions run for any M: a tile product treats its rows independently, so a row's result is
+// bitwise the same alone, in any batch, in any grouping of tiles and on any thread split.
 //
-// [K, N] (the layers' weights): a work item is a band of columns; it repacks the band as pairs of
-// contraction rows (the B operand: tile j of 16 columns, pair q = rows 2q and 2q + 1 interleaved,
-// one 64-byte row per pair and tile, the tiles of a pair side by side; kept in L2), then runs x's rows 32 at a time against two tiles of
-// columns at a time, four accumulators over all of K.
+// [K, N] (the layers' weights): the weight is the B operand as it lies in memory (see item_kn), 16
+// contraction rows a product.
 // [N, K] (a tied LM head): the weight's rows are the A operand as they lie in memory (16 rows, 32
 // contraction values each); x as column pairs is the B operand; up to four tiles of 16 rows of x
 // share each weight tile. The accumulator holds y transposed.
@@ -867,14 +866,16 @@ struct alignas(64) Config {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows of 64 bytes: 0-3 accumulators (16 x 16 float32), 4-5 the A operand, 6-7 the B operand.
+// Every tile 64 bytes wide: 0-3 accumulators (float32), 4-5 the A operand, 6-7 the B operand (16 rows).
+// `rows`: the accumulators' and A's rows (16; fewer for a decode step's few rows of x, so that the
+// accumulators' trips to memory move only those rows: a row's sums do not depend on the tile's rows).
 // Each work item configures its thread's tiles and releases them at its end (XLA's other work on the
 // thread may use the tiles with a configuration of its own).
-inline void configure() {
+inline void configure(int rows = 16) {
   Config c;
   for (int t = 0; t < 8; ++t) {
     c.colsb[t] = 64;
-    c.rows[t] = 16;
+    c.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
   }
   _tile_loadconfig(&c);
 }
@@ -902,23 +903,41 @@ void round_row(const float* x, int64_t K, int64_t kp, uint16_t* dst) {
   }
 }
 
-// x rounded into xb [mp, kp]; for the [N, K] layout also pairs [kp / 2, mp]: pairs[q][m] = x[m][2q] |
+// x rounded to bfloat16, as the A or B operand its layout needs.
+// [N, K]: xb [mp, kp] (K to a multiple of 32), and pairs [kp / 2, mp]: pairs[q][m] = x[m][2q] |
 // x[m][2q + 1] << 16, the B operand (16 pairs of contraction rows by 16 rows of x a tile).
+// [K, N]: two A operands [mp, 2 kp] (K to a multiple of 16): xb with x[m][k] at 2k and 0 at 2k + 1,
+// xo with 0 at 2k and x[m][k] at 2k + 1 (see item_kn).
 void pack(Problem& p, std::vector<uint16_t>& xb, std::vector<uint32_t>& pairs) {
   p.mp = (p.m + 15) / 16 * 16;
+  if (!p.transposed) {
+    p.kp = (p.k + 15) / 16 * 16;
+    const int64_t row = 2 * p.kp;
+    xb.assign(static_cast<size_t>(2 * p.mp * row + 32), 0);
+    uint16_t* even = align64(xb.data());
+    uint16_t* odd = even + p.mp * row;
+    for (int64_t i = 0; i < p.m; ++i)
+      for (int64_t k = 0; k < p.kp; k += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(first(p.k - k), p.x + i * p.k + std::min(k, p.k));
+        const __m512i d = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));  // (x, 0) pairs
+        _mm512_store_si512(even + i * row + 2 * k, d);
+        _mm512_store_si512(odd + i * row + 2 * k, _mm512_slli_epi32(d, 16));  // (0, x) pairs
+      }
+    p.xb = even;
+    p.xo = odd;
+    return;
+  }
   p.kp = (p.k + 31) / 32 * 32;
   xb.assign(static_cast<size_t>(p.mp * p.kp + 32), 0);
   uint16_t* rows = align64(xb.data());
   for (int64_t i = 0; i < p.m; ++i) round_row(p.x + i * p.k, p.k, p.kp, rows + i * p.kp);
   p.xb = rows;
-  if (p.transposed) {
-    const int64_t kq = p.kp / 2;
-    pairs.resize(static_cast<size_t>(kq * p.mp + 16));
-    uint32_t* at = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pairs.data()) + 63) & ~uintptr_t{63});
-    for (int64_t i = 0; i < p.mp; ++i)
-      for (int64_t q = 0; q < kq; ++q) std::memcpy(at + q * p.mp + i, rows + i * p.kp + 2 * q, 4);
-    p.xpairs = at;
-  }
+  const int64_t kq = p.kp / 2;
+  pairs.resize(static_cast<size_t>(kq * p.mp + 16));
+  uint32_t* at = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pairs.data()) + 63) & ~uintptr_t{63});
+  for (int64_t i = 0; i < p.mp; ++i)
+    for (int64_t q = 0; q < kq; ++q) std::memcpy(at + q * p.mp + i, rows + i * p.kp + 2 * q, 4);
+  p.xpairs = at;
 }
 
 // An accumulator's 16 x 16 float32 (stored in c) into y: y[m0 + i][n0 + j] = c[i][j] (or, `transposed`,
@@ -941,144 +960,162 @@ inline void write(const Problem& p, const float* c, int64_t m0, int64_t n0, bool
     write(p, c_, m0, n0, transposed);                 \
   } while (0)
 
-// Columns per band of the [K, N] path: its repacked panel (K x band bfloat16) stays within ~512 KB of L2.
-inline int64_t kn_band_units(int64_t k) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(k, 1)); }
+#ifndef JAXINFER_AMX_AHEAD
+#define JAXINFER_AMX_AHEAD 32
+#endif
+constexpr int64_t kAmxAhead = JAXINFER_AMX_AHEAD;  // weight rows the [K, N] path prefetches ahead
 
-// Pairs [q0, q1) of the band's columns [c0, c1) repacked into wb (tiles of 16 columns): pair q's row of
-// tile j at ((q - q0) * tiles + j) * 32, so a tile is 16 rows tiles * 64 bytes apart. Rows past K and
-// columns past c1 are zeros.
-void repack(const Problem& p, int64_t c0, int64_t c1, int64_t tiles, int64_t q0, int64_t q1, uint16_t* wb) {
-  const int64_t N = p.n, K = p.k;
+// [K, N]: 16 weight rows by 32 columns as they lie in memory (stride N), or, past the weight's last row
+// or column, a zero-padded copy in `pad` (16 x 32).
+inline const uint16_t* b_tile(const Problem& p, int64_t k0, int64_t n0, int64_t& stride, uint16_t* pad) {
   const uint16_t* w = static_cast<const uint16_t*>(p.w);
-  // Two rows' 32 columns (a: row 2q, b: row 2q + 1) into two tiles' rows: lane 2j of the first takes
-  // a[j], lane 2j + 1 b[j]; the second the same for columns 16 + j.
-  alignas(64) uint16_t order[2][32];
-  for (int j = 0; j < 16; ++j) {
-    order[0][2 * j] = static_cast<uint16_t>(j);
-    order[0][2 * j + 1] = static_cast<uint16_t>(32 + j);
-    order[1][2 * j] = static_cast<uint16_t>(16 + j);
-    order[1][2 * j + 1] = static_cast<uint16_t>(48 + j);
+  if (k0 + 16 <= p.k && n0 + 32 <= p.n) {
+    stride = p.n * 2;
+    return w + k0 * p.n + n0;
   }
-  const __m512i first_half = _mm512_load_si512(order[0]), second_half = _mm512_load_si512(order[1]);
-  for (int64_t q = q0; q < q1; ++q) {
-    const int64_t k = 2 * q;
-    if (k + kPrefetchRows + 1 < K)
-      for (int64_t c = c0; c < c1; c += 32) {
-        prefetch(w + (k + kPrefetchRows) * N + c);
-        prefetch(w + (k + kPrefetchRows + 1) * N + c);
-      }
-    uint16_t* row = wb + (q - q0) * tiles * 32;
-    for (int64_t j = 0; j < tiles; j += 2) {
-      const int64_t n = c0 + 16 * j, left = c1 - n;
-      const __mmask32 m = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
-      const __m512i a = k < K ? _mm512_maskz_loadu_epi16(m, w + k * N + n) : _mm512_setzero_si512();
-      const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(m, w + (k + 1) * N + n) : _mm512_setzero_si512();
-      _mm512_store_si512(row + j * 32, _mm512_permutex2var_epi16(a, first_half, b));
-      if (j + 1 < tiles) _mm512_store_si512(row + (j + 1) * 32, _mm512_permutex2var_epi16(a, second_half, b));
-    }
+  const int64_t rows = std::min<int64_t>(16, p.k - k0), left = p.n - n0;
+  const __mmask32 m = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
+  for (int64_t r = 0; r < 16; ++r)
+    _mm512_store_si512(pad + r * 32, r < rows ? _mm512_maskz_loadu_epi16(m, w + (k0 + r) * p.n + n0)
+                                              : _mm512_setzero_si512());
+  stride = 64;
+  return pad;
+}
+
+// Two accumulators (even and odd columns of the 32 at n0, as float32 16 x 16 each) into y's rows from m0.
+inline void write_pair(const Problem& p, const float* even, const float* odd, int64_t m0, int64_t n0) {
+  const int64_t rows = std::min<int64_t>(16, p.m - m0), cols = std::min<int64_t>(32, p.n - n0);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* y = p.y + (m0 + i) * p.n + n0;
+    for (int64_t c = 0; c < cols; ++c) y[c] = (c & 1 ? odd : even)[i * 16 + c / 2];
   }
 }
 
-// At most 32 rows of x (decode): the band in groups of column tiles whose accumulators fit the tile
-// registers (four tiles of 16 columns for 16 rows, two for 32); for each group, each block of 32
-// contraction rows is repacked (in L1) and multiplied in as it streams from memory.
-void item_kn_stream(const Problem& p, int64_t c0, int64_t c1, int64_t tiles) {
-  const int64_t kq = p.kp / 2, blocks = p.kp / 32, astride = p.kp * 2;
-  const bool two = p.mp > 16;
-  const int64_t group = two ? 2 : 4;
-  uint16_t* wb = scratch16(static_cast<size_t>(group * 16 * 32));
-  configure();
-  for (int64_t j0 = 0; j0 < tiles; j0 += group) {
-    const int64_t gt = std::min(group, tiles - j0), g0 = c0 + 16 * j0, g1 = std::min(c1, g0 + 16 * gt);
-    const int64_t bstride = gt * 64;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < blocks; ++kb) {
-      repack(p, g0, g1, gt, 16 * kb, std::min(kq, 16 * kb + 16), wb);
-      _tile_loadd(4, p.xb + kb * 32, astride);
-      _tile_loadd(6, wb, bstride);
-      _tile_dpbf16ps(0, 4, 6);
-      if (two) {
-        _tile_loadd(5, p.xb + 16 * p.kp + kb * 32, astride);
-        _tile_dpbf16ps(2, 5, 6);
-        if (gt > 1) {
-          _tile_loadd(7, wb + 32, bstride);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+#define JAXINFER_AMX_WRITE_PAIR(E, O, p, m0, n0) \
+  do {                                           \
+    alignas(64) float e_[16 * 16], o_[16 * 16];  \
+    _tile_stored(E, e_, 64);                     \
+    _tile_stored(O, o_, 64);                     \
+    write_pair(p, e_, o_, m0, n0);               \
+  } while (0)
+
+// [K, N] (the layers' weights): the B operand is the weight as it lies in memory, 16 rows of 32 columns,
+// read once; no copy. TDPBF16PS pairs B's 16-bit values along its rows, i.e. two neighbouring columns,
+// so each 16 contraction rows take two products: one with x in the even lanes of A's pairs (and zeros
+// in the odd: the even columns' sums) and one with x in the odd lanes (the odd columns'). Each output
+// element is one accumulator: 0, then for each 16 contraction rows in order one TDPBF16PS (its 16 pairs
+// x[k] w[k][n] and 0 w[k][n +- 1]). A work item is a band of columns, 64 at a time (four accumulators:
+// two 32-column tiles, even and odd), each over every 16 rows of x and all of K; the weight streams
+// from memory for x's first 16 rows and from cache for the others.
+// At most 16 rows of x (decode): the weight streams 16 rows at a time across the band's columns (each
+// row's run of the band read together: measured on cold weights, as fast as the float path's order and
+// ~1.6x the column-block-first order below), the accumulators waiting in L1 between two blocks of rows
+// (a float32 store and load of x's rows only: the same sums as in the tile registers).
+void item_kn_decode(const Problem& p, int64_t c0, int64_t c1) {
+  const int64_t N = p.n, K = p.k;
+  const int64_t row = 2 * p.kp, astride = row * 2, blocks = p.kp / 16;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  uint16_t* pad = scratch16(2 * 16 * 32);
+  const int64_t pairs = (c1 - c0 + 63) / 64;
+  static thread_local std::vector<float> acc_buf;
+  if (acc_buf.size() < static_cast<size_t>(pairs * 4 * 256 + 16)) acc_buf.resize(pairs * 4 * 256 + 16);
+  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc_buf.data()) + 63) & ~uintptr_t{63});
+  configure(static_cast<int>(p.m));
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const int64_t k0 = 16 * kb;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const int64_t n0 = c0 + 64 * j;
+      const bool two = n0 + 32 < c1;
+      float* c = acc + j * 4 * 256;
+      if (kb == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
       } else {
-        if (gt > 1) {
-          _tile_loadd(7, wb + 32, bstride);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (gt > 2) {
-          _tile_loadd(6, wb + 64, bstride);
-          _tile_dpbf16ps(2, 4, 6);
-        }
-        if (gt > 3) {
-          _tile_loadd(7, wb + 96, bstride);
-          _tile_dpbf16ps(3, 4, 7);
-        }
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + 256, 64);
+        _tile_loadd(2, c + 512, 64);
+        _tile_loadd(3, c + 768, 64);
       }
-    }
-    JAXINFER_AMX_WRITE(0, p, 0, g0, false);
-    if (gt > 1) JAXINFER_AMX_WRITE(1, p, 0, g0 + 16, false);
-    if (two) {
-      JAXINFER_AMX_WRITE(2, p, 16, g0, false);
-      if (gt > 1) JAXINFER_AMX_WRITE(3, p, 16, g0 + 16, false);
-    } else {
-      if (gt > 2) JAXINFER_AMX_WRITE(2, p, 0, g0 + 32, false);
-      if (gt > 3) JAXINFER_AMX_WRITE(3, p, 0, g0 + 48, false);
+      if (k0 + kAmxAhead < K)
+        for (int64_t r = 0; r < 16; ++r) {
+          prefetch(w + (k0 + kAmxAhead + r) * N + n0);
+          if (two) prefetch(w + (k0 + kAmxAhead + r) * N + n0 + 32);
+        }
+      int64_t s0 = 0, s1 = 0;
+      _tile_loadd(4, p.xb + kb * 32, astride);
+      _tile_loadd(5, p.xo + kb * 32, astride);
+      _tile_loadd(6, b_tile(p, k0, n0, s0, pad), s0);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) {
+        _tile_loadd(7, b_tile(p, k0, n0 + 32, s1, pad + 16 * 32), s1);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, 64);
+      _tile_stored(1, c + 256, 64);
+      _tile_stored(2, c + 512, 64);
+      _tile_stored(3, c + 768, 64);
     }
   }
   _tile_release();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const float* c = acc + j * 4 * 256;
+    write_pair(p, c, c + 256, 0, c0 + 64 * j);
+    if (c0 + 64 * j + 32 < c1) write_pair(p, c + 512, c + 768, 0, c0 + 64 * j + 32);
+  }
 }
 
 void item_kn(const Problem& p, int64_t item) {
-  const int64_t N = p.n, kq = p.kp / 2;
+  const int64_t N = p.n, K = p.k;
   const int64_t c0 = item * p.band, c1 = std::min(N, c0 + p.band);
-  const int64_t tiles = (c1 - c0 + 15) / 16;
-  if (p.mp <= 32) return item_kn_stream(p, c0, c1, tiles);
-  // More rows: the whole band repacked once (kept in L2), then 32 rows x 32 columns of y at a time in
-  // four tile registers over all of K.
-  uint16_t* wb = scratch16(static_cast<size_t>(tiles * kq * 32));
-  repack(p, c0, c1, tiles, 0, kq, wb);
+  if (p.mp == 16) return item_kn_decode(p, c0, c1);
+  // More rows (prefill): for each 64 columns, the weight's K x 64 copied once, as it is, into contiguous
+  // tiles (stage: block kb's two tiles at (2 kb + t) * 512, zeros past K and N; kept in L2), then every
+  // 16 rows of x over it, all of K in the four tile registers.
+  const int64_t row = 2 * p.kp, astride = row * 2, blocks = p.kp / 16;
+  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  uint16_t* stage = scratch16(static_cast<size_t>(blocks * 2 * 512));
   configure();
-  const int64_t stride = p.kp * 2, blocks = p.kp / 32;
-  for (int64_t m0 = 0; m0 < p.mp; m0 += 32) {
-    const bool two = m0 + 16 < p.mp;
-    const uint16_t* a0 = p.xb + m0 * p.kp;
-    const uint16_t* a1 = a0 + 16 * p.kp;
-    for (int64_t j = 0; j < tiles; j += 2) {
-      const bool pair = j + 1 < tiles;
-      const uint16_t* b0 = wb + j * 32;
-      const uint16_t* b1 = b0 + 32;
-      const int64_t bstride = tiles * 64, bblock = 16 * tiles * 32;
+  for (int64_t n0 = c0; n0 < c1; n0 += 64) {
+    const bool two = n0 + 32 < c1;
+    const int64_t left0 = std::min<int64_t>(32, c1 - n0), left1 = std::max<int64_t>(0, std::min<int64_t>(32, c1 - n0 - 32));
+    const __mmask32 m0mask = left0 >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left0) - 1);
+    const __mmask32 m1mask = left1 >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left1) - 1);
+    for (int64_t k = 0; k < p.kp; ++k) {
+      uint16_t* dst = stage + ((k / 16) * 2) * 512 + (k % 16) * 32;
+      const bool in = k < K;
+      if (in && k + kPrefetchRows < K) {
+        prefetch(w + (k + kPrefetchRows) * N + n0);
+        prefetch(w + (k + kPrefetchRows) * N + n0 + 32);
+      }
+      _mm512_store_si512(dst, in ? _mm512_maskz_loadu_epi16(m0mask, w + k * N + n0) : _mm512_setzero_si512());
+      _mm512_store_si512(dst + 512, in && two ? _mm512_maskz_loadu_epi16(m1mask, w + k * N + n0 + 32)
+                                              : _mm512_setzero_si512());
+    }
+    for (int64_t m0 = 0; m0 < p.mp; m0 += 16) {
+      const uint16_t* ae = p.xb + m0 * row;
+      const uint16_t* ao = p.xo + m0 * row;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t kb = 0; kb < blocks; ++kb) {
-        _tile_loadd(4, a0 + kb * 32, stride);
-        _tile_loadd(6, b0 + kb * bblock, bstride);
+        _tile_loadd(4, ae + kb * 32, astride);
+        _tile_loadd(5, ao + kb * 32, astride);
+        _tile_loadd(6, stage + 2 * kb * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
-        if (pair) {
-          _tile_loadd(7, b1 + kb * bblock, bstride);
-          _tile_dpbf16ps(1, 4, 7);
-        }
+        _tile_dpbf16ps(1, 5, 6);
         if (two) {
-          _tile_loadd(5, a1 + kb * 32, stride);
-          _tile_dpbf16ps(2, 5, 6);
-          if (pair) _tile_dpbf16ps(3, 5, 7);
+          _tile_loadd(7, stage + (2 * kb + 1) * 512, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
         }
       }
-      const int64_t n0 = c0 + 16 * j;
-      JAXINFER_AMX_WRITE(0, p, m0, n0, false);
-      if (pair) JAXINFER_AMX_WRITE(1, p, m0, n0 + 16, false);
-      if (two) JAXINFER_AMX_WRITE(2, p, m0 + 16, n0, false);
-      if (two && pair) JAXINFER_AMX_WRITE(3, p, m0 + 16, n0 + 16, false);
+      JAXINFER_AMX_WRITE_PAIR(0, 1, p, m0, n0);
+      if (two) JAXINFER_AMX_WRITE_PAIR(2, 3, p, m0, n0 + 32);
     }
   }
   _tile_release();
@@ -1309,7 +1346,7 @@ ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     if (p.transposed)
       run(pool, share, p, 16, p.k * p.n * 2);
     else
-      run(pool, share, p, 32, p.k * p.n * 2, amx::kn_band_units(p.k));
+      run(pool, share, p, 64, p.k * p.n * 2);
     return ffi::Error::Success();
 #endif
   }
