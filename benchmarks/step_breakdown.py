@@ -100,10 +100,6 @@ def profile(fn, calls: int, parts: dict) -> dict:
         events = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)[0]))
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    names = set()
-    for e in events["traceEvents"]:
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            names.add((e["pid"], e["tid"], e["args"].get("name", "")))
     total = collections.Counter()
     for e in events["traceEvents"]:
         if e.get("ph") != "X" or e["name"].startswith(("$", "Thunk", "Pjit", "Common", "Handle", "Parse", "Wait",

@@ -13,7 +13,9 @@
 //   JaxinferMatmulFloat x [M, K] f32, w f32, bf16 or f16: [K, N] (w_contract 0) or [N, K]
 //                       (w_contract 1, a tied LM head stored [vocab, hidden]) -> y [M, N] f32.
 //                       16-bit weights are widened exactly (bf16: a shift; f16: cvtph) and
-//                       multiplied in float32: x is never rounded.
+//                       multiplied in float32: x is never rounded. Attr bf16_dot (bf16 w, a build
+//                       and CPU with AMX): the products run on the AMX tiles with x rounded to
+//                       bfloat16 (see "AMX" below).
 //   JaxinferMatmulQ     x [M, K] f32, q, scale, offset -> y [M, N] f32, the weight being a
 //                       jaxinfer.ops.quant.QuantizedWeight:
 //                         bits 8: q int8 [K, N];  bits 4: q uint8 [K/2, N], row 2j in the
@@ -259,15 +261,9 @@ constexpr int64_t kMaxBandUnits = 16;  // a work item's columns, at most, in uni
 // A hint only: an address past the weight's end (the last block's lookahead) is harmless.
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
-// How many vectors wide a panel is for a tile of MT rows: as many as fit the register budget, at most
-// kMaxPanel (a power of two). A wide panel reads a long contiguous run of each weight row (AVX-512 at
-// one row: 16 vectors, 512 bytes of bfloat16), which is what lets a decode step stream the weights at
-// the memory's speed; the width never changes a result (each column's sums are the same operations).
-constexpr int kMaxPanel = 4;
+// How many vectors wide a panel is for a tile of MT rows: as many as fit the register budget, <= 4.
 constexpr int panel_vectors(int mt) {
-  int nv = kMaxPanel;
-  while (nv > 1 && nv * mt > Vec::kBudget) nv /= 2;
-  return nv;
+  return 4 * mt <= Vec::kBudget ? 4 : (2 * mt <= Vec::kBudget ? 2 : 1);
 }
 
 // ---------------------------------------------------------------------------
@@ -348,11 +344,11 @@ inline void fold(const Problem& p, typename V::F (&acc)[MT][NV], int64_t m0, int
   if constexpr (is_float(KIND)) {
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 16
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) V::store(y + i * N + v * L, V::add(V::load(y + i * N + v * L), acc[i][v]));
   } else {
     F s[NV], o[NV];
-#pragma GCC unroll 16
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       s[v] = V::load_h(p.scale + g * N + n + v * L);
       if constexpr (OFF == kOffset) o[v] = V::load_h(p.offset + g * N + n + v * L);
@@ -360,7 +356,7 @@ inline void fold(const Problem& p, typename V::F (&acc)[MT][NV], int64_t m0, int
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
       const float xs = OFF != kNoOffset && last ? p.xsum[(m0 + i) * p.groups + g] : 0.f;
-#pragma GCC unroll 16
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         F a = acc[i][v];
         if constexpr (OFF == kMinus8) {
@@ -388,7 +384,7 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
   F acc[MT][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 16
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
 
   if constexpr (KIND != kU4) {
@@ -398,15 +394,15 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
     for (int64_t k = k0; k < k1; ++k) {
       F wv[NV];
       if (KIND != kF32 || pf)
-#pragma GCC unroll 16
+#pragma GCC unroll 4
         for (int line = 0; line < NV * L * kBytes; line += 64)
           prefetch(static_cast<const char*>(p.w) + ((k + kPrefetchRows) * N + n) * kBytes + line);
-#pragma GCC unroll 16
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) wv[v] = load_w<V, KIND>(p.w, k * N + n + v * L);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         const F xb = V::set1(xt[k * MT + i]);
-#pragma GCC unroll 16
+#pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
       }
     }
@@ -414,15 +410,15 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
     const uint8_t* q = static_cast<const uint8_t*>(p.w);
     for (int64_t j = k0 / 2; j < k1 / 2; ++j) {
       F lo[NV], hi[NV];
-#pragma GCC unroll 16
+#pragma GCC unroll 4
       for (int line = 0; line < NV * L; line += 64) prefetch(q + (j + kPrefetchRows / 2) * N + n + line);
-#pragma GCC unroll 16
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, lo[v], hi[v]);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         const F a = V::set1(xt[2 * j * MT + i]);        // x[2j]
         const F b = V::set1(xt[(2 * j + 1) * MT + i]);  // x[2j + 1]
-#pragma GCC unroll 16
+#pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, hi[v], V::fma(a, lo[v], acc[i][v]));
       }
     }
@@ -466,15 +462,6 @@ void tail_columns(const Problem& p, int64_t m0, int64_t mt, int64_t n0, int64_t 
   }
 }
 
-// The whole vectors [n, end) of one block, in panels as wide as NV vectors, then narrower ones for
-// what is left (halving: a narrow panel reads a short run of each weight row).
-template <class V, int MT, int NV, int KIND, int OFF>
-inline void panels(const Problem& p, int64_t m0, int64_t n, int64_t end, int64_t k0, int64_t k1, int64_t g,
-                   bool last) {
-  for (; n + NV * V::L <= end; n += NV * V::L) panel<V, MT, NV, KIND, OFF>(p, m0, n, k0, k1, g, last);
-  if constexpr (NV > 1) panels<V, MT, NV / 2, KIND, OFF>(p, m0, n, end, k0, k1, g, last);
-}
-
 // One tile of MT rows over the band's columns [c0, c1), all of K.
 template <int MT, int KIND, int OFF>
 void tile_kn(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
@@ -484,12 +471,15 @@ void tile_kn(const Problem& p, int64_t m0, int64_t c0, int64_t c1) {
   const int64_t N = p.n;
   for (int i = 0; i < MT; ++i) std::fill(p.y + (m0 + i) * N + c0, p.y + (m0 + i) * N + c1, 0.f);
   const int64_t vec_end = c0 + (c1 - c0) / L * L;  // columns in whole vectors
+  const int64_t wide_end = c0 + (vec_end - c0) / (NV * L) * (NV * L);
   const int64_t block = std::min<int64_t>(kKBlock, p.group);
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t g0 = g * p.group, g1 = g0 + p.group;
     for (int64_t k0 = g0; k0 < g1; k0 += block) {
       const int64_t k1 = std::min(g1, k0 + block);
-      panels<V, MT, NV, KIND, OFF>(p, m0, c0, vec_end, k0, k1, g, k1 == g1);
+      const bool last = k1 == g1;
+      for (int64_t n = c0; n < wide_end; n += NV * L) panel<V, MT, NV, KIND, OFF>(p, m0, n, k0, k1, g, last);
+      for (int64_t n = wide_end; n < vec_end; n += L) panel<V, MT, 1, KIND, OFF>(p, m0, n, k0, k1, g, last);
     }
   }
   if (vec_end < c1) tail_columns<KIND, OFF>(p, m0, MT, vec_end, c1);
@@ -946,30 +936,21 @@ void pack(Problem& p, std::vector<uint16_t>& xb, std::vector<uint32_t>& pairs) {
   p.xpairs = at;
 }
 
-// An accumulator's 16 x 16 float32 (stored in c) into y: y[m0 + i][n0 + j] = c[i][j] (or, `transposed`,
-// y[m0 + j][n0 + i]), for the rows and columns that exist.
-inline void write(const Problem& p, const float* c, int64_t m0, int64_t n0, bool transposed) {
+// An accumulator of the [N, K] path (16 weight rows by 16 rows of x, float32, stored in c) into y:
+// y[m0 + j][n0 + i] = c[i][j], for the rows and columns that exist.
+inline void write_transposed(const Problem& p, const float* c, int64_t m0, int64_t n0) {
   const int64_t rows = std::min<int64_t>(16, p.m - m0), cols = std::min<int64_t>(16, p.n - n0);
-  if (!transposed) {
-    for (int64_t i = 0; i < rows; ++i) std::memcpy(p.y + (m0 + i) * p.n + n0, c + i * 16, cols * sizeof(float));
-  } else {
-    for (int64_t j = 0; j < rows; ++j)
-      for (int64_t i = 0; i < cols; ++i) p.y[(m0 + j) * p.n + n0 + i] = c[i * 16 + j];
-  }
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t i = 0; i < cols; ++i) p.y[(m0 + j) * p.n + n0 + i] = c[i * 16 + j];
 }
 
 // The tile intrinsics take the tile's number as a literal.
-#define JAXINFER_AMX_WRITE(T, p, m0, n0, transposed) \
-  do {                                                \
-    alignas(64) float c_[16 * 16];                    \
-    _tile_stored(T, c_, 64);                          \
-    write(p, c_, m0, n0, transposed);                 \
+#define JAXINFER_AMX_WRITE_T(T, p, m0, n0) \
+  do {                                      \
+    alignas(64) float c_[16 * 16];          \
+    _tile_stored(T, c_, 64);                \
+    write_transposed(p, c_, m0, n0);        \
   } while (0)
-
-#ifndef JAXINFER_AMX_AHEAD
-#define JAXINFER_AMX_AHEAD 32
-#endif
-constexpr int64_t kAmxAhead = JAXINFER_AMX_AHEAD;  // weight rows the [K, N] path prefetches ahead
 
 // [K, N]: 16 weight rows by 32 columns as they lie in memory (stride N), or, past the weight's last row
 // or column, a zero-padded copy in `pad` (16 x 32).
@@ -1044,10 +1025,10 @@ void item_kn_decode(const Problem& p, int64_t c0, int64_t c1) {
         _tile_loadd(2, c + 512, 64);
         _tile_loadd(3, c + 768, 64);
       }
-      if (k0 + kAmxAhead < K)
+      if (k0 + kPrefetchRows < K)
         for (int64_t r = 0; r < 16; ++r) {
-          prefetch(w + (k0 + kAmxAhead + r) * N + n0);
-          if (two) prefetch(w + (k0 + kAmxAhead + r) * N + n0 + 32);
+          prefetch(w + (k0 + kPrefetchRows + r) * N + n0);
+          if (two) prefetch(w + (k0 + kPrefetchRows + r) * N + n0 + 32);
         }
       int64_t s0 = 0, s1 = 0;
       _tile_loadd(4, p.xb + kb * 32, astride);
@@ -1171,10 +1152,10 @@ void item_t(const Problem& p, int64_t item) {
           _tile_dpbf16ps(3, 4, 7);
         }
       }
-      JAXINFER_AMX_WRITE(0, p, g, n0, true);
-      if (nt > 1) JAXINFER_AMX_WRITE(1, p, g + 16, n0, true);
-      if (nt > 2) JAXINFER_AMX_WRITE(2, p, g + 32, n0, true);
-      if (nt > 3) JAXINFER_AMX_WRITE(3, p, g + 48, n0, true);
+      JAXINFER_AMX_WRITE_T(0, p, g, n0);
+      if (nt > 1) JAXINFER_AMX_WRITE_T(1, p, g + 16, n0);
+      if (nt > 2) JAXINFER_AMX_WRITE_T(2, p, g + 32, n0);
+      if (nt > 3) JAXINFER_AMX_WRITE_T(3, p, g + 48, n0);
     }
   }
   _tile_release();
