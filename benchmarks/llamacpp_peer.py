@@ -25,7 +25,8 @@ prompt and ``--batch`` distinct ones), 128 new tokens, greedy, end-of-sequence i
   its static batch (``model.generate``).
 
 Systems: jaxinfer float32 / bfloat16 / int8 / int4 (``quantization=``, where `jaxinfer.LLM`
-has it), llama.cpp F32 / BF16 / Q8_0 / Q4_1 (the shipped Q4_1 file and copies
+has it), the same four on jaxinfer's XLA path (``xla:...``: ``JAXINFER_CPU_KERNELS=0`` for that engine,
+the built-in peer; only when named, with PASS/FAIL for "never slower than it"), llama.cpp F32 / BF16 / Q8_0 / Q4_1 (the shipped Q4_1 file and copies
 made from it by `benchmarks.gguf_variants`: the same weights), transformers float32 (the
 Q4_1 file dequantized). jaxinfer runs with the prefix cache off, as llama.cpp's cache is
 cleared before every run. Each round runs every system in turn (the order rotates
@@ -59,21 +60,32 @@ from benchmarks.core import HFPeer, batch_round, common_prefix, find_hf_python, 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 DEFAULT_LLAMA_PYTHON = "/work/llamavenv/bin/python"
 
-# name -> (weights dtype, quantization)
+# name -> (weights dtype, quantization, native CPU kernels). The xla: systems are jaxinfer with
+# JAXINFER_CPU_KERNELS=0 (XLA's own products and the pure-JAX attention: the built-in peer, the path GPUs
+# and TPUs take); they run only when named (--systems).
 JAX_SYSTEMS = {
-    "jax:float32": ("float32", None),
-    "jax:bfloat16": ("bfloat16", None),
-    "jax:int8": ("float32", "int8"),
-    "jax:int4": ("float32", "int4"),
+    "jax:float32": ("float32", None, True),
+    "jax:bfloat16": ("bfloat16", None, True),
+    "jax:int8": ("float32", "int8", True),
+    "jax:int4": ("float32", "int4", True),
+    "xla:float32": ("float32", None, False),
+    "xla:bfloat16": ("bfloat16", None, False),
+    "xla:int8": ("float32", "int8", False),
+    "xla:int4": ("float32", "int4", False),
 }
 LLAMA_SYSTEMS = {"llama:F32": "F32", "llama:BF16": "BF16", "llama:Q8_0": "Q8_0", "llama:Q4_1": "Q4_1"}
 HF_SYSTEMS = {"hf:float32": "float32"}
 ALL_SYSTEMS = list(JAX_SYSTEMS) + list(LLAMA_SYSTEMS) + list(HF_SYSTEMS)
+DEFAULT_SYSTEMS = [s for s in ALL_SYSTEMS if not s.startswith("xla:")]
 LABELS = {
     "jax:float32": "jaxinfer float32",
     "jax:bfloat16": "jaxinfer bfloat16",
     "jax:int8": "jaxinfer int8",
     "jax:int4": "jaxinfer int4 (Q4_1 blocks)",
+    "xla:float32": "jaxinfer float32, XLA path",
+    "xla:bfloat16": "jaxinfer bfloat16, XLA path",
+    "xla:int8": "jaxinfer int8, XLA path",
+    "xla:int4": "jaxinfer int4, XLA path",
     "llama:F32": "llama.cpp F32",
     "llama:BF16": "llama.cpp BF16",
     "llama:Q8_0": "llama.cpp Q8_0",
@@ -82,10 +94,10 @@ LABELS = {
 }
 # precision groups for the floor and the side-by-side checks
 PRECISION = {
-    "jax:float32": "32-bit", "llama:F32": "32-bit", "hf:float32": "32-bit",
-    "jax:bfloat16": "16-bit", "llama:BF16": "16-bit",
-    "jax:int8": "8-bit", "llama:Q8_0": "8-bit",
-    "jax:int4": "4-bit", "llama:Q4_1": "4-bit",
+    "jax:float32": "32-bit", "xla:float32": "32-bit", "llama:F32": "32-bit", "hf:float32": "32-bit",
+    "jax:bfloat16": "16-bit", "xla:bfloat16": "16-bit", "llama:BF16": "16-bit",
+    "jax:int8": "8-bit", "xla:int8": "8-bit", "llama:Q8_0": "8-bit",
+    "jax:int4": "4-bit", "xla:int4": "4-bit", "llama:Q4_1": "4-bit",
 }
 
 
@@ -108,11 +120,20 @@ def find_llama_python(flag: Optional[str], off: Optional[str] = None) -> tuple:
 class JaxSystem:
     kind = "jaxinfer"
 
-    def __init__(self, name: str, model: str, dtype: str, quantization: Optional[str], a):
+    def __init__(self, name: str, model: str, dtype: str, quantization: Optional[str], a, kernels: bool = True):
         self.name = name
         kw = {"quantization": quantization} if quantization else {}
-        # the prefix cache off: every run prefills its whole prompt, as llama.cpp's (cleared) cache does
-        self.llm = jaxinfer.LLM(model, dtype=dtype, enable_prefix_caching=False, **kw)
+        # the native kernels on or off for this engine: its kernel choice is made when it is built
+        before = os.environ.get("JAXINFER_CPU_KERNELS")
+        os.environ["JAXINFER_CPU_KERNELS"] = "1" if kernels else "0"
+        try:
+            # the prefix cache off: every run prefills its whole prompt, as llama.cpp's (cleared) cache does
+            self.llm = jaxinfer.LLM(model, dtype=dtype, enable_prefix_caching=False, **kw)
+        finally:
+            if before is None:
+                del os.environ["JAXINFER_CPU_KERNELS"]
+            else:
+                os.environ["JAXINFER_CPU_KERNELS"] = before
         self.n, self.repeats, self.batch_repeats = a.decode_tokens, a.repeats, a.batch_repeats
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.llm.runner.params))
         self.info = {"load_s": self.llm.load_time_s, "dtype": self.llm.engine_config.dtype,
@@ -251,6 +272,15 @@ def targets(res: dict) -> list:
         "batch_e2e_tok_s", 2.5, "{a:.1f} vs {b:.1f} tok/s ({r:.2f}x)")
     add(f"TTFT({res['prompt_len']}): jaxinfer float32 <= llama.cpp F32", "jax:float32", "llama:F32",
         "ttft_ms", 1.0, "{a:.1f} vs {b:.1f} ms ({r:.2f}x)", lower_better=True)
+    for p in ("float32", "bfloat16", "int8", "int4"):  # never slower than XLA's own path, where it ran
+        if f"xla:{p}" not in s:
+            continue
+        add(f"batch-1 decode: jaxinfer {p} >= its XLA path", f"jax:{p}", f"xla:{p}", "decode_tok_s", 1.0,
+            "{a:.1f} vs {b:.1f} tok/s ({r:.2f}x)")
+        add(f"{b} concurrent: jaxinfer {p} >= its XLA path", f"jax:{p}", f"xla:{p}", "batch_e2e_tok_s", 1.0,
+            "{a:.1f} vs {b:.1f} tok/s ({r:.2f}x)")
+        add(f"TTFT({res['prompt_len']}): jaxinfer {p} <= its XLA path", f"jax:{p}", f"xla:{p}", "ttft_ms", 1.0,
+            "{a:.1f} vs {b:.1f} ms ({r:.2f}x)", lower_better=True)
     return out
 
 
@@ -307,7 +337,7 @@ def report(res: dict) -> str:
             f"{res['decode_tokens']}: " + ", ".join(f"{LABELS[k]} {v}" for k, v in agree.items())
         )
     for name, info in res["infos"].items():
-        if name.startswith("jax:"):
+        if name.startswith(("jax:", "xla:")):
             L.append(
                 f"{LABELS[name]}: load {info['load_s']:.1f} s, warm-up {info.get('warmup_s', 0):.1f} s "
                 f"({info.get('programs_compiled_in_warmup')} programs), {info.get('recompiles_in_rounds')} compiled "
@@ -333,7 +363,7 @@ def parse_args(argv=None):
     p = parser("python -m benchmarks.llamacpp_peer", __doc__, rounds=2,
                quick="short: 8 requests, 32 new tokens, 1 run per round")
     p.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS, metavar="SYSTEM",
-                   help=f"which to run (default all): {' '.join(ALL_SYSTEMS)}")
+                   help=f"which to run (default all but the xla: ones): {' '.join(ALL_SYSTEMS)}")
     p.add_argument("--skip", nargs="+", default=[], choices=ALL_SYSTEMS, metavar="SYSTEM", help="leave these out")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs of TTFT and batch-1 decode per round (default 3, --quick 1)")
@@ -351,7 +381,7 @@ def parse_args(argv=None):
     a = settle(p, p.parse_args(argv), quick={"repeats": (3, 1), "batch": (32, 8), "decode_tokens": (128, 32)},
                at_least={"decode_tokens": 2})
     a.batch_repeats = a.batch_repeats or a.repeats
-    a.systems = [s for s in ALL_SYSTEMS if s in (a.systems or ALL_SYSTEMS) and s not in a.skip]
+    a.systems = [s for s in ALL_SYSTEMS if s in (a.systems or DEFAULT_SYSTEMS) and s not in a.skip]
     return a
 
 
@@ -370,12 +400,12 @@ def start_systems(b: Bench, systems: dict) -> tuple:
     a, res, log = b.args, b.figures, b.log
     prompt = batch_prompts = None
     for name in [s for s in a.systems if s in JAX_SYSTEMS]:
-        dtype, quant = JAX_SYSTEMS[name]
+        dtype, quant, native = JAX_SYSTEMS[name]
         if quant and not has_quantization():
             b.skip(name, "skipped: jaxinfer.LLM has no quantization= argument yet")
             continue
-        log(f"loading {name} (dtype={dtype}, quantization={quant})")
-        sysm = b.start(name, lambda: JaxSystem(name, a.model, dtype, quant, a))
+        log(f"loading {name} (dtype={dtype}, quantization={quant}, native kernels {'on' if native else 'off'})")
+        sysm = b.start(name, lambda: JaxSystem(name, a.model, dtype, quant, a, kernels=native))
         if sysm is None:
             continue
         if prompt is None:
