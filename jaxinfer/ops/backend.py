@@ -279,29 +279,50 @@ def precision_scope(choice: KernelChoice):
 def dtype_choice(backend: Optional[str] = None) -> tuple[str, str]:
     """What "auto" means here, and why: (dtype, reason).
 
-    GPUs and TPUs: bfloat16, which they multiply natively. CPUs: bfloat16 where the native matmul
-    kernel runs (`jaxinfer.ops.cpu_matmul`: x86 with AVX2 or AVX-512 and a C++ compiler, kernels not
-    turned off): it reads each bfloat16 weight once, widens it in registers and multiplies it by
-    float32 activations with float32 sums, so a decode step moves half of float32's bytes, and the
-    products stay batch-invariant. Without the kernel, bfloat16 goes to XLA's own product, which is
-    fast only with bfloat16 dot instructions (AVX512-BF16, AMX-BF16, Arm BF16) and not
-    batch-invariant: float32 then.
+    GPUs and TPUs: bfloat16, which they multiply natively. CPUs: decided after the native kernels load
+    (`prepare`: from the install-time build, or built now), by the matmul kernel that actually runs
+    (`jaxinfer.ops.cpu_matmul`): bfloat16 where it has a SIMD path (it reads each bfloat16 weight once, so
+    a decode step moves half of float32's bytes, and the products stay batch-invariant; on AMX the
+    products run on the tiles, activations rounded to bfloat16). Without it (kernels off, a build that
+    failed, no SIMD path), bfloat16 would go to XLA's own product, which is fast only with bfloat16 dot
+    instructions and not batch-invariant: float32 then.
     """
     backend = backend or host_platform()
     if backend != "cpu":
         return "bfloat16", f"{backend} multiplies bfloat16 natively"
-    flags = cpu_flags()
-    simd = {"avx2", "fma", "f16c"} <= flags or "avx512f" in flags
-    if kernels.enabled() and kernels.compiler() is not None and simd:
-        return "bfloat16", ("the native CPU kernel reads bfloat16 weights (half of float32's bytes) "
-                            "against float32 activations")
     if not kernels.enabled():
         return "float32", ("native CPU kernels are off (JAXINFER_CPU_KERNELS=0), and XLA's bfloat16 product "
                            "is not batch-invariant")
-    if not simd:
+    prepare(backend)
+    isa = _matmul_isa()
+    if not isa:
+        return "float32", ("the native CPU matmul kernel could not be loaded (see the warning above), and XLA's "
+                           "bfloat16 product is not batch-invariant")
+    if isa == "scalar":
         return "float32", ("the native CPU kernel has no SIMD path here (AVX2 or AVX-512), and XLA's bfloat16 "
                            "product is not batch-invariant")
-    return "float32", "no C++ compiler for the native CPU kernel, and XLA's bfloat16 product is not batch-invariant"
+    if isa == "amx":
+        return "bfloat16", ("the native CPU kernel multiplies bfloat16 weights on the AMX tiles (activations "
+                            "rounded to bfloat16, float32 sums)")
+    return "bfloat16", (f"the native CPU kernel ({_ISA_NAMES[isa]}) reads bfloat16 weights (half of float32's "
+                        f"bytes) against float32 activations")
+
+
+_ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "amx": "AVX-512 + AMX", "scalar": "no SIMD"}
+
+
+def kernels_note(backend: Optional[str] = None) -> str:
+    """What runs a CPU program's products and attention (the load line): the native kernels that loaded,
+    with the matmul kernel's SIMD path, or XLA's own ops; "" on other platforms."""
+    if (backend or host_platform()) != "cpu":
+        return ""
+    if not kernels.enabled():
+        return "CPU kernels off (JAXINFER_CPU_KERNELS=0): XLA's own products and attention"
+    isa = _matmul_isa()
+    matmul = f"matmul native ({_ISA_NAMES.get(isa, isa)})" if isa else "matmul XLA (native kernel unavailable)"
+    attention = ("attention native" if kernels.ready(kernels.PAGED_ATTENTION)
+                 else "attention pure-JAX (native kernel unavailable)")
+    return f"CPU kernels: {matmul}, {attention}"
 
 
 def resolve_dtype(dtype: str, backend: Optional[str] = None) -> str:

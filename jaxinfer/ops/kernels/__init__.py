@@ -1,9 +1,13 @@
-"""Native kernels for XLA's CPU backend, built from source on first use.
+"""Native kernels for XLA's CPU backend, built when jaxinfer is installed.
 
-Each kernel is a C++ XLA FFI handler in this package. It is compiled once per
-machine with the system C++ compiler (``$CXX``, else ``g++`` or ``c++``) for
-this CPU (``-march=native``), cached in ``$XDG_CACHE_HOME/jaxinfer/kernels``,
-and registered with JAX as a custom-call target for the ``cpu`` platform.
+Each kernel is a C++ XLA FFI handler in this package, registered with JAX as a
+custom-call target for the ``cpu`` platform. ``pip install`` compiles them with
+the system C++ compiler (``$CXX``, else ``g++`` or ``c++``) for this CPU
+(``-march=native``) into the package (`jaxinfer.ops.kernels.install`), so a first
+run only loads them. When there is no such build for this source, jaxlib and CPU
+(an install that could not compile, an edited source, ``$JAXINFER_INSTALLED_KERNELS=0``),
+the first use compiles it instead, once per machine, cached in
+``$XDG_CACHE_HOME/jaxinfer/kernels``.
 
 Nothing depends on them: with no compiler, a failed build, or
 ``JAXINFER_CPU_KERNELS=0``, `load` returns None (after one warning for a
@@ -22,8 +26,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -31,7 +33,8 @@ import warnings
 from typing import Optional, Sequence
 
 from jaxinfer import progress
-from jaxinfer.env import CPU_AMX, cache_root, cpu_flags, is_on
+from jaxinfer.env import CPU_AMX, INSTALLED_KERNELS, cache_root, cpu_flags, is_on
+from jaxinfer.ops.kernels import install
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,15 +48,11 @@ TARGETS = {
 }
 _TITLES = {MATMUL: "matmul", PAGED_ATTENTION: "attention"}
 
-# How the default build is optimised: for this CPU. `build` takes other machine flags for variants
-# (e.g. ``-mno-avx512f`` for the AVX2 path); the rest is always added.
-MACHINE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd")
-# Warnings on (the sources build clean with GCC). JAX's FFI headers are included as system headers,
-# so their own warnings (unused parameters, sign comparisons) are not reported as ours.
-# -Wno-psabi: GCC notes that a function returning a 64-byte vector would pass it differently with
-# AVX-512; the kernels' vector helpers are inline in one translation unit, so no ABI boundary is crossed.
-WARNING_FLAGS = ("-Wall", "-Wextra", "-Wno-psabi")
-_FIXED_FLAGS = ("-std=c++17", "-shared", "-fPIC", *WARNING_FLAGS)
+# The build's flags (`install.MACHINE_FLAGS`: for this CPU; `build` takes other machine flags for variants,
+# e.g. ``-mno-avx512f`` for the AVX2 path) and the compile command: one definition, shared with the
+# install-time build (`jaxinfer.ops.kernels.install`).
+MACHINE_FLAGS = install.MACHINE_FLAGS
+WARNING_FLAGS = install.WARNING_FLAGS
 _lock = threading.Lock()
 _loaded: dict = {}  # source name -> ctypes library, or None when unavailable
 _building: dict = {}  # source name -> the thread building it in the background
@@ -66,15 +65,12 @@ def enabled() -> bool:
 
 def compiler() -> Optional[str]:
     """The C++ compiler a build uses (``$CXX``, else g++, c++ or clang++ on the PATH), or None."""
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    return install.find_compiler()
 
 
 def cpu_signature() -> str:
     """What -march=native depends on: the CPU's architecture and feature flags."""
-    return " ".join([platform.machine(), platform.processor(), *sorted(cpu_flags())])
+    return install.cpu_signature(cpu_flags())
 
 
 def cache_dir() -> str:
@@ -90,8 +86,7 @@ def compile_command(source: str, out: str, flags: Optional[Sequence[str]] = None
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
     machine = MACHINE_FLAGS if flags is None else tuple(flags)
-    return [cxx, *machine, *_FIXED_FLAGS, "-isystem", jax.ffi.include_dir(), os.path.join(_HERE, source),
-            "-o", out]
+    return install.compile_command(cxx, jax.ffi.include_dir(), os.path.join(_HERE, source), out, machine)
 
 
 def _output_path(source: str, flags: Optional[Sequence[str]] = None) -> tuple[list, str, str]:
@@ -106,10 +101,22 @@ def _output_path(source: str, flags: Optional[Sequence[str]] = None) -> tuple[li
     return cmd, key, os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}-{key}.so")
 
 
+def installed(source: str) -> Optional[str]:
+    """The library of ``source`` built at install time that this process can load (this source, this
+    jaxlib, this CPU: `install.find`), or None (none fits, or ``$JAXINFER_INSTALLED_KERNELS`` is 0)."""
+    if not is_on(INSTALLED_KERNELS):
+        return None
+    import jaxlib
+
+    return install.find(os.path.join(_HERE, install.INSTALL_DIR), os.path.join(_HERE, source),
+                        jaxlib.__version__, cpu_flags())
+
+
 def is_built(source: str) -> bool:
-    """Whether ``source`` is already built for this machine (loading it takes milliseconds)."""
+    """Whether ``source`` is already built for this machine, at install time or since (loading it takes
+    milliseconds)."""
     try:
-        return os.path.exists(_output_path(source)[2])
+        return installed(source) is not None or os.path.exists(_output_path(source)[2])
     except (OSError, RuntimeError):
         return False
 
@@ -142,12 +149,17 @@ def matmul_isa(lib: ctypes.CDLL) -> str:
 
 
 def build(source: str, flags: Optional[Sequence[str]] = None) -> str:
-    """Compile ``source`` (a file in this package) to a shared library, once per machine; returns its path.
+    """The shared library of ``source`` (a file in this package): the one built at install time when it
+    fits (`installed`), else compiled once per machine; returns its path.
 
     ``flags``: compiler flags in place of `MACHINE_FLAGS` (another SIMD path, for tests and
     benchmarks); each set of flags is a cached library of its own. Raises RuntimeError with the
     compiler's message when it cannot be built.
     """
+    if flags is None:
+        ready_made = installed(source)
+        if ready_made is not None:
+            return ready_made
     cmd, _, out = _output_path(source, flags)
     out_dir = os.path.dirname(out)
     os.makedirs(out_dir, exist_ok=True)
