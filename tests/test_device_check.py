@@ -63,6 +63,11 @@ def test_quick_check_prints_one_table_with_every_row_measured(quick_run):
     assert "flags:" in table and res["env"]["cpu_flags"] is not None  # the CPU's flags, on CPU
     assert "tests: skipped" in table and res["tests"] is None
     assert "status: OK" in table and res["ok"]
+    # the quantized products are checked as the steps run them: on CPU the native kernel, with no float copy
+    from jaxinfer.ops import kernels
+
+    if kernels.ready(kernels.MATMUL) or kernels.is_built(kernels.MATMUL):
+        assert all(q["custom_call"] and q["fused"] for q in res["quantized"]), res["quantized"]
     bw = res["bandwidth"]
     assert _positive(bw["copy_gb_s"]) and _positive(bw["read_gb_s"])
     assert bw["gb_s"] == max(bw["copy_gb_s"], bw["read_gb_s"])

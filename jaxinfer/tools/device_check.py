@@ -1002,9 +1002,16 @@ def main(argv: Optional[list] = None) -> int:
         for rows in (1, 64):
             try:
                 from jaxinfer.models.decoder import matmul
+                from jaxinfer.ops import backend as kernel_backend
                 from jaxinfer.ops.quant import float_copy_check
 
-                r = float_copy_check(side, side, rows, scheme, matmul)  # the steps' own product
+                choice = kernel_backend.prepare()  # the kernels the steps run (on CPU: the native matmul kernel)
+
+                def product(x, w, choice=choice):
+                    with kernel_backend.using(choice):
+                        return matmul(x, w)
+
+                r = float_copy_check(side, side, rows, scheme, product)  # the steps' own product
             except Exception as e:
                 r = {"scheme": scheme, "rows": rows, "error": f"{type(e).__name__}: {e}"}
                 problems.append(f"quantized {scheme}")
