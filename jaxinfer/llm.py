@@ -19,6 +19,7 @@ import jax
 from jaxinfer import models
 from jaxinfer import progress
 from jaxinfer.loading import model_cache as cache
+from jaxinfer.loading.generation_config import describe_generation, resolve_generation_config
 from jaxinfer.loading.weights import resolve_model
 from jaxinfer.ops import backend, kv_cache
 from jaxinfer.ops.quant import quantize_params
@@ -61,6 +62,7 @@ class LLM:
         max_num_batched_tokens: Optional[int] = None,
         warmup: bool = False,
         model_cache: bool = True,
+        generation_config: Optional[str] = "auto",
         **engine_overrides,
     ):
 
@@ -84,7 +86,7 @@ class LLM:
             loaded.config, engine, loaded.take_params(), loaded.tokenizer, loaded.generation, source.name,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             log_stats_interval=log_stats_interval,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens, generation_config=generation_config,
         )
         self.load_time_s = time.perf_counter() - t0
         if warmup:
@@ -124,8 +126,13 @@ class LLM:
         scheduling_policy: str = "fcfs",
         log_stats_interval: Optional[float] = None,
         max_num_batched_tokens: Optional[int] = None,
+        generation_config: Optional[str] = None,
     ) -> None:
         enable_compilation_cache()
+        if generation_config is not None:  # "auto", "vllm" or a path; None (from_params): `generation` as given
+            progress.say(describe_generation(generation_config, generation))  # the load line says which
+            generation = resolve_generation_config(generation_config, generation)
+        self.generation_config = generation_config
         self.model_config: ModelConfig = cfg
         engine = fit_pages(cfg, engine)  # kv_cache_memory_bytes -> num_pages, by the model's cache layout
         self.tokenizer = tokenizer

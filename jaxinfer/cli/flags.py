@@ -5,7 +5,7 @@ default, so ``generate``, ``generate --server``, ``serve``, ``warmup`` and
 ``bench`` cannot drift apart:
 
     group          function                  flags                                            commands
-    model          add_model_flags           --model --no-model-cache                         generate chat serve
+    model          add_model_flags           --model --no-model-cache --generation-config     generate chat serve
                                                                                               warmup bench tokenize
     engine         add_engine_flags          --engine-config --max-model-len --dtype          generate chat serve
                                              --max-num-seqs --num-pages                       warmup bench
@@ -61,10 +61,14 @@ from jaxinfer import progress
 from jaxinfer.cli.argtypes import DTYPE_CHOICES, DTYPE_HELP, int_in, non_negative_number, number, unescape
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, SpeculativeConfig
 from jaxinfer.engine.compile_cache import enable_compilation_cache
+from jaxinfer.loading.generation_config import FALLBACK, read_generation_config
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-DEFAULT_MAX_TOKENS = 256  # generate: when --max-tokens is not given (shrunk to what the context has room for)
-CLI_TEMPERATURE, CLI_TOP_P = 0.2, 0.9  # generate: when the model gives no generation defaults
+# generate and chat without --max-tokens: the rest of the context (as the HTTP server's default), at most this
+# many (a runaway answer of a model that never ends stops after about this many tokens)
+DEFAULT_MAX_TOKENS = 4096
+# --generation-config auto for a model that sets no temperature (jaxinfer.loading.generation_config), on every path
+CLI_TEMPERATURE, CLI_TOP_P = FALLBACK["temperature"], FALLBACK["top_p"]
 
 # Sampling flags that map one-to-one onto SamplingParams fields (given or not: None is "not given").
 SAMPLING_FLAGS = (
@@ -124,6 +128,24 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-model-cache", action="store_true",
                    help="convert the model in memory instead of restoring it from (or saving it to) the model cache "
                    "($JAXINFER_MODEL_CACHE, else ~/.cache/jaxinfer/models; JAXINFER_MODEL_CACHE=0 also turns it off)")
+    g.add_argument("--generation-config", type=generation_config_arg, metavar="auto|vllm|PATH",
+                   help="the sampling defaults every request takes for the fields it leaves unset, on every path "
+                   "(generate, chat, gRPC, HTTP), as vLLM's flag: auto, the model's generation_config.json "
+                   f"(temperature {CLI_TEMPERATURE} and top-p {CLI_TOP_P} when it sets no temperature); vllm, "
+                   "neutral (temperature 1.0, top-p 1.0, no top-k, min-p or penalty); PATH, a directory with a "
+                   "generation_config.json or the file (default: auto)")
+
+
+def generation_config_arg(text: str) -> str:
+    """--generation-config: auto, vllm, or a path that holds a generation_config.json (read now: a usage error
+    before the model loads)."""
+    if text in ("auto", "vllm"):
+        return text
+    try:
+        read_generation_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--generation-config: ")) from None
+    return text
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, warmup: Optional[str] = None):
@@ -174,12 +196,14 @@ def add_sampling_flags(p: argparse.ArgumentParser, *, structured: bool = False) 
     """
     s = p.add_argument_group(
         "sampling",
-        "A flag not given takes the model's generation default (generation_config.json); a model without a "
-        f"temperature gets temperature {CLI_TEMPERATURE} and top-p {CLI_TOP_P}; the rest default to off (no top-k, "
-        "min-p, penalties or stop strings).",
+        "A flag not given takes the sampling default in force (--generation-config, default auto: the model's "
+        f"generation_config.json; a model without a temperature gets temperature {CLI_TEMPERATURE} and top-p "
+        f"{CLI_TOP_P}), the same over a server; the rest default to off (no top-k, min-p, penalties or stop "
+        "strings).",
     )
     s.add_argument("--max-tokens", type=any_int, metavar="N",
-                   help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS}, or what the context has room for)")
+                   help="most tokens to generate (default: the rest of the context, as the HTTP server's, at "
+                   f"most {DEFAULT_MAX_TOKENS})")
     s.add_argument("--min-tokens", type=any_int, metavar="N",
                    help="generate at least N tokens before end-of-sequence or a stop string may end the output "
                    "(default: 0)")
@@ -331,14 +355,16 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": not getattr(args, "no_prefix_caching", False),
         "model_cache": not getattr(args, "no_model_cache", False),
         **engine_overrides(args),
+        # --generation-config when given; else LLM's default, "auto"
+        **({"generation_config": args.generation_config} if getattr(args, "generation_config", None) else {}),
     }
 
 
 def refuse_local_flags(args: argparse.Namespace) -> None:
     """With --server the model and the engine are the server's: flags that would configure them are an error."""
     given = ["--model"] if getattr(args, "model", None) is not None else []
-    given += [f"--{name.replace('_', '-')}" for name in ("no_model_cache", "engine_config", *ENGINE_OVERRIDES,
-                                                          "no_prefix_caching") if getattr(args, name, None)]
+    local = ("no_model_cache", "generation_config", "engine_config", *ENGINE_OVERRIDES, "no_prefix_caching")
+    given += [f"--{name.replace('_', '-')}" for name in local if getattr(args, name, None)]
     if given:
         raise UsageError(f"{', '.join(given)}: with --server the model and the engine are the server's; these flags "
                          "choose a model to load here (drop them, or drop --server).")
@@ -466,7 +492,8 @@ def chat_mode(args: argparse.Namespace, has_template: bool, model: str) -> bool:
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
-    """The SamplingParams fields given on the command line, and max_tokens (default `DEFAULT_MAX_TOKENS`)."""
+    """The SamplingParams fields given on the command line, and max_tokens (default `DEFAULT_MAX_TOKENS`, which
+    the request shrinks to the rest of the context: ``fit_max_tokens``)."""
     max_tokens = getattr(args, "max_tokens", None)
     kw: dict[str, Any] = {"max_tokens": max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS}
     for name in SAMPLING_FLAGS:
@@ -484,11 +511,12 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
 
 
 def cli_sampling_defaults(model_temperature: Optional[float]) -> dict:
-    """What ``generate`` (local and ``--server``) puts over the model's generation defaults.
+    """What ``generate`` (local and ``--server``) puts over the sampling defaults in force.
 
-    A model that ships no temperature gets temperature 0.2 and top-p 0.9
-    instead of the library's 1.0 / 1.0; flags given on the command line
-    override these in turn.
+    Nothing for a model loaded with a ``--generation-config`` (every path then samples at the
+    same defaults, which set a temperature); a model wrapped in memory (`LLM.from_params`)
+    without one, or an older server that reports none, gets temperature 0.2 and top-p 0.9
+    instead of the library's 1.0 / 1.0. Flags given on the command line override these in turn.
     """
     return {} if model_temperature is not None else {"temperature": CLI_TEMPERATURE, "top_p": CLI_TOP_P}
 
