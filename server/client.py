@@ -1,7 +1,8 @@
 """Clients of the jaxinfer gRPC server: `Client` (blocking) and `AsyncClient` (asyncio).
 
     client = jaxinfer.Client("localhost:50051")
-    for piece in client.generate("Why stream tokens?", max_tokens=64, temperature=0):
+    print(client.chat("Name three colours.").text)   # the server's chat template and sampling defaults
+    for piece in client.generate([{"role": "user", "content": "Why stream tokens?"}], max_tokens=64):
         print(piece.text, end="", flush=True)
     print(piece.usage, piece.timings)          # the last piece carries them
 
@@ -9,10 +10,14 @@
         async for piece in client.generate([{"role": "user", "content": "Hi"}], max_tokens=32):
             ...
 
-The input is a prompt string, a list of chat messages (dicts with role and
-content) or a list of token ids. Sampling options are keyword arguments named
-like `jaxinfer.SamplingParams` fields (unset ones take the model's defaults on
-the server), or a whole `SamplingParams`. Leaving a stream early (``break``,
+The input is a prompt string (sent as it is: no chat template), a list of chat
+messages (dicts with role and content: the server renders them with the
+model's chat template, as an instruct model expects) or a list of token ids;
+`Client.chat` takes messages, or one user message as a string, and returns the
+whole answer. Sampling options are keyword arguments named like
+`jaxinfer.SamplingParams` fields (unset ones take the server's sampling
+defaults: ``model_info()["generation_defaults"]``, from ``serve
+--generation-config``), or a whole `SamplingParams` (every field sent). Leaving a stream early (``break``,
 closing the generator) cancels the call, and the server aborts the request.
 
 Structured output is ``structured_outputs=`` as in the library (a
@@ -178,6 +183,16 @@ def _piece(r: pb.GenerateResponse) -> GenerationPiece:
 # --------------------------------------------------------------------------- #
 # Requests
 # --------------------------------------------------------------------------- #
+
+
+def chat_messages(messages) -> list:
+    """`Client.chat`'s input as messages: a string is one user message."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise TypeError("chat() takes a list of messages ({\"role\": ..., \"content\": ...}) or one user message "
+                        f"as a string, got {type(messages).__name__}.")
+    return list(messages)
 
 
 def _chat_input(messages, chat_template_kwargs, add_generation_prompt) -> pb.ChatInput:
@@ -381,6 +396,12 @@ class Client(_Connection):
             out.add(p)
         return out
 
+    def chat(self, messages, sampling_params=None, **kw) -> Completion:
+        """The model's answer to a conversation (messages, or one user message as a string), rendered with the
+        server's chat template and sampled at the server's defaults where ``kw`` sets nothing; `generate`'s
+        keywords. To stream it: ``generate(messages, ...)``."""
+        return self.complete(chat_messages(messages), sampling_params, **kw)
+
     def tokenize(self, text_or_messages, *, add_special_tokens=True, add_generation_prompt=True,
                  chat_template_kwargs=None, timeout: Optional[float] = None) -> dict:
         req = tokenize_request(text_or_messages, add_special_tokens, add_generation_prompt, chat_template_kwargs)
@@ -440,6 +461,10 @@ class AsyncClient(_Connection):
             out = out or Completion(p.request_id)
             out.add(p)
         return out
+
+    async def chat(self, messages, sampling_params=None, **kw) -> Completion:
+        """`Client.chat` over asyncio."""
+        return await self.complete(chat_messages(messages), sampling_params, **kw)
 
     async def tokenize(self, text_or_messages, *, add_special_tokens=True, add_generation_prompt=True,
                        chat_template_kwargs=None, timeout: Optional[float] = None) -> dict:

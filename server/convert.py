@@ -33,7 +33,8 @@ _OPTIONAL_SAMPLING = (
 
 
 def sampling_params_from_proto(opts: pb.SamplingOptions, defaults: SamplingParams) -> SamplingParams:
-    """The model's defaults overridden by every field the client set; raises ValueError when out of range."""
+    """The defaults in force (``defaults``: `LLM.get_default_sampling_params`) overridden by every field the
+    client set; raises ValueError when out of range."""
     kw = {name: getattr(opts, name) for name in _OPTIONAL_SAMPLING if opts.HasField(name)}
     kw["max_tokens"] = opts.max_tokens if opts.HasField("max_tokens") else None
     kw["stop"] = list(opts.stop)
@@ -44,7 +45,8 @@ def sampling_params_from_proto(opts: pb.SamplingOptions, defaults: SamplingParam
 
 
 def generation_defaults_to_proto(g) -> pb.SamplingOptions:
-    """The sampling defaults a model ships (`GenerationDefaults`), with the fields it leaves unset unset."""
+    """The sampling defaults in force (`GenerationDefaults`, `jaxinfer.loading.generation_config`), with any
+    field they leave unset unset."""
     opts = pb.SamplingOptions()
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
                        ("repetition_penalty", float)):

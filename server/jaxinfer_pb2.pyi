@@ -282,7 +282,7 @@ class EngineLiveStats(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., prompt_throughput: _Optional[float] = ..., generation_throughput: _Optional[float] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., finished: _Optional[_Mapping[str, int]] = ..., server_active: _Optional[int] = ..., server_rejected: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "dtype", "backend", "page_size", "num_pages", "kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "max_logprobs", "batch_buckets", "chunk_buckets", "page_buckets", "has_tokenizer", "has_chat_template", "max_waiting", "version", "stats", "generation_defaults", "tensor_parallel_size", "quantization", "kv_bytes_per_token")
+    __slots__ = ("name", "architecture", "max_model_len", "vocab_size", "dtype", "backend", "page_size", "num_pages", "kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "max_logprobs", "batch_buckets", "chunk_buckets", "page_buckets", "has_tokenizer", "has_chat_template", "max_waiting", "version", "stats", "generation_defaults", "tensor_parallel_size", "quantization", "kv_bytes_per_token", "generation_config")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_CONFIG_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     max_model_len: int
@@ -331,4 +332,5 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     quantization: str
     kv_bytes_per_token: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., batch_buckets: _Optional[_Iterable[int]] = ..., chunk_buckets: _Optional[_Iterable[int]] = ..., page_buckets: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., max_waiting: _Optional[int] = ..., version: _Optional[str] = ..., stats: _Optional[_Union[EngineLiveStats, _Mapping]] = ..., generation_defaults: _Optional[_Union[SamplingOptions, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    generation_config: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., batch_buckets: _Optional[_Iterable[int]] = ..., chunk_buckets: _Optional[_Iterable[int]] = ..., page_buckets: _Optional[_Iterable[int]] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., max_waiting: _Optional[int] = ..., version: _Optional[str] = ..., stats: _Optional[_Union[EngineLiveStats, _Mapping]] = ..., generation_defaults: _Optional[_Union[SamplingOptions, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., quantization: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., generation_config: _Optional[str] = ...) -> None: ...

@@ -467,6 +467,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_waiting=-1 if self.config.max_waiting is None else self.config.max_waiting,
             version=__version__, stats=stats,
             generation_defaults=generation_defaults_to_proto(llm.generation_defaults),
+            generation_config=str(getattr(llm, "generation_config", None) or ""),
             tensor_parallel_size=e.tensor_parallel_size, kv_bytes_per_token=info["kv_bytes_per_token"],
             quantization=info["quantization"] or "",
         )

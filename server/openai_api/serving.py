@@ -75,11 +75,14 @@ _FIELDS = (
     "repetition_penalty", "min_tokens", "stop_token_ids", "priority", "chat_template_kwargs", "tools", "echo",
     "prompt_logprobs", "structured_outputs",
 )
-# Fields copied one-to-one onto SamplingParams when the body sets them (the rest take the model's defaults).
+# Fields copied one-to-one onto SamplingParams when the body sets them (the rest take the defaults in force:
+# `OpenAIServing.sampling_defaults`).
 _DIRECT = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "n",
 )
+# The fields a generation config sets (jaxinfer.loading.generation_config.SAMPLING_FIELDS).
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _sse(obj) -> bytes:
@@ -168,7 +171,8 @@ class OpenAIServing:
     def sampling_params(self, body, *, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,
                         structured: Optional["Structured"] = None) -> SamplingParams:
-        """The model's generation defaults overridden by every field the body sets; 400 when out of range."""
+        """The sampling defaults in force (`sampling_defaults`) overridden by every field the body sets; 400 when
+        out of range."""
         kw = {name: getattr(body, name) for name in _DIRECT if getattr(body, name) is not None}
         kw["max_tokens"] = max_tokens  # None: the rest of the context (as vLLM), never SamplingParams' 16
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -183,6 +187,14 @@ class OpenAIServing:
             return self.llm.get_default_sampling_params().clone(**kw)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from None
+
+    def sampling_defaults(self) -> dict:
+        """What a sampling field the body leaves unset takes, and where that comes from (``generation_config``:
+        "auto", "vllm", a path, or None for a model wrapped in memory): the extra ``sampling_defaults`` of
+        a /v1/models card, as vLLM's ``--generation-config`` chooses them."""
+        d = self.llm.get_default_sampling_params()
+        return {"generation_config": getattr(self.llm, "generation_config", None),
+                **{name: getattr(d, name) for name in _DEFAULTED}}
 
     # -- engine requests ----------------------------------------------------------------
 
