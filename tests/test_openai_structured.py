@@ -318,22 +318,30 @@ def test_named_tool_choice_calls_that_function(oai, llm, name):
 
 
 def test_forced_calls_cut_short_by_max_tokens(oai, llm):
-    # a named call keeps its partial arguments (as vLLM), finish_reason "length"
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = chat(oai, llm, tools=TOOLS, tool_choice=choice, **sampled(4, max_tokens=3))
-    for c in r.choices:
-        (tc,) = c.message.tool_calls
-        assert c.finish_reason == "length" and tc.function.name == "get_weather"
-        assert tc.function.arguments.startswith("{") and c.message.content is None
-    got, finish, _ = streamed_calls(oai, llm, tools=TOOLS, tool_choice=choice, **sampled(4, max_tokens=3))
-    assert got == [[("get_weather", c.message.tool_calls[0].function.arguments)] for c in r.choices]
-    assert finish == ["length"] * SEEDS
-    # "required" cut before its first call's name: no call, the text is the content
-    r = chat(oai, llm, tools=TOOLS, tool_choice="required", **sampled(4, max_tokens=1))
-    for c in r.choices:
-        assert c.finish_reason == "length" and not c.message.tool_calls and c.message.content.startswith("[")
-    got, finish, content = streamed_calls(oai, llm, tools=TOOLS, tool_choice="required", **sampled(4, max_tokens=1))
-    assert got == [[]] * SEEDS and content == [c.message.content for c in r.choices]
+    """No call whose arguments do not parse ever comes back: an output cut inside its first call is content
+    with finish_reason "length" (as vLLM answers), streamed or not; a later call cut short is left out."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cut_first = kept = 0
+    for tool_choice, max_tokens, opening in ((named, 3, "{"), ("required", 1, "["), ("required", 9, "["),
+                                             ("required", 20, "[")):
+        kw = dict(tools=TOOLS, tool_choice=tool_choice, **sampled(4, max_tokens=max_tokens))
+        r = chat(oai, llm, **kw)
+        for c in r.choices:
+            assert c.finish_reason == "length", c
+            calls = [(tc.function.name, tc.function.arguments) for tc in c.message.tool_calls or ()]
+            if calls:
+                _check_calls(calls)  # whole, valid arguments only
+                assert c.message.content is None
+                kept += 1
+            else:
+                cut_first += 1
+                assert c.message.content.startswith(opening) and len(c.message.content) > 0
+        got, finish, content = streamed_calls(oai, llm, **kw)
+        assert got == [[(tc.function.name, tc.function.arguments) for tc in c.message.tool_calls or ()]
+                       for c in r.choices]
+        assert finish == ["length"] * SEEDS and content == [c.message.content or "" for c in r.choices]
+    assert cut_first >= 3 * SEEDS  # the first call cut: every choice of the first three requests at least
+    assert kept  # and calls before a cut one (20 tokens: one whole call, the next cut)
 
 
 # --------------------------------------------------------------------------- #

@@ -32,8 +32,11 @@ naming both). ``tool_choice`` "required" or a named function is a constraint too
 its ``parameters`` schema; "required" is a JSON array of ``{"name", "parameters"}``
 calls, each name with its own tool's schema. Both are read back as tool calls
 without a tool parser (finish_reason "tool_calls" when the output is complete)
-and streamed as OpenAI streams calls: the id and name first, then the arguments
-as the model writes them. A constraint the library refuses, or that does not
+and streamed as OpenAI's ``delta.tool_calls``, each call in one piece once its
+arguments are whole. No call whose arguments do not parse is ever returned: an
+output cut by ``max_tokens`` inside its first call comes back as content with
+finish_reason "length" (as vLLM answers), and a later call cut short is left
+out (the calls before it stay, finish_reason "length"). A constraint the library refuses, or that does not
 compile, is a 400 whose ``param`` is the body field it came from. A choice whose
 grammar fails mid-generation (no token allowed, min_tokens past the grammar's
 end) ends with finish_reason "error" and its reason in the choice's ``error``
@@ -808,22 +811,41 @@ class ForcedToolCalls:
         self.label = label
 
     def parse(self, text: str) -> tuple:
-        """(tool calls, content) of a whole output: content is None when there are calls, else the text."""
+        """(tool calls, content) of a whole output: the calls whose name was read and whose arguments are whole
+        JSON, content None; when there is none (an output cut by max_tokens inside its first call), no call and
+        the text as content. A later call cut short is left out: no call's arguments ever fail to parse."""
         if self.name is not None:
-            return [ToolCall(make_tool_call_id(), self.name, text)], None
-        reader = _CallsReader()
-        reader.feed(text)
-        calls = [ToolCall(make_tool_call_id(), name, "".join(args)) for name, args in reader.calls if name]
+            named = [(self.name, text)]
+        else:
+            reader = _CallsReader()
+            reader.feed(text)
+            named = [(name, "".join(args)) for name, args in reader.calls]
+        calls = [ToolCall(make_tool_call_id(), name, args) for name, args in named
+                 if name and _whole_arguments(args, final=True)]
         return (calls, None) if calls else ([], text)
 
     def streamer(self) -> "_ForcedStream":
         return _ForcedStream(self.name)
 
 
+def _whole_arguments(text: str, final: bool) -> bool:
+    """Whether a forced call's arguments are whole JSON: while streaming, a closed object, array or string (a
+    number could still grow); at the end of the output, any JSON value."""
+    if not final and text.rstrip()[-1:] not in ("}", "]", '"'):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return final or isinstance(value, (dict, list, str))
+
+
 class _ForcedStream:
-    """One streamed choice of a forced call: OpenAI's ``delta.tool_calls`` pieces (index, id, type and name
-    first, then the arguments as the model writes them). A "required" output that names no call at all (cut
-    short before its first name) ends as content, as the whole response does."""
+    """One streamed choice of a forced call: OpenAI's ``delta.tool_calls`` pieces, each call whole once its
+    arguments are (index, id, type, name and the arguments as the model wrote them; whitespace after them
+    follows as an arguments piece), so a call cut short by max_tokens is never sent. An output that ends with
+    no whole call (cut inside its first) ends as content; a later call cut short is left out: the same calls
+    and content as the whole response (`ForcedToolCalls.parse`)."""
 
     def __init__(self, name: Optional[str]):
         self.name = name
@@ -835,8 +857,8 @@ class _ForcedStream:
         out = []
         calls = [(self.name, self.args)] if self.reader is None else self.reader.calls
         for index, (name, args) in enumerate(calls):
-            if index == len(self.taken):  # not sent yet: it opens with its id and name
-                if not name or (self.reader is None and not args and not final):
+            if index == len(self.taken):  # not sent yet: it goes out whole, with its id and name
+                if not name or not _whole_arguments("".join(args), final):
                     break
                 self.taken.append(len(args))
                 out.append({"index": index, "id": make_tool_call_id(), "type": "function",
@@ -847,8 +869,9 @@ class _ForcedStream:
                 out.append({"index": index, "function": {"arguments": piece}})
         if out:
             return {"tool_calls": out}
-        if final and not self.taken and self.reader is not None and self.reader.text:
-            return {"content": "".join(self.reader.text)}
+        if final and not self.taken:
+            text = "".join(self.args if self.reader is None else self.reader.text)
+            return {"content": text} if text else {}
         return {}
 
     def feed(self, text: str) -> dict:
