@@ -116,7 +116,8 @@ def test_each_request_carries_the_whole_conversation_and_answers_stream_to_stdou
     first, second = chat.answers
     assert len(first.text) == len(second.text) == MAX_TOKENS  # one character per token, no end-of-sequence
     assert out.getvalue() == f"{first.text}\n{second.text}\n"  # the answers alone, one per line
-    assert err.getvalue() == ""
+    limit = f"(the answer stopped at the {MAX_TOKENS}-token limit: --max-tokens)"
+    assert err.getvalue() == f"{limit}\n{limit}\n"  # each answer ended at --max-tokens, and says so
     want = prompt_of(llm, [user("hello there"), assistant(first.text), user("and then?")])
     assert chat.backend.last_request.prompt_ids == want  # the first exchange is in the second request
     assert second.prompt_tokens == len(want) > first.prompt_tokens + MAX_TOKENS
@@ -155,7 +156,8 @@ def test_system_sets_and_removes_the_system_prompt_and_the_conversation_goes_on(
     chat.handle("/system")  # alone: removed
     chat.handle("more")
     assert chat.backend.last_request.prompt_ids == prompt_of(llm, [user("hi"), assistant(a1), user("more")])
-    assert err.getvalue().splitlines() == ["(system prompt set)", "(system prompt removed)"]
+    limit = f"(the answer stopped at the {MAX_TOKENS}-token limit: --max-tokens)"
+    assert err.getvalue().splitlines() == ["(system prompt set)", limit, "(system prompt removed)", limit]
 
 
 def test_exit_quit_and_end_of_input_leave_with_status_zero(llm, tiny_model_dir, engine_json):
@@ -185,7 +187,8 @@ def test_a_conversation_that_no_longer_fits_says_so_in_one_line_and_suggests_cle
     assert len(history) == 2
     chat.handle("y" * 60)  # 100 + 60 characters and the template: over the 160-token context
     assert chat.history == history  # not sent, not kept
-    (line,) = err.getvalue().splitlines()
+    limit, line = err.getvalue().splitlines()  # the first answer's --max-tokens note, then the refusal
+    assert limit == f"(the answer stopped at the {MAX_TOKENS}-token limit: --max-tokens)"
     n = len(prompt_of(llm, [*history, user("y" * 60)]))
     assert line == f"the conversation is {n} tokens with this message and the context holds 160 (max_model_len): " \
                    "/clear to start over"
@@ -206,32 +209,39 @@ def test_an_answer_shrinks_to_the_room_left_and_says_the_context_is_full(llm, ti
 
 def test_ctrl_c_in_process_aborts_the_request_frees_its_pages_and_keeps_the_partial_answer(llm, tiny_model_dir,
                                                                                           engine_json):
-    """A real SIGINT, raised on the main thread after the third piece of an answer (deterministically, where a
-    terminal's would land anywhere: the subprocess test below does that): the answer stops, its request is
-    aborted and every KV page is free again; the partial answer stays in the conversation."""
+    """A real SIGINT once two pieces of an answer are on the terminal, with a third already made when it lands
+    (deterministically, where a terminal's would land anywhere: the pseudo-terminal test below does that): the
+    third is never printed, the request is aborted and every KV page is free again; the two pieces that were
+    printed stay in the conversation."""
     chat, out, err = new_chat(llm, tiny_model_dir, engine_json, "--max-tokens", "100")
     real = chat.backend.answer
 
-    def answer_then_ctrl_c(*args):
-        pieces = real(*args)
+    def answer_then_ctrl_c(messages, max_tokens, answer, stop):
+        pieces = real(messages, max_tokens, answer, stop)
         try:
             for i, piece in enumerate(pieces):
                 if i == 2:
-                    signal.raise_signal(signal.SIGINT)  # as the third piece arrives
-                yield piece
+                    deadline = time.time() + 60
+                    while len(out.getvalue()) < 2 and time.time() < deadline:  # two pieces printed
+                        time.sleep(0.002)
+                    signal.raise_signal(signal.SIGINT)
+                    while not stop.seen and time.time() < deadline:  # the chat has noticed it
+                        time.sleep(0.002)
+                yield piece  # after the interrupt: must not reach the terminal
         finally:
             pieces.close()
 
     chat.backend.answer = answer_then_ctrl_c
     chat.handle("go on")
     stopped = chat.answers[-1]
-    assert len(stopped.text) == 3 and stopped.max_tokens == 100 and stopped.finish_reason is None
+    assert len(stopped.text) == 2 and stopped.max_tokens == 100 and stopped.finish_reason is None
     assert out.getvalue() == stopped.text + "\n"
     assert chat.history == [user("go on"), assistant(stopped.text)]  # the partial answer is kept
     assert "(stopped; what was said stays in the conversation)" in err.getvalue()
     assert llm.wait_idle(10)
     llm.engine.allocator.check_all_free()  # the aborted request's pages are back
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the answer
+    assert signal.set_wakeup_fd(-1) == -1  # and no wakeup pipe is left behind
     chat.backend.answer = real
     chat.handle("after")  # and the next turn runs normally, on the conversation so far
     assert len(chat.answers[-1].text) == 100
@@ -253,6 +263,26 @@ def test_ctrl_c_before_the_first_word_drops_the_message(llm, tiny_model_dir, eng
     assert "(stopped before the answer began; the message was dropped)" in err.getvalue()
     assert llm.wait_idle(10)
     llm.engine.allocator.check_all_free()
+
+
+def test_warm_compiles_every_program_a_turn_can_run_and_no_turn_compiles_after_it(llm, tiny_model_dir,
+                                                                                  engine_json):
+    """Before the first prompt `LocalBackend.warm` makes the programs of one request alone: every prompt length
+    (a longer one after /system, a long message, the new part of a conversation after the prefix cache) and
+    every decode step; the turns then compile nothing."""
+    chat, out, err = new_chat(llm, tiny_model_dir, engine_json, "--max-tokens", "40")
+    backend = chat.backend
+    keys = set(backend.chat_program_keys())
+    for n in range(1, llm.max_model_len):
+        assert set(llm.engine.request_program_keys(n, llm.max_model_len - n)) <= keys, n
+    assert len(keys) < len(llm.engine.program_keys())  # one request's programs, not every batch size's
+    backend.warm()
+    table = llm.engine.runner.programs
+    assert [state for _, state in table.status(sorted(keys))] == ["ready"] * len(keys)
+    ready = table.num_ready
+    for line in ("hi", "/system be a pirate", "x" * 20, "/clear", "y" * 3):
+        chat.handle(line)
+    assert len(chat.answers) == 3 and table.num_ready == ready, err.getvalue()  # three turns, no program made
 
 
 def test_bad_flags_are_refused_before_the_model_loads(capsys):
@@ -281,7 +311,8 @@ def test_local_and_server_chats_give_the_same_answers(llm, tiny_model_dir, engin
         remote_out, remote_err = capsys.readouterr()
     assert code == 0, remote_err
     assert remote_out == out.getvalue()
-    assert remote_err == "(system prompt set)\n"
+    limit = f"(the answer stopped at the {MAX_TOKENS}-token limit: --max-tokens)\n"
+    assert remote_err == f"{limit}(system prompt set)\n{limit}"
     assert llm.wait_idle(10)
     llm.engine.allocator.check_all_free()
 
@@ -363,10 +394,11 @@ def _read_until(fd: int, needle: bytes, buf: bytearray, timeout: float = 120.0) 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
-@pytest.mark.parametrize("leave", ["ctrl-c twice", "ctrl-d"])
-def test_on_a_terminal_it_prompts_and_ctrl_c_at_the_prompt_clears_the_line(tiny_model_dir, engine_json, leave):
+def test_on_a_terminal_it_prompts_and_ctrl_c_at_the_prompt_clears_the_line(tiny_model_dir, engine_json):
     """``jaxinfer chat`` on a real (pseudo-)terminal: a banner, the >>> prompt with readline, answers; Ctrl-C at
-    the prompt clears the line and says how to leave, a second one (or Ctrl-D) leaves with status 0."""
+    the prompt clears the line and says how to leave, a second one leaves with status 0 (Ctrl-D: the test
+    below)."""
+    leave = "ctrl-c twice"
     import fcntl
     import struct
     import termios
@@ -419,4 +451,78 @@ def test_on_a_terminal_it_prompts_and_ctrl_c_at_the_prompt_clears_the_line(tiny_
             p.kill()
             p.wait()
         os.close(master)
+    assert b"Traceback" not in buf
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_on_a_terminal_only_prompts_and_answers_show_and_ctrl_c_cuts_the_answer_where_it_is(tiny_model_dir,
+                                                                                             engine_json):
+    """``jaxinfer chat`` on a pseudo-terminal with its start-up progress shown (no --quiet): once the first prompt
+    is up, the terminal shows only prompts, what is typed, answers and the chat's own notes (no engine line, no
+    compile: before /system and after it); Ctrl-C in the middle of an answer cuts it: nothing follows the
+    terminal's ^C but the end of the line and the chat's note; Ctrl-D then leaves with status 0."""
+    import fcntl
+    import re
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    attrs = termios.tcgetattr(slave)
+    attrs[3] |= termios.ECHO | termios.ECHOCTL | termios.ISIG  # Ctrl-C shows as ^C where it lands
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    take_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                     "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    n = 300
+    argv = ["chat", "--model", str(tiny_model_dir), "--engine-config", engine_json, "--max-model-len", "512",
+            "--max-tokens", str(n), "--temperature", "0"]
+    p = subprocess.Popen([sys.executable, "-c", take_terminal, "-m", "jaxinfer", *argv], stdin=slave, stdout=slave,
+                         stderr=slave, start_new_session=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "TERM": "dumb"})
+    os.close(slave)
+    limit = f"(the answer stopped at the {n}-token limit: --max-tokens)".encode()
+
+    def answered(line: bytes, buf: bytearray) -> bytes:
+        """Type ``line``; the answer, checked to be all that came between it and the next prompt."""
+        os.write(master, line + b"\r")
+        turn = _read_until(master, b">>> ", buf)
+        head, sep, rest = turn.partition(line + b"\r\n")
+        assert sep and b"jaxinfer" not in head, turn
+        answer, sep, tail = rest.partition(b"\r\n\r\n")  # the answer's line, ended by a blank one
+        assert sep and len(answer) == n and re.fullmatch(rb"[ -~]+", answer), turn  # all of it, nothing else
+        assert tail == limit + b"\r\n>>> ", turn  # then only the chat's note and the prompt
+        return answer
+
+    buf = bytearray()
+    try:
+        start = _read_until(master, b">>> ", buf)  # the start: progress lines are fine here
+        assert b"chatting with tiny" in start and b"/help" in start, start
+        answered(b"hi", buf)
+        os.write(master, b"/system be brief\r")
+        assert _read_until(master, b">>> ", buf).endswith(b"/system be brief\r\n(system prompt set)\r\n>>> ")
+        os.write(master, b"/clear\r")
+        _read_until(master, b">>> ", buf)
+        answered(b"hello there", buf)  # a longer prompt (the system prompt's): no compile, no engine line
+        os.write(master, b"/clear\r")
+        _read_until(master, b">>> ", buf)
+        os.write(master, b"go on\r")
+        _read_until(master, b"go on\r\n", buf)
+        mark = len(buf)
+        first = os.read(master, 1)  # the answer's first character: it has begun
+        os.write(master, b"\x03")  # Ctrl-C at once, while the rest streams
+        buf += first
+        _read_until(master, b">>> ", buf)
+        turn = bytes(buf[mark:])
+        cut = turn.rindex(b"^C")  # where the terminal shows the interrupt
+        assert turn[cut:] == b"^C\r\n\r\n(stopped; what was said stays in the conversation)\r\n>>> ", turn
+        assert 0 < cut < n and re.fullmatch(rb"[ -~]+", turn[:cut]), turn  # cut short, after it had begun
+        os.write(master, b"\x04")  # Ctrl-D at the prompt: leave
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+    after_start = bytes(buf[len(start):])
+    assert b"jaxinfer:" not in after_start and b"compiling" not in after_start and b"loading" not in after_start
     assert b"Traceback" not in buf

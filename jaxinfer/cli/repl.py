@@ -17,10 +17,21 @@ the system prompt), ``/system TEXT`` (set the system prompt; without TEXT,
 remove it), ``/help``. A line that starts with ``//`` is sent with one slash
 less.
 
-Ctrl-C while an answer streams stops that answer: the request is aborted (its
-KV pages are freed at the engine's next step) and what was already said stays
-in the conversation, so that the turns keep alternating; an answer stopped
-before its first word is dropped with its question. Ctrl-C at the prompt
+Before the first prompt the model's chat programs are made (compiled, or loaded
+from the program cache), with the start-up's progress: those of one request
+alone, for every prompt length and decode step, so that no turn waits for a
+compile (a longer prompt after ``/system`` included). Once the prompt is shown
+the engine's progress lines and INFO logging stay out of the conversation
+(``--verbose`` keeps them): the terminal shows prompts, answers and the chat's
+notes.
+
+Ctrl-C while an answer streams stops that answer where it is: the answer is read
+on a thread of its own while the main thread waits for its pieces and for the
+interrupt (noticed through a wakeup pipe the moment it arrives), so no piece is
+printed after it; the request is aborted at once (its KV pages are freed at the
+engine's next step) and what was already printed stays in the conversation, so
+that the turns keep alternating; an answer stopped before its first word is
+dropped with its question. Ctrl-C at the prompt
 clears the line; a second one in a row, Ctrl-D (end of input) or ``/exit``
 leaves with status 0.
 
@@ -30,10 +41,10 @@ answers alone go to stdout (one per line, as they stream), and end of input ends
 the conversation. Notes (a stopped answer, a full context, a command's effect)
 go to stderr.
 
-Each answer may use up to ``--max-tokens`` tokens (default 256), fewer when
-the context has less room left. When the conversation no longer fits in the
-context at all, the line is not sent: one line on stderr says so and
-suggests ``/clear``.
+Each answer may use up to ``--max-tokens`` tokens, fewer when the context has
+less room left; an answer that stops at either limit says so on stderr. When
+the conversation no longer fits in the context at all, the line is not sent:
+one line on stderr says so and suggests ``/clear``.
 
 Imports: ``jaxinfer chat`` checks its flags and shows its first progress line before
 anything slow is imported, so the engine (`jaxinfer.engine`, `jaxinfer.llm`: JAX) and the
@@ -43,6 +54,9 @@ gRPC client (`jaxinfer.server`: grpc) are imported inside the function that uses
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import queue
 import signal
 import sys
 import threading
@@ -89,26 +103,126 @@ class Answer:
 
 
 class _Stop:
-    """While an answer is being made, the first Ctrl-C asks it to stop (a flag checked between pieces);
-    a second one interrupts at once (KeyboardInterrupt). Outside the main thread it does nothing."""
+    """While an answer is being made, the first Ctrl-C asks it to stop; a second one interrupts at once
+    (KeyboardInterrupt). Outside the main thread it does nothing.
+
+    `requested` is exact: Python runs a signal handler only when the main thread next reaches a check
+    point (after a blocking wait returns, a piece may already be on its way to the terminal), so the
+    signal is also written to a wakeup pipe by the C-level handler the moment it arrives, on whatever
+    thread, and `requested` reads that pipe. A piece is printed only after `requested` said no.
+    """
 
     def __init__(self):
-        self.requested = False
+        self._signals = 0  # SIGINTs the Python handler has run for
+        self._seen = False  # a SIGINT has arrived (handler or wakeup pipe)
         self._previous = None
+        self._pipe: Optional[tuple] = None
+        self._previous_fd: Optional[int] = None
 
     def _handler(self, signum, frame):
-        if self.requested:
+        self._signals += 1
+        self._seen = True
+        if self._signals > 1:
             raise KeyboardInterrupt
-        self.requested = True
+
+    @property
+    def seen(self) -> bool:
+        """Whether `requested` has found a Ctrl-C (a plain read: for the thread that makes the answer)."""
+        return self._seen
+
+    @property
+    def requested(self) -> bool:
+        if not self._seen and self._pipe is not None:
+            try:
+                data = os.read(self._pipe[0], 512)
+            except (BlockingIOError, InterruptedError, OSError, TypeError):  # empty, or closed on the way out
+                data = b""
+            if bytes([signal.SIGINT]) in data:
+                self._seen = True
+        return self._seen
 
     def __enter__(self) -> "_Stop":
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handler)
+            try:
+                r, w = os.pipe()
+                os.set_blocking(r, False)
+                os.set_blocking(w, False)
+                self._previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+                self._pipe = (r, w)
+            except (OSError, ValueError):  # no pipe: the handler's flag alone
+                self._pipe = None
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_fd if self._previous_fd is not None else -1)
+            pipe, self._pipe = self._pipe, None
+            for fd in pipe:
+                os.close(fd)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+
+
+class _Failure:
+    """An exception raised while an answer was being made, carried to the main thread."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_END = object()
+POLL_S = 0.05  # how often the main thread looks for a Ctrl-C while it waits for the next piece
+
+
+class _Pump:
+    """Reads a backend's answer on a thread of its own, so that the main thread can wait for pieces and
+    notice a Ctrl-C (`_Stop.requested`) at the same time: the stream is cut at the interrupt, whether a
+    piece is on its way or the engine is still busy with the prompt."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._quit = False
+        self.finished = False  # the answer ended by itself (or failed), not by the reader leaving
+        self._thread = threading.Thread(target=self._run, args=(pieces,), name="jaxinfer-chat-answer", daemon=True)
+        self._thread.start()
+
+    def _run(self, pieces) -> None:
+        try:
+            for piece in pieces:
+                if self._quit:
+                    break
+                self._q.put(piece)
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+            self._q.put(_Failure(e))
+        finally:
+            try:
+                pieces.close()  # an unfinished request is aborted (local) or its call cancelled (server)
+            except Exception:  # noqa: BLE001 - the answer is over either way
+                pass
+            self._q.put(_END)
+
+    def pieces(self, stop: _Stop) -> Iterator[str]:
+        """The answer's pieces until it ends, fails (raised here) or a Ctrl-C (checked before each piece)."""
+        while not stop.requested:
+            try:
+                item = self._q.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if item is _END:
+                self.finished = True
+                return
+            if isinstance(item, _Failure):
+                self.finished = True
+                raise item.error
+            if stop.requested:  # arrived after the interrupt: never printed
+                return
+            yield item
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop reading and wait (up to ``timeout``) for the answer's thread to close the stream."""
+        self._quit = True
+        self._thread.join(timeout)
 
 
 # --------------------------------------------------------------------------- #
@@ -132,11 +246,32 @@ class LocalBackend:
             raise UsageError(f"model {self.name!r} has no chat template, which 'jaxinfer chat' needs; "
                              "use 'jaxinfer generate --no-chat'.")
         self.last_request = None  # the last turn's Request (its prompt_ids: the whole conversation)
+        self._stream = None  # the last turn's RequestStream
 
     def count(self, messages: list) -> int:
         """The conversation's length in tokens, as the next request would send it."""
         return len(self.llm.processor.tokenize(messages=messages, chat_template_kwargs=self.chat_template_kwargs,
                                                fit_context=False).ids)
+
+    def chat_program_keys(self) -> list:
+        """Every program a turn of this chat can run: the steps of one request alone (its decode steps and
+        prefill chunks of any length, a conversation's new part after the prefix cache too), with
+        speculative decoding's verify rows where they apply."""
+        engine = self.llm.engine
+        table = engine.runner.programs
+        keys = engine.program_keys()
+        alone = {(k.batch, k.tokens) for k in (table.step_key(t, 1, 1) for t in sorted({k.tokens for k in keys}))}
+        return [k for k in keys if (k.batch, k.tokens) in alone]
+
+    def warm(self) -> int:
+        """Compile (or load from the program cache) `chat_program_keys` now, with progress, so that no turn
+        (a longer prompt after ``/system``, a long message) waits for a compile; returns how many."""
+        engine = self.llm.engine
+        n = engine.runner.warmup(self.chat_program_keys(), complete=False)
+        speculator = getattr(engine, "speculator", None)
+        if speculator is not None:
+            n += speculator.warmup()
+        return n
 
     def answer(self, messages: list, max_tokens: int, answer: Answer, stop: _Stop) -> Iterator[str]:
         llm = self.llm
@@ -144,16 +279,18 @@ class LocalBackend:
                                chat_template_kwargs=self.chat_template_kwargs)
         self.last_request = req
         answer.max_tokens, answer.prompt_tokens = req.max_tokens, len(req.prompt_ids)
-        # compile (or load) just this request's programs, with progress; that time is not the request's
+        # compile (or load) what this request needs that `warm` did not (nothing, normally); not the request's time
         t0 = time.perf_counter()
         llm.engine.runner.warmup(llm.engine.request_program_keys(len(req.prompt_ids), req.max_tokens),
                                  complete=False)
         req.metrics.arrival_time += time.perf_counter() - t0
-        if stop.requested:
+        if stop.seen:
             return
-        deltas = llm.stream_request(req)
+        stream = self._stream = llm.submit(req)
+        if stop.seen:  # stopped while it was being submitted (`cancel` may have found no stream yet)
+            stream.abort()
         try:
-            for d in deltas:
+            for d in stream:
                 if d.output is not None:
                     comp = d.output.outputs[0]
                     answer.finish_reason = comp.finish_reason
@@ -161,9 +298,16 @@ class LocalBackend:
                 if d.text:
                     yield d.text
         finally:
-            deltas.close()  # an unfinished request is aborted: its KV pages come back at the next step
+            if stream.output is None:
+                stream.abort()  # an unfinished request is aborted: its KV pages come back at the next step
         tok = llm.tokenizer
         answer.token_text = lambda i: tok.decode([i], skip_special_tokens=False) if tok is not None else None
+
+    def cancel(self) -> None:
+        """Abort the answer being made (any thread): the engine drops it at its next step."""
+        stream = self._stream
+        if stream is not None:
+            stream.abort()
 
     def close(self) -> None:
         self.llm.close()
@@ -218,6 +362,9 @@ class ServerBackend:
         finally:
             pieces.close()  # an unfinished call is cancelled: the server aborts the request
         answer.token_text = lambda i: names.get(i) or None
+
+    def cancel(self) -> None:
+        """Nothing at once: the call is cancelled when the reader closes it (at the next piece)."""
 
     def close(self) -> None:
         self.client.close()
@@ -344,17 +491,17 @@ class Chat:
                     return None
                 if stop.requested:
                     return None
-                pieces = backend.answer(messages, min(backend.max_tokens, room), answer, stop)
+                pump = _Pump(backend.answer(messages, min(backend.max_tokens, room), answer, stop))
                 try:
-                    for piece in pieces:
+                    for piece in pump.pieces(stop):  # none after a Ctrl-C: the stream is cut at the interrupt
                         answer.text += piece
                         self._out(piece)
                         printed = True
-                        if stop.requested:
-                            break
                 finally:
-                    pieces.close()
-                stopped = stop.requested
+                    if not pump.finished:  # stopped (or a second Ctrl-C): abort the request now
+                        backend.cancel()
+                    pump.close()
+                stopped = not pump.finished
         except Exception as e:  # noqa: BLE001 - sorted below; anything else is raised again
             self._end_line(printed)
             server_error = _server_error_class()
@@ -383,8 +530,11 @@ class Chat:
                 self.note("(stopped before the answer began; the message was dropped)")
             return None
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer.text}]
-        if answer.finish_reason == "length" and answer.max_tokens < backend.max_tokens:
-            self.note(f"(the answer filled the context ({backend.max_model_len} tokens): /clear to start over)")
+        if answer.finish_reason == "length":
+            if answer.max_tokens < backend.max_tokens:
+                self.note(f"(the answer filled the context ({backend.max_model_len} tokens): /clear to start over)")
+            else:
+                self.note(f"(the answer stopped at the {answer.max_tokens}-token limit: --max-tokens)")
         if backend.logprobs and answer.logprobs is not None:
             print_logprobs(answer.token_text, answer.logprobs, file=self.stderr)
         return None
@@ -456,6 +606,7 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
             return 0
         try:
             backend = LocalBackend(llm, args, overrides)
+            backend.warm()  # every program a turn can run, now: no compile between a question and its answer
         except BaseException:
             llm.close()
             raise
@@ -466,9 +617,11 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
             import readline  # noqa: F401 - line editing and history for input(); lazy: optional
         except ImportError:  # a Python built without it: plain input()
             pass
+    quiet = _QuietEngine(enabled=not getattr(args, "verbose", False))
     try:
-        code = Chat(backend, stdin=stdin, stdout=stdout, stderr=stderr, system=getattr(args, "system", None),
-                    interactive=interactive).run()
+        with quiet:
+            code = Chat(backend, stdin=stdin, stdout=stdout, stderr=stderr, system=getattr(args, "system", None),
+                        interactive=interactive).run()
     except (KeyboardInterrupt, BrokenPipeError):
         raise  # the process leaves without teardown (jaxinfer.cli.main._stop_early)
     except BaseException:
@@ -476,3 +629,29 @@ def run(args: argparse.Namespace, *, stdin: Optional[TextIO] = None, stdout: Opt
         raise
     backend.close()
     return code
+
+
+class _QuietEngine:
+    """While the conversation runs, the engine's start-up lines (progress stages: a program loaded or
+    compiled, a model restored) and its INFO logging stay out of it: the terminal shows prompts, answers
+    and the chat's own notes. Warnings and errors still come through; ``--verbose`` keeps everything."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._showing = False
+        self._level = logging.NOTSET
+
+    def __enter__(self) -> "_QuietEngine":
+        if self.enabled:
+            self._showing = progress.showing()
+            progress.configure(show=False)
+            log = logging.getLogger("jaxinfer")
+            self._level = log.level
+            if log.getEffectiveLevel() < logging.WARNING:
+                log.setLevel(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            logging.getLogger("jaxinfer").setLevel(self._level)
+            progress.configure(show=self._showing)
