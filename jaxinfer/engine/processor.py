@@ -84,7 +84,9 @@ class InputProcessor:
     # -- sampling parameters ---------------------------------------------------------
 
     def default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation defaults (generation_config.json) where it sets them."""
+        """SamplingParams with the sampling defaults in force where they are set: the model's generation config as
+        ``--generation-config`` resolved it (`jaxinfer.loading.generation_config`: every field set), or for a model
+        wrapped in memory the `GenerationDefaults` it was given; the library's (vLLM's) defaults for the rest."""
         g = self.generation
         kw = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
