@@ -266,6 +266,11 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
     own = {k for k in local["timings"] if "roofline" in k or k.endswith(("_step_s", "_floor_s", "_step_list"))}
     assert set(remote["timings"]) >= set(local["timings"]) - own
     assert "request trace" in local_err and "request trace" in server_err and "(server side)" in server_err
+    # the output stopped where the context ended, and the local run says so on its last line
+    n = len(local["token_ids"])
+    assert local_err.splitlines()[-1] == (
+        f"jaxinfer: output stopped at the end of the 48-token context ({48 - n} prompt + {n} generated; "
+        "--max-model-len); a shorter prompt or a larger --max-model-len leaves more room")
 
 
 def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model_dir, capsys):
@@ -283,13 +288,73 @@ def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model
     lines = err.splitlines()
     assert lines[0] == "logprobs of 5 tokens (each with the 2 most likely at its step)"
     assert lines[1].split() == ["#", "token", "logprob", "top", "2"]
-    rows = lines[2:]
+    rows, notice = lines[2:-1], lines[-1]
+    assert notice.startswith("jaxinfer: output stopped at the 5-token limit (--max-tokens)")  # last, after the table
     assert len(rows) == len(want["logprobs"]) == 5
     for n, (row, lp) in enumerate(zip(rows, want["logprobs"])):
         assert row.startswith(f"{n}  {lp['token']!r}"), row
         assert f"{lp['logprob']:.4f}" in row
         tops = "  ".join(f"{t['token']!r} {t['logprob']:.4f}" for t in lp["top"])
         assert row.endswith(tops), (row, tops)
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(tmp_path_factory):
+    """A tiny random-weight model whose tokenizer has an end-of-sequence token, as structured output needs."""
+    import jaxinfer
+    from conftest import TINY, tiny_params
+    from test_structured_entry_points import byte_level_tokenizer
+
+    tok = byte_level_tokenizer(tmp_path_factory.mktemp("eos-tokenizer"))
+    return jaxinfer.save_model(tmp_path_factory.mktemp("eos-models") / "tiny", TINY, tiny_params(), tokenizer=tok)
+
+
+def test_generate_says_when_the_output_stops_at_the_length_limit_and_exits_3_when_a_constraint_is_cut(
+        eos_model_dir, capsys):
+    """An output that ends at --max-tokens: one line on stderr says so. Unconstrained, or constrained and complete
+    at its last token: status 0. Constrained and not complete (half a pattern, half a JSON object): status 3,
+    with the text (or --json's object) it made on stdout."""
+    import re
+
+    import jaxinfer.cli.main as cli
+
+    model = ["hello world", "--model", str(eos_model_dir), "--engine-config", "cpu", "--max-model-len", "48",
+             "--num-pages", "8", "--seed", "1", "--temperature", "1", "--quiet"]
+    limit = "jaxinfer: output stopped at the 4-token limit (--max-tokens); "
+    more = "raise --max-tokens for a longer answer\n"
+    assert cli.main(["generate", *model, "--max-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and err == limit + more
+
+    assert cli.main(["generate", *model, "--max-tokens", "4", "--regex", "[a-x]{10}"]) == cli.EXIT_INCOMPLETE == 3
+    out, err = capsys.readouterr()
+    assert re.fullmatch(r"[a-x]{4}\n", out), out  # what it made: four of the ten letters
+    assert err == limit + "the --regex output is incomplete (exit status 3): " + more
+
+    assert cli.main(["generate", *model, "--max-tokens", "4", "--json-object", "--json"]) == 3
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["finish_reason"] == "length" and len(result["token_ids"]) == 4 and result["text"].startswith("{")
+    assert err == limit + "the --json-object output is incomplete (exit status 3): " + more
+
+    assert cli.main(["generate", *model, "--max-tokens", "4", "--regex", "[a-x]{4}"]) == 0  # whole at the limit
+    out, err = capsys.readouterr()
+    assert re.fullmatch(r"[a-x]{4}\n", out) and "incomplete" not in err, (out, err)  # whole: no exit 3
+
+    assert cli.main(["generate", *model, "--max-tokens", "20", "--choice", "yes", "--choice", "no"]) == 0
+    out, err = capsys.readouterr()
+    assert out in ("yes\n", "no\n") and err == ""  # ended by itself: no line
+
+
+def test_generate_help_documents_the_exit_statuses(capsys):
+    import jaxinfer.cli.main as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "3 a constrained output (--json-schema, --json-object, --regex, --choice, --grammar) stopped at the " \
+           "length limit, so it is incomplete" in text
+    assert "130 interrupted" in text
 
 
 # --------------------------------------------------------------------------- #

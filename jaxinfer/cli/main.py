@@ -19,7 +19,10 @@ Sampling and engine flags are checked before the model is loaded, so they
 fail at once, and so do a structured-output schema, regex or grammar that does
 not parse. A request that ends with finish_reason "error" (its grammar allowed
 no token) keeps the text it made, and exits with status 1 and the reason on
-stderr. Ctrl-C exits with status 130.
+stderr. A request that ends at the length limit (--max-tokens, or the end of the
+context) says so in one line on stderr; when its output was constrained
+(--json-schema, --json-object, --regex, --choice, --grammar) that output is
+incomplete, and the status is 3. Ctrl-C exits with status 130.
 
 Imports: ``jaxinfer --help``, a usage error and the first progress line come before
 anything slow is imported, so the engine and the loaders (`jaxinfer.llm`,
@@ -85,6 +88,7 @@ __all__ = ["main", "build_parser", "one_line", "UsageError", "CLI_TEMPERATURE", 
 PROG = "jaxinfer"
 EXIT_USAGE = 2
 EXIT_REQUEST_FAILED = 1  # the request ended with finish_reason "error" (e.g. its structured output failed)
+EXIT_INCOMPLETE = 3  # a constrained output (--json-schema, --json-object, --regex, --choice, --grammar) cut by the limit
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
 
@@ -138,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "here or, with --server, by a running 'jaxinfer serve' (same flags, same defaults, same output). "
         "Sampling flags that are not given take the model's generation defaults (generation_config.json), else "
         f"temperature {CLI_TEMPERATURE} and top-p {CLI_TOP_P} (what SmolLM2's authors suggest; small models ramble "
-        "at 1.0).",
+        "at 1.0). When the output stops at the length limit (--max-tokens, or the end of the context) a line on "
+        "stderr says so. Exit status: 0 done; 1 the request failed (a constraint allowed no token; the reason on "
+        "stderr); 2 bad usage; 3 a constrained output (--json-schema, --json-object, --regex, --choice, --grammar) "
+        "stopped at the length limit, so it is incomplete; 130 interrupted (Ctrl-C).",
     )
     g.add_argument("prompt", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
     add_model_flags(g)
@@ -389,6 +396,8 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
     with _StopOnInterrupt() as interrupt:
         try:
             for d in deltas:
+                if interrupt.requested:  # a piece that arrives after Ctrl-C is not printed
+                    break
                 if d.text and not args.json:
                     _write(out, d.text)
                     printed = True
@@ -424,7 +433,39 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
         _write(sys.stderr, final.metrics.trace() + "\n")
     if final is not None and final.outputs[0].finish_reason == "error":
         return _fail(error or "the request failed", EXIT_REQUEST_FAILED)
+    if final is not None and final.outputs[0].finish_reason == "length":
+        return _stopped_at_limit(args, req, llm.max_model_len)
     return 0
+
+
+_CONSTRAINT_FLAGS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def length_notice(max_tokens: int, prompt_tokens: int, max_model_len: int, constraint_flag: Optional[str] = None,
+                  given: Optional[int] = None) -> str:
+    """The line for an output that stopped at its length limit: which limit (--max-tokens, or the end of the
+    context when the output was given all the room the prompt left) and what to do about it."""
+    if prompt_tokens + max_tokens >= max_model_len and (given is None or given > max_tokens):
+        where = (f"output stopped at the end of the {max_model_len}-token context ({prompt_tokens} prompt + "
+                 f"{max_tokens} generated; --max-model-len)")
+        more = "a shorter prompt or a larger --max-model-len leaves more room"
+    else:
+        where = f"output stopped at the {max_tokens}-token limit (--max-tokens)"
+        more = "raise --max-tokens for a longer answer"
+    if constraint_flag:
+        return f"{PROG}: {where}; the {constraint_flag} output is incomplete (exit status {EXIT_INCOMPLETE}): {more}"
+    return f"{PROG}: {where}; {more}"
+
+
+def _stopped_at_limit(args: argparse.Namespace, req, max_model_len: int) -> int:
+    """A request that ended by length: one line on stderr; status 3 when a constraint's output is thereby
+    incomplete (its grammar had not reached an end; an output complete at the very last token is not)."""
+    flag = next((f"--{a.replace('_', '-')}" for a in _CONSTRAINT_FLAGS if getattr(args, a, None)), None)
+    constraint = getattr(req, "constraint", None)
+    incomplete = flag is not None and not (constraint is not None and constraint.complete)
+    _write(sys.stderr, length_notice(req.max_tokens, len(req.prompt_ids), max_model_len,
+                                     flag if incomplete else None, getattr(args, "max_tokens", None)) + "\n")
+    return EXIT_INCOMPLETE if incomplete else 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
