@@ -186,13 +186,15 @@ def _generate(capsys, *argv) -> list:
 
 
 def test_unset_sampling_fields_draw_the_same_tokens_on_every_path(model_dir, capsys):
+    import asyncio
+
     import httpx
 
     import jaxinfer
     import jaxinfer.cli.main as cli
     from jaxinfer.cli.flags import llm_kwargs
     from jaxinfer.server import ServerConfig, ServerThread
-    from jaxinfer.server.client import Client
+    from jaxinfer.server.client import AsyncClient, Client
     from jaxinfer.server.openai_api.serving import OpenAIServing
 
     cli_auto = _generate(capsys, *_flags(model_dir))
@@ -229,6 +231,14 @@ def test_unset_sampling_fields_draw_the_same_tokens_on_every_path(model_dir, cap
                 assert c.complete(MESSAGES, seed=SEED, max_tokens=N, temperature=1.0,
                                   top_p=1.0).token_ids == lib_vllm.token_ids
                 info = c.model_info()
+                with pytest.raises(TypeError, match="list of messages"):
+                    c.chat({"role": "user", "content": "hi"})
+
+            async def async_chat():
+                async with AsyncClient(srv.address, timeout=60) as ac:
+                    return (await ac.chat(MESSAGES, seed=SEED, max_tokens=N)).token_ids
+
+            assert asyncio.run(async_chat()) == lib_auto.token_ids
             assert info["generation_config"] == "auto"
             got = info["generation_defaults"]
             assert (got["temperature"], got["top_p"]) == pytest.approx((0.2, 0.9))
