@@ -303,6 +303,8 @@ class LocalBackend:
         tok = llm.tokenizer
         answer.token_text = lambda i: tok.decode([i], skip_special_tokens=False) if tok is not None else None
 
+    cancel_wait_s = 10.0  # an aborted answer's stream ends at the engine's next step: wait for it
+
     def cancel(self) -> None:
         """Abort the answer being made (any thread): the engine drops it at its next step."""
         stream = self._stream
@@ -363,8 +365,11 @@ class ServerBackend:
             pieces.close()  # an unfinished call is cancelled: the server aborts the request
         answer.token_text = lambda i: names.get(i) or None
 
+    cancel_wait_s = 1.0  # a server busy with a long prompt may send the next piece late: go on without it
+
     def cancel(self) -> None:
-        """Nothing at once: the call is cancelled when the reader closes it (at the next piece)."""
+        """Nothing at once: the call is cancelled when the reader closes it (at the next piece, or when the
+        call ends), in the background if the chat has gone on."""
 
     def close(self) -> None:
         self.client.close()
@@ -500,7 +505,7 @@ class Chat:
                 finally:
                     if not pump.finished:  # stopped (or a second Ctrl-C): abort the request now
                         backend.cancel()
-                    pump.close()
+                    pump.close(backend.cancel_wait_s)
                 stopped = not pump.finished
         except Exception as e:  # noqa: BLE001 - sorted below; anything else is raised again
             self._end_line(printed)
