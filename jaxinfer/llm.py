@@ -43,11 +43,19 @@ class LLM:
     written by ``jaxinfer convert`` / `jaxinfer.save_model`. A GGUF file or a Hugging Face
     directory is converted once into the engine's own checkpoint and restored from the model
     cache afterwards (``model_cache=False`` or ``JAXINFER_MODEL_CACHE=0`` turns that off).
+
+    Start-up stages (resolving, converting or restoring, building kernels, compiling) are shown on a
+    terminal's (or a notebook's) stderr, as the CLI shows them, unless logging shows the
+    ``"jaxinfer"`` logger's INFO records (then they are log lines instead) or a level above INFO is
+    set on it (the rule is `jaxinfer.progress.library_shows`). ``progress=False`` turns the lines
+    off, ``progress=True`` on, on any stderr (for the process).
     """
 
     model_source = None  # the resolved ModelSource (None for from_params)
     model_cache_path = None  # the model cache entry restored or written, if any
 
+    # progress=None|True|False, keyword-only: the start-up stage lines on stderr (jaxinfer.progress.keyword)
+    @progress.keyword
     def __init__(
         self,
         model: str = DEFAULT_MODEL,

@@ -1,8 +1,9 @@
 """Start-up progress (jaxinfer.progress): a long stage shows that it is running before it ends.
 
 On a terminal a stage draws a redrawn line while it runs (a spinner when it has no total, a bar when it
-has one); on a log (--verbose to a file) plain lines, never carriage-return frames; in a library
-(nothing shown) no output and no thread. The terminal case runs for real on a pseudo-terminal.
+has one); on a log (--verbose to a file) plain lines, never carriage-return frames; turned off
+(--quiet, ``LLM(progress=False)``) no output and no thread. The terminal case runs for real on a
+pseudo-terminal. (The library's default rule and ``LLM(progress=...)``: tests/test_startup_health.py.)
 """
 
 from __future__ import annotations
@@ -101,13 +102,43 @@ def test_on_a_log_a_long_stage_writes_a_plain_line_once_it_has_run_a_second(stde
     assert "\r" not in stderr.getvalue()
 
 
-def test_the_library_default_writes_nothing_and_starts_no_thread(stderr):
+def test_turned_off_it_writes_nothing_and_starts_no_thread(stderr):
     progress.configure(show=False)
     before = threading.active_count()
     with progress.stage("restoring x"):
         assert threading.active_count() == before
         time.sleep(0.3)
     assert stderr.getvalue() == ""
+
+
+def test_current_names_the_stage_started_last_among_those_running_in_any_thread(stderr):
+    progress.configure(show=False)
+    assert progress.current() is None
+    started, release = threading.Event(), threading.Event()
+
+    def kernel_build():
+        with progress.stage("building the CPU matmul kernel"):
+            started.set()
+            release.wait(10)
+
+    t = threading.Thread(target=kernel_build)
+    with progress.stage("restoring tiny"):
+        assert progress.current()["stage"] == "restoring tiny"
+        t.start()
+        started.wait(10)
+        assert progress.current()["stage"] == "building the CPU matmul kernel"  # started last
+        with progress.stage("compiling programs", total=3, unit="program") as s:
+            s.update(2)
+            now = progress.current()
+            assert (now["stage"], now["done"], now["total"]) == ("compiling programs", 2, 3)
+        release.set()
+        t.join(10)
+        assert progress.current()["stage"] == "restoring tiny" and "total" not in progress.current()
+    assert progress.current() is None
+    with pytest.raises(RuntimeError):
+        with progress.stage("converting x"):
+            raise RuntimeError("bad file")
+    assert progress.current() is None  # a failed stage is no longer running either
 
 
 def test_a_failed_stage_stops_its_indicator_and_says_so(stderr):
