@@ -14,12 +14,15 @@ unreachable) or 2 (bad input, reported as one ``jaxinfer: error: ...`` line).
 Imports: `jaxinfer.cli.main` imports this module for ``--help``, so its top imports
 nothing slow; the server (`jaxinfer.server`: protobuf, grpc, fastapi), the engine
 (`jaxinfer.engine.distributed`, `jaxinfer.llm`: JAX) and `jaxinfer.metrics` (numpy)
-are imported inside the function that uses them, after the flags are checked.
+are imported inside the function that uses them, after the flags are checked. ``serve``
+imports the server before it binds the ports and the engine after (a start-up stage,
+while ``/health`` answers "loading").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -213,7 +216,13 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the server, serve until SIGTERM/SIGINT; returns the exit status."""
+    """Bind the ports, answer health as loading while the model loads, then serve until SIGTERM/SIGINT.
+
+    The listeners come up before anything slow (JAX, the model, the compiles): gRPC health says
+    NOT_SERVING and HTTP ``/health`` 503 ``{"status": "loading", "stage": ...}`` until the model is
+    ready, then SERVING and 200. Returns the exit status; a signal while loading raises
+    KeyboardInterrupt (the CLI's exit 130, without waiting for the load).
+    """
     _configure_logging(args)
     log = logging.getLogger("jaxinfer.server")
     try:
@@ -223,40 +232,37 @@ def run_serve(args: argparse.Namespace) -> int:
                 open(path, "rb").close()
     except (ValueError, OSError) as e:
         return _err(str(e), 2)
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):  # one of several processes: process 0 serves, the rest follow
+        from jaxinfer.engine import distributed
+
+        if distributed.is_multiprocess() and not distributed.is_leader():
+            return _follow(args)
+    # grpc, fastapi and uvicorn are imported before the ports are bound, so that they answer as soon as they are
+    from jaxinfer.server.server import StoppedWhileLoading, serve
+
     try:  # before anything slow (JAX, the model): a busy port fails in a second
         http_socket = bind_ports(config)
     except OSError as e:
         return _err(f"cannot serve on {config.host}: {e.strerror or e} (a port given by --port, --http-port or "
                     "--metrics-port is in use or not allowed; choose another, or 0 for a free one)", 2)
-    try:
-        check_engine_flags(args)
-    except ValueError as e:
-        if http_socket is not None:
-            http_socket.close()
-        return _err(str(e), 2)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not (config.tls_cert and config.auth_token):
         log.warning("binding %s without %s: anyone who can reach this address can use the model",
                     config.host, "TLS and a token" if not config.tls_cert and not config.auth_token
                     else "TLS" if not config.tls_cert else "a token")
 
-    from jaxinfer.engine import distributed
-    from jaxinfer.llm import LLM
-    from jaxinfer.server.server import serve
+    loaded: list = []  # the LLM, once built (closed at the end)
+    load_failed: list = []  # the load's own exception (told apart from the listeners')
 
-    enable_compilation_cache()
-    try:
-        llm = LLM(**llm_kwargs(args), scheduling_policy=args.scheduling_policy,
-                  log_stats_interval=args.log_stats_interval or None, warmup=args.warmup)
-    except ValueError as e:
-        if http_socket is not None:
-            http_socket.close()
-        return _err(str(e), 2)
-    if distributed.run_as_follower(llm):  # a multi-process run: process 0 serves
-        if http_socket is not None:
-            http_socket.close()
-        return 0
+    def load():
+        try:
+            loaded.append(_load_llm(args))
+        except BaseException as e:
+            load_failed.append(e)
+            raise
+        return loaded[0]
 
     def ready(server) -> None:
+        llm = server.llm
         e = llm.engine_config
         security = ("TLS" if config.tls_cert else "plaintext") + (", token auth" if config.auth_token else "")
         print(
@@ -270,12 +276,49 @@ def run_serve(args: argparse.Namespace) -> int:
         )
 
     try:
-        serve(llm, config, ready=ready, http_socket=http_socket)
+        serve(None, config, ready=ready, http_socket=http_socket, load=load)
+    except StoppedWhileLoading:
+        sys.stderr.write("jaxinfer: stopped while loading the model\n")
+        sys.stderr.flush()
+        raise KeyboardInterrupt from None
+    except ValueError as e:  # a flag the engine refuses, or a model that cannot be loaded
+        return _err(str(e), 2)
     except OSError as e:
+        if load_failed:  # the model's files, not the server's ports
+            raise
         return _err(f"could not serve on {config.address}: {e}", 1)
     finally:
-        llm.close()
+        if http_socket is not None:
+            http_socket.close()  # no-op once the HTTP server has closed it
+        for llm in loaded:
+            llm.close()
     print("jaxinfer: server stopped", flush=True)
+    return 0
+
+
+def _load_llm(args: argparse.Namespace):
+    """The engine flags checked, then the model loaded (and warmed up): serve's start-up stages."""
+    check_engine_flags(args)
+    # importing the engine (JAX) takes seconds on a cold start: a stage of its own, so /health names it
+    with progress.stage("loading the engine") if "jaxinfer.llm" not in sys.modules else contextlib.nullcontext():
+        enable_compilation_cache()
+        from jaxinfer.llm import LLM
+    return LLM(**llm_kwargs(args), scheduling_policy=args.scheduling_policy,
+               log_stats_interval=args.log_stats_interval or None, warmup=args.warmup)
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """A follower process of a multi-process run: load the model and run process 0's steps (no listeners)."""
+    from jaxinfer.engine import distributed
+
+    try:
+        llm = _load_llm(args)
+    except ValueError as e:
+        return _err(str(e), 2)
+    try:
+        distributed.run_as_follower(llm)
+    finally:
+        llm.close()
     return 0
 
 

@@ -1,9 +1,15 @@
 """The FastAPI app of the OpenAI-compatible API, and `HttpServer`, which runs it with uvicorn on the gRPC server's loop.
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
-vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (200 while
-serving, 503 while draining), ``GET /metrics`` (the server's Prometheus registry,
-the same numbers as ``--metrics-port``).
+vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (200
+``{"status": "ok"}`` while serving, 503 ``{"status": "draining"}`` while shutting
+down), ``GET /metrics`` (the server's Prometheus registry, the same numbers as
+``--metrics-port``).
+
+While the model loads, `Startup` answers in the app's place (the listener
+comes up before the load, as llama-server's does): ``/health`` is 503
+``{"status": "loading", "stage": ...}`` with the start-up stage running now,
+every other route a 503 error object that says the model is loading.
 
 Auth: with a token configured (``--auth-token-file`` / ``$JAXINFER_AUTH_TOKEN``),
 ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer <token>``
@@ -23,7 +29,7 @@ import hmac
 import json
 import logging
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -193,8 +199,8 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
     @app.get("/health")
     async def health():
         if servicer.draining:
-            return Response(status_code=503)
-        return Response(status_code=200)
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus():
@@ -207,6 +213,41 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
         return {"version": __version__}
 
     return app
+
+
+class Startup:
+    """The ASGI app uvicorn serves: answers for the real app while the model loads, then hands every request to it.
+
+    ``state()`` says what the start is doing (``{"stage": ..., ...}``, read at each request). Until `ready`:
+    ``/health`` is 503 ``{"status": "loading", **state()}``, and every other route a 503 OpenAI error
+    object saying the model is loading (with ``Retry-After``); nothing else is served, so no route
+    needs the token yet. After `stopping` (a signal before the model was ready) /health says ``"stopping"``.
+    """
+
+    def __init__(self, state: Callable[[], dict]):
+        self.state = state
+        self.app = None  # the FastAPI app (`create_app`), once the model is loaded
+        self.stopping = False
+
+    def ready(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        app = self.app
+        if app is not None:
+            return await app(scope, receive, send)
+        if scope["type"] != "http":  # lifespan is off and websockets are not served
+            return None
+        if scope["path"] == "/health":
+            status = "stopping" if self.stopping else "loading"
+            response = JSONResponse({"status": status, **self.state()}, status_code=503)
+        else:
+            what = "shutting down" if self.stopping else "loading its model"
+            stage = self.state().get("stage")
+            detail = f" ({stage})" if stage and not self.stopping else ""
+            body = error_body(503, f"the server is {what}{detail}; GET /health answers 200 once it is ready.")
+            response = JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        await response(scope, receive, send)
 
 
 class _Guard:
@@ -293,16 +334,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    """uvicorn serving the app on the running event loop; signals stay with the caller (`jaxinfer.server.serve`)."""
+    """uvicorn serving the app on the running event loop; signals stay with the caller (`jaxinfer.server.serve`).
 
-    def __init__(self, app: FastAPI, sock: socket.socket, *, verbose: bool = False):
+    ``app``: any ASGI 3 app: the `create_app` app, or a `Startup` that hands over to it once the model is loaded.
+    """
+
+    def __init__(self, app, sock: socket.socket, *, verbose: bool = False):
         class _Server(uvicorn.Server):
             @contextlib.contextmanager
             def capture_signals(self):  # the gRPC server's serve() owns SIGTERM/SIGINT and drains both
                 yield
 
         cfg = uvicorn.Config(app, log_config=None, access_log=verbose, lifespan="off", timeout_keep_alive=30,
-                             timeout_graceful_shutdown=2, ws="none")
+                             timeout_graceful_shutdown=2, ws="none", interface="asgi3")
         self.server = _Server(cfg)
         self.sock = sock
         self.port: int = sock.getsockname()[1]
