@@ -357,6 +357,9 @@ def serve(llm, config: ServerConfig, *, ready: Optional[Callable[[JaxinferServer
         try:
             await server.start()  # the handlers are in place first: a signal as soon as /health answers counts
             if load is not None:
+                http = f" and {server.http_url} (HTTP, /health)" if server.http_url else ""
+                progress.say(f"listening on {server.address} (gRPC){http}: loading the model, ready when health "
+                             "says so")
                 loading = asyncio.ensure_future(_in_daemon_thread(load))
                 stopping = asyncio.ensure_future(stop.wait())
                 await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)

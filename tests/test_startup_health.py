@@ -143,6 +143,8 @@ def test_serve_answers_health_503_loading_at_once_then_200_and_grpc_serving_once
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert "- ready" in out and out.rstrip().endswith("jaxinfer: server stopped"), out
+        # the ports are said as soon as they answer (--port 0 users learn them before the model is ready)
+        assert f"listening on 127.0.0.1:{grpc_port} (gRPC) and http://127.0.0.1:{http_port} (HTTP" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
