@@ -77,8 +77,9 @@ class LLM:
         t0 = time.perf_counter()
         if quantization is not None:
             engine_overrides["quantization"] = quantization
+        backend.start_build()  # the native CPU kernels, when not installed: a background compile
+        # dtype "auto" is chosen after the kernels load (`backend.dtype_choice`): by what actually runs
         engine = _engine_config(engine_config, dtype, max_model_len, engine_overrides)
-        backend.start_build()  # the native CPU kernels: overlaps the model load; the runner waits for them
         with progress.stage(f"resolving model {model}") as s:
             source = resolve_model(model)
             s.note(f"{source.format}: {source.path}")
@@ -87,7 +88,7 @@ class LLM:
         loaded = cache.load(source, engine.dtype, use_cache=model_cache, placement=mesh_placement(engine),
                             quantization=engine.quantization)
         progress.say(f"model {source.name}: {models.describe(loaded.config)}; weights: {_weights_note(engine)}; "
-                     f"{_kv_note(loaded.config, engine)}")
+                     f"{_kv_note(loaded.config, engine)}{_kernels_note()}")
         self.model_source = source
         self.model_cache_path = loaded.cache_path
         self._setup(
@@ -484,6 +485,12 @@ def _weights_note(engine: EngineConfig) -> str:
     if engine.dtype_auto:
         return f"{held}; dtype auto: {backend.dtype_choice()[1]}"
     return held
+
+
+def _kernels_note() -> str:
+    """What runs the products and attention on a CPU (the load line), after the native kernels loaded."""
+    note = backend.kernels_note()
+    return f"; {note}" if note else ""
 
 
 def _kv_note(cfg: ModelConfig, engine: EngineConfig) -> str:
