@@ -234,7 +234,7 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
     """One front door: no sampling flags, --seed 7, the same model here and behind a server: the same output.
 
     The model ships no generation defaults, so both sample at the CLI's 0.2 / 0.9; it has a chat template, so
-    both wrap the prompt; and --max-tokens is not given, so both shrink the default 256 to the small context.
+    both wrap the prompt; and --max-tokens is not given, so both take the rest of the small context.
     """
     import jaxinfer
     import jaxinfer.cli.main as cli
@@ -271,6 +271,7 @@ def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixe
     assert local_err.splitlines()[-1] == (
         f"jaxinfer: output stopped at the end of the 48-token context ({48 - n} prompt + {n} generated; "
         "--max-model-len); a shorter prompt or a larger --max-model-len leaves more room")
+    assert server_err.splitlines()[-1] == local_err.splitlines()[-1]  # and so does --server
 
 
 def test_generate_logprobs_without_json_prints_a_table_after_the_text(tiny_model_dir, capsys):
@@ -344,6 +345,32 @@ def test_generate_says_when_the_output_stops_at_the_length_limit_and_exits_3_whe
     assert cli.main(["generate", *model, "--max-tokens", "20", "--choice", "yes", "--choice", "no"]) == 0
     out, err = capsys.readouterr()
     assert out in ("yes\n", "no\n") and err == ""  # ended by itself: no line
+
+
+def test_generate_server_says_when_the_output_stops_at_the_limit_and_exits_3_the_same(eos_model_dir, capsys):
+    """generate --server: the same line and status as local generate, judged from what the server sent back."""
+    import jaxinfer
+    import jaxinfer.cli.main as cli
+    from jaxinfer.cli.flags import llm_kwargs
+    from jaxinfer.server import ServerConfig, ServerThread
+
+    engine = ["--model", str(eos_model_dir), "--engine-config", "cpu", "--max-model-len", "48", "--num-pages", "8"]
+    ask = ["generate", "hello world", "--seed", "1", "--temperature", "1", "--max-tokens", "4", "--quiet"]
+    limit = "jaxinfer: output stopped at the 4-token limit (--max-tokens); "
+    more = "raise --max-tokens for a longer answer\n"
+    llm = jaxinfer.LLM(**llm_kwargs(cli.build_parser().parse_args(["serve", *engine])))
+    try:
+        with ServerThread(llm, ServerConfig(port=0)) as srv:
+            remote = ["--server", srv.address, "--timeout", "60"]
+            assert cli.main([*ask, *remote]) == 0
+            assert capsys.readouterr().err == limit + more
+            assert cli.main([*ask, *remote, "--regex", "[a-x]{10}"]) == 3
+            out, err = capsys.readouterr()
+            assert err == limit + "the --regex output is incomplete (exit status 3): " + more, err
+            assert cli.main([*ask, *remote, "--regex", "[a-x]{4}"]) == 0  # whole at the limit
+            assert "incomplete" not in capsys.readouterr().err
+    finally:
+        llm.close()
 
 
 def test_generate_help_documents_the_exit_statuses(capsys):

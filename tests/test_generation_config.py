@@ -225,6 +225,8 @@ def test_unset_sampling_fields_draw_the_same_tokens_on_every_path(model_dir, cap
             assert r["choices"][0]["message"]["content"] == lib_vllm.text
             assert OpenAIServing(llm, srv.servicer).sampling_defaults() == {
                 "generation_config": "auto", **NEUTRAL, **FALLBACK}
+            card = httpx.get(srv.http_url + "/v1/models", timeout=30).json()["data"][0]
+            assert card["sampling_defaults"] == {"generation_config": "auto", **NEUTRAL, **FALLBACK}
             with Client(srv.address, timeout=60) as c:
                 assert c.chat(MESSAGES, seed=SEED, max_tokens=N).token_ids == lib_auto.token_ids
                 assert c.chat("hello world", seed=SEED, max_tokens=N).token_ids == lib_auto.token_ids

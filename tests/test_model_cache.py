@@ -471,7 +471,8 @@ def test_relative_paths_work_for_convert_save_model_llm_and_generate(tiny_gguf, 
     assert cli_main(["generate", "--model", "./converted", "--engine-config", "cpu", "--max-model-len", "64",
                      "--max-tokens", "4", "--temperature", "0", "--no-chat", "--quiet", "hello"]) == 0
     out, err = capsys.readouterr()
-    assert err == "" and out.endswith("\n") and out.strip()
+    assert err == "jaxinfer: output stopped at the 4-token limit (--max-tokens); raise --max-tokens for a longer answer\n"
+    assert out.endswith("\n") and out.strip()
 
 
 def test_the_parameter_count_is_the_models_whatever_the_storage(tiny_gguf, cache_root):

@@ -67,6 +67,10 @@ from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 # generate and chat without --max-tokens: the rest of the context (as the HTTP server's default), at most this
 # many (a runaway answer of a model that never ends stops after about this many tokens)
 DEFAULT_MAX_TOKENS = 4096
+# generate's exit status when a constrained output (--json-schema, --json-object, --regex, --choice, --grammar)
+# is cut by the length limit before its grammar reached an end
+EXIT_INCOMPLETE = 3
+CONSTRAINT_FLAGS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # --generation-config auto for a model that sets no temperature (jaxinfer.loading.generation_config), on every path
 CLI_TEMPERATURE, CLI_TOP_P = FALLBACK["temperature"], FALLBACK["top_p"]
 
@@ -641,3 +645,29 @@ def _backend_preset():
     from jaxinfer.ops.backend import engine_preset  # imports JAX: the caller shows it as a stage
 
     return engine_preset()
+
+
+# --------------------------------------------------------------------------- #
+# an output that stopped at its length limit (generate, local or --server)
+# --------------------------------------------------------------------------- #
+
+
+def constraint_flag(args: argparse.Namespace) -> Optional[str]:
+    """The structured-output flag generate was given (``--json-schema`` ...), or None."""
+    return next((f"--{a.replace('_', '-')}" for a in CONSTRAINT_FLAGS if getattr(args, a, None)), None)
+
+
+def length_notice(max_tokens: int, prompt_tokens: int, max_model_len: int, constraint_flag: Optional[str] = None,
+                  given: Optional[int] = None) -> str:
+    """The line for an output that stopped at its length limit: which limit (--max-tokens, or the end of the
+    context when the output was given all the room the prompt left) and what to do about it."""
+    if prompt_tokens + max_tokens >= max_model_len and (given is None or given > max_tokens):
+        where = (f"output stopped at the end of the {max_model_len}-token context ({prompt_tokens} prompt + "
+                 f"{max_tokens} generated; --max-model-len)")
+        more = "a shorter prompt or a larger --max-model-len leaves more room"
+    else:
+        where = f"output stopped at the {max_tokens}-token limit (--max-tokens)"
+        more = "raise --max-tokens for a longer answer"
+    if constraint_flag:
+        return f"jaxinfer: {where}; the {constraint_flag} output is incomplete (exit status {EXIT_INCOMPLETE}): {more}"
+    return f"jaxinfer: {where}; {more}"

@@ -49,10 +49,13 @@ from jaxinfer.cli import repl
 from jaxinfer.cli.argtypes import DTYPE_CHOICES
 from jaxinfer.cli.flags import (
     CLI_TEMPERATURE,
+    EXIT_INCOMPLETE,
     CLI_TOP_P,
     DEFAULT_MAX_TOKENS,
     UsageError,
     add_client_flags,
+    constraint_flag,
+    length_notice,
     add_engine_flags,
     add_model_flags,
     add_output_flags,
@@ -88,7 +91,6 @@ __all__ = ["main", "build_parser", "one_line", "UsageError", "CLI_TEMPERATURE", 
 PROG = "jaxinfer"
 EXIT_USAGE = 2
 EXIT_REQUEST_FAILED = 1  # the request ended with finish_reason "error" (e.g. its structured output failed)
-EXIT_INCOMPLETE = 3  # a constrained output (--json-schema, --json-object, --regex, --choice, --grammar) cut by the limit
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports it
 
@@ -438,29 +440,12 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
     return 0
 
 
-_CONSTRAINT_FLAGS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
-
-def length_notice(max_tokens: int, prompt_tokens: int, max_model_len: int, constraint_flag: Optional[str] = None,
-                  given: Optional[int] = None) -> str:
-    """The line for an output that stopped at its length limit: which limit (--max-tokens, or the end of the
-    context when the output was given all the room the prompt left) and what to do about it."""
-    if prompt_tokens + max_tokens >= max_model_len and (given is None or given > max_tokens):
-        where = (f"output stopped at the end of the {max_model_len}-token context ({prompt_tokens} prompt + "
-                 f"{max_tokens} generated; --max-model-len)")
-        more = "a shorter prompt or a larger --max-model-len leaves more room"
-    else:
-        where = f"output stopped at the {max_tokens}-token limit (--max-tokens)"
-        more = "raise --max-tokens for a longer answer"
-    if constraint_flag:
-        return f"{PROG}: {where}; the {constraint_flag} output is incomplete (exit status {EXIT_INCOMPLETE}): {more}"
-    return f"{PROG}: {where}; {more}"
 
 
 def _stopped_at_limit(args: argparse.Namespace, req, max_model_len: int) -> int:
     """A request that ended by length: one line on stderr; status 3 when a constraint's output is thereby
     incomplete (its grammar had not reached an end; an output complete at the very last token is not)."""
-    flag = next((f"--{a.replace('_', '-')}" for a in _CONSTRAINT_FLAGS if getattr(args, a, None)), None)
+    flag = constraint_flag(args)
     constraint = getattr(req, "constraint", None)
     incomplete = flag is not None and not (constraint is not None and constraint.complete)
     _write(sys.stderr, length_notice(req.max_tokens, len(req.prompt_ids), max_model_len,

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import sys
 from typing import Optional
@@ -33,6 +34,7 @@ from typing import Optional
 from jaxinfer import progress
 from jaxinfer.cli.argtypes import int_in
 from jaxinfer.cli.flags import (
+    EXIT_INCOMPLETE,
     UsageError,
     add_engine_flags,
     add_model_flags,
@@ -40,8 +42,10 @@ from jaxinfer.cli.flags import (
     chat_mode,
     check_engine_flags,
     check_generate_args,
+    constraint_flag,
     generate_result,
     generate_sampling,
+    length_notice,
     llm_kwargs,
     positive_int,
     print_logprobs,
@@ -429,7 +433,31 @@ def generate_via_server(args: argparse.Namespace) -> int:
         sys.stderr.write(format_trace(server_summary(final), where="server side") + "\n")
     if final is not None and final.finish_reason == "error":  # as local generate: the reason, status 1
         return _err(final.error or "the request failed on the server", 1)
+    if final is not None and final.finish_reason == "length":  # as local generate: a line, and status 3 when
+        flag = constraint_flag(args)                             # a constrained output is incomplete
+        incomplete = flag is not None and not _constraint_met(args, final.text)
+        prompt_tokens = int((final.usage or {}).get("prompt_tokens", 0))
+        sys.stderr.write(length_notice(len(final.token_ids), prompt_tokens, info["max_model_len"],
+                                       flag if incomplete else None, getattr(args, "max_tokens", None)) + "\n")
+        return EXIT_INCOMPLETE if incomplete else 0
     return 0
+
+
+def _constraint_met(args: argparse.Namespace, text: str) -> bool:
+    """Whether a constrained output cut by the limit is nonetheless whole (the server does not say whether the
+    grammar reached an end, so it is checked here): JSON that parses, a choice, a full regex match; a grammar's
+    output counts as incomplete."""
+    if args.json_schema is not None or args.json_object:
+        try:
+            json.loads(text)
+            return True
+        except ValueError:
+            return False
+    if args.choice:
+        return text in args.choice
+    if args.regex:
+        return re.fullmatch(args.regex, text) is not None
+    return False
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -309,6 +309,7 @@ def model_card(serving: OpenAIServing, llm) -> dict:
         "id": serving.model_name, "object": "model", "created": serving.created, "owned_by": "jaxinfer",
         "root": str(source.path) if source is not None else llm.model_name, "parent": None,
         "max_model_len": llm.max_model_len, "vocab_size": llm.model_config.vocab_size,
+        "sampling_defaults": serving.sampling_defaults(),  # what a request's unset sampling fields take
     }
 
 
