@@ -151,7 +151,10 @@ def test_disabled_kernels_take_the_pure_jax_path():
     assert out.stdout.strip() == "False"
 
 
-def test_kernel_build_is_cached_per_source_and_machine():
+def test_kernel_build_is_cached_per_source_and_machine(monkeypatch):
+    installed = kernels.installed("paged_attention_cpu.cc")  # the install-time build, when it fits
+    assert installed is None or kernels.build("paged_attention_cpu.cc") == installed
+    monkeypatch.setenv("JAXINFER_INSTALLED_KERNELS", "0")  # the runtime build: compiled once, then cached
     path = kernels.build("paged_attention_cpu.cc")
     assert path.startswith(kernels.cache_dir()) and path.endswith(".so")
     assert kernels.build("paged_attention_cpu.cc") == path  # the second call finds the built library
