@@ -26,6 +26,7 @@ from jaxinfer.ops.quant import quantize_params
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 from jaxinfer.config import DEFAULT_MODEL, EngineConfig, GenerationDefaults, ModelConfig
 from jaxinfer.engine.core import Engine, RequestStream
+from jaxinfer.engine.kv_transfer import KVTransferParams
 from jaxinfer.ops.mesh import fit_pages, mesh_placement, placement_report
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.outputs import StreamDelta, merge_choices
@@ -71,6 +72,7 @@ class LLM:
         warmup: bool = False,
         model_cache: bool = True,
         generation_config: Optional[str] = "auto",
+        kv_transfer_config: Optional[dict] = None,
         **engine_overrides,
     ):
 
@@ -96,6 +98,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             log_stats_interval=log_stats_interval,
             max_num_batched_tokens=max_num_batched_tokens, generation_config=generation_config,
+            kv_transfer_config=kv_transfer_config,
         )
         self.load_time_s = time.perf_counter() - t0
         if warmup:
@@ -136,6 +139,7 @@ class LLM:
         log_stats_interval: Optional[float] = None,
         max_num_batched_tokens: Optional[int] = None,
         generation_config: Optional[str] = None,
+        kv_transfer_config: Optional[dict] = None,
     ) -> None:
         enable_compilation_cache()
         if generation_config is not None:  # "auto", "vllm" or a path; None (from_params): `generation` as given
@@ -159,6 +163,7 @@ class LLM:
             policy=scheduling_policy,
             log_stats_interval=log_stats_interval,
             max_num_batched_tokens=max_num_batched_tokens,
+            kv_transfer_config=kv_transfer_config,
         )
         self.processor = InputProcessor(
             tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
@@ -193,7 +198,18 @@ class LLM:
         request with that seed draws); without a seed each draws its own random seed.
         Request ids: with n == 1 the one request has the given (or a new) id; with n > 1
         choice i has the id ``f"{id}-{i}"``, and every choice has ``group_id`` == id.
+
+        ``kv_transfer_params`` (prefill/decode disaggregation, `jaxinfer.engine.kv_transfer`): a dict with
+        ``bootstrap_room`` (the transfer id) and, for a decode engine, the prefill engine's
+        ``bootstrap_host`` and ``bootstrap_port`` (vLLM's ``kv_transfer_params`` keys are read too).
         """
+        transfer = KVTransferParams.of(options.pop("kv_transfer_params", None))
+        reqs = self._make_requests(prompt, params, **options)
+        for r in reqs:
+            r.kv_transfer = transfer
+        return reqs
+
+    def _make_requests(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> list:
         params = self.processor.default_sampling_params() if params is None else params
         n = params.n if isinstance(params, SamplingParams) else 1
         if n == 1:
@@ -231,6 +247,7 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         *,
         priority: Union[None, int, Sequence[int]] = None,
+        kv_transfer_params: Union[None, dict, Sequence[dict]] = None,
     ) -> list:
         """Generate for one or many prompts (strings or token-id lists); returns RequestOutputs in order.
 
@@ -238,6 +255,8 @@ class LLM:
         ``priority`` (lower runs first) matters with ``scheduling_policy="priority"``. With
         ``n`` > 1 a prompt's RequestOutput holds n CompletionOutputs (``index`` 0..n-1), its
         usage counts the prompt once and the completion tokens of every choice.
+        ``kv_transfer_params``: one dict (one prompt) or one per prompt (`make_requests`; a prefill or
+        decode engine, ``kv_transfer_config``).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -250,7 +269,11 @@ class LLM:
         else:
             plist = [sampling_params] * len(prompts)
         prios = list(priority) if isinstance(priority, (list, tuple)) else [priority or 0] * len(prompts)
-        groups = [self.make_requests(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
+        kvs = list(kv_transfer_params) if isinstance(kv_transfer_params, (list, tuple)) else [kv_transfer_params] * len(prompts)
+        if len(kvs) != len(prompts):
+            raise ValueError(f"got {len(kvs)} kv_transfer_params for {len(prompts)} prompts; pass one each.")
+        groups = [self.make_requests(p, sp, priority=pr, kv_transfer_params=kv)
+                  for p, sp, pr, kv in zip(prompts, plist, prios, kvs)]
         return self._run(groups)
 
     def chat(

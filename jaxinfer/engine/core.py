@@ -33,6 +33,7 @@ import jax
 
 from jaxinfer.engine.buckets import pages_needed
 from jaxinfer.engine.engine_stats import EngineStats
+from jaxinfer.engine.kv_transfer import make_side
 from jaxinfer.engine.distributed import to_host
 from jaxinfer.outputs import Logprob, StreamDelta
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -140,6 +141,7 @@ class Engine:
         policy: str = "fcfs",
         log_stats_interval: Optional[float] = None,
         autostart: bool = True,
+        kv_transfer_config=None,
     ):
         self.runner = runner
         self.autostart = autostart  # False: the caller drives `step()` itself (tests, benchmarks)
@@ -166,6 +168,8 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self._lock = threading.Lock()
+        # prefill/decode disaggregation (`jaxinfer.engine.kv_transfer`): the role's side, or None
+        self.kv = make_side(self, kv_transfer_config)
 
     # -- outside world (any thread) ------------------------------------------------
 
@@ -228,6 +232,11 @@ class Engine:
         self._inbox.put(("abort", request_id, None))
         self._wake.set()
 
+    def call_soon(self, fn) -> None:
+        """Run ``fn()`` on the engine thread at its next iteration (the KV transfer's workers report so)."""
+        self._inbox.put(("call", fn, None))
+        self._wake.set()
+
     def _release_id(self, stream: RequestStream) -> None:
         with self._lock:
             if self._live.get(stream.request_id) is stream:
@@ -262,6 +271,8 @@ class Engine:
             self._thread.join(timeout)
         if self.roofline is not None:
             self.roofline.clock.close(timeout)
+        if self.kv is not None:
+            self.kv.close()
 
     # -- the engine thread -----------------------------------------------------------
 
@@ -280,7 +291,7 @@ class Engine:
             if self.log_stats_interval and time.perf_counter() - last_log >= self.log_stats_interval:
                 last_log = time.perf_counter()
                 if self.scheduler.has_work() or self.stats.recent_tokens():
-                    log.info(self.stats.line())
+                    log.info(self.stats.line() + (self.kv.stats_suffix() if self.kv is not None else ""))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -292,7 +303,10 @@ class Engine:
                 for r, stream in zip(a, b):
                     self._requests[r.request_id] = r
                     self._streams[r.request_id] = stream
-                    self.scheduler.add(r)
+                    if self.kv is None or not self.kv.on_add(r):  # True: its KV comes from a prefill engine
+                        self.scheduler.add(r)
+            elif kind == "call":  # a: a function for the engine thread
+                a()
             elif kind == "abort":  # b: the stream that asked, or None to abort whatever holds the id
                 r = self._requests.get(a)
                 if b is not None and self._streams.get(a) is not b:
@@ -306,6 +320,8 @@ class Engine:
         t_step = time.perf_counter()
         wait_before = self.stats.wait_s
         self._drain_inbox()
+        if self.kv is not None:
+            self.kv.tick()
         spec = self.speculator
         if self._pending and any(r.constraint is not None for r in self.scheduler.running):
             # a constrained row's next mask needs the token it drew last: read every step in flight
@@ -424,6 +440,8 @@ class Engine:
 
     def _finish(self, r: Request, text: str, delta: Optional[StreamDelta] = None) -> None:
         """A request leaves the batch: free its pages now, close its stream."""
+        if self.kv is not None:
+            self.kv.on_finish(r)  # a prefill engine holds the pages of a prompt to send
         self.scheduler.finish(r)
         r.metrics.finished_time = time.perf_counter()
         output = r.to_output()
@@ -441,10 +459,33 @@ class Engine:
             stream._put(delta)
             stream._put(_END)
 
+    def adopt_first_token(self, r: Request, token: int, logprob: Optional[Logprob]) -> None:
+        """A request whose prompt KV came from a prefill engine, now a decode row: its first token (drawn
+        there) is recorded and streamed as if this engine had drawn it."""
+        now = time.perf_counter()
+        m = r.metrics
+        m.first_token_time = m.prefill_done_time = now
+        m.token_times.append(now)
+        text = r.add_token(token, logprob)
+        self.stats.generation_tokens += 1
+        m.output_tokens = len(r.output_ids)
+        self.scheduler.register_full_pages(r)
+        lps = [logprob] if logprob is not None else []
+        delta = StreamDelta(r.request_id, text, [token], lps if r.params.logprobs is not None else None,
+                            r.finish_reason)
+        if r.finished:
+            self._finish(r, text, delta)
+        else:
+            stream = self._streams.get(r.request_id)
+            if stream is not None:
+                stream._put(delta)
+
     def _fail_all(self, err: Exception) -> None:
         for rid, r in list(self._requests.items()):
             r.abort("error")
             stream = self._streams.pop(rid, None)
+            if self.kv is not None:
+                self.kv.on_finish(r)
             self.scheduler.finish(r)
             if stream is not None:
                 self._release_id(stream)

@@ -70,6 +70,9 @@ class Request:
         self.group: Optional[list] = None
         self.choice_index = 0
         self.group_id = request_id
+        # prefill/decode disaggregation (`jaxinfer.engine.kv_transfer.KVTransferParams`): the transfer this
+        # request's prompt KV goes out by (a prefill engine) or comes in by (a decode engine); None: local
+        self.kv_transfer: Any = None
         # device-side progress
         self.pages: list = []  # page of each page-sized run of positions; 0 once released behind a window
         self.num_released_pages = 0  # leading entries of `pages` given back (sliding-window models)

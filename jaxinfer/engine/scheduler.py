@@ -102,6 +102,9 @@ class Scheduler:
         self._order = itertools.count()
         self.num_preemptions = 0
         self.num_forks = 0  # group members admitted on another member's prompt pages
+        # requests holding a slot and pages while their prompt's KV arrives from a prefill engine
+        # (`jaxinfer.engine.kv_transfer.KVReceiver`): they join `running` as decode rows (`adopt`)
+        self.reserved: set = set()
 
     # -- queue -------------------------------------------------------------------
 
@@ -130,7 +133,26 @@ class Scheduler:
             self.running.remove(r)
         self._free(r)
 
+    def can_adopt(self) -> bool:
+        """A slot is free for a request whose KV comes from elsewhere (`reserve`)."""
+        return len(self.running) + len(self.reserved) < self.ecfg.max_num_seqs and bool(self.free_slots)
+
+    def reserve(self, r: Request) -> None:
+        """Give `r` (its pages already allocated) a slot while its KV arrives; `adopt` or `finish` ends it."""
+        r.slot = self.free_slots.pop()
+        r.prefill_target = r.prompt_len
+        self.reserved.add(r)
+
+    def adopt(self, r: Request) -> None:
+        """`r`'s prompt KV is in its pages (``num_computed`` == its prompt): it runs as a decode row."""
+        self.reserved.discard(r)
+        r.arrival_order = next(self._order)
+        r.num_registered_pages = 0
+        self.running.append(r)
+        self.register_full_pages(r)
+
     def _free(self, r: Request) -> None:
+        self.reserved.discard(r)
         if r.pages:
             self.allocator.release(p for p in reversed(r.pages) if p)  # 0: released behind the window
             r.pages = []
@@ -231,7 +253,7 @@ class Scheduler:
                 budget -= n + back
         if out.preempted:
             return out  # no admissions in a step that had to preempt
-        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.reserved) < self.ecfg.max_num_seqs:
             _, _, r = self.waiting[0]
             if r.finished:
                 heapq.heappop(self.waiting)
