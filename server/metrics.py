@@ -23,6 +23,17 @@ Two kinds of numbers:
   ``kv_cache_usage_perc``), the prefix-cache hit rate and its queries / hits in
   tokens, preemptions; and the server's own Generate calls in flight.
 
+**The gateways' names.** Kubernetes' Gateway API Inference Extension (the
+endpoint picker llm-d deploys) scrapes each model server for its queue, its
+running requests and its KV-cache usage, under vLLM's names; the same numbers
+are served under those names too, from the same registry (so on ``/metrics``
+of the HTTP port and on ``--metrics-port``): ``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (a fraction, as
+vLLM's) and the older ``vllm:gpu_cache_usage_perc`` that earlier pickers
+read, and ``vllm:cache_config_info{block_size, num_gpu_blocks}`` (value 1),
+which the picker's prefix-cache scorer reads for the page size and the page
+count. (``vllm:lora_requests_info`` is not served: no adapters are served.)
+
 ``grpc_requests_rejected_total{reason}`` counts calls refused before they
 reached the engine: invalid_argument, resource_exhausted (admission control),
 shutting_down, duplicate_request_id, unauthenticated, internal.
@@ -40,6 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxinfer.metrics import RooflineCollector
 
 PREFIX = "jaxinfer:"
+GATEWAY_PREFIX = "vllm:"  # the names the Gateway API Inference Extension reads (its model-server protocol)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = (
     "invalid_argument", "resource_exhausted", "shutting_down", "duplicate_request_id", "unauthenticated", "internal",
@@ -106,6 +118,7 @@ class _EngineCollector:
         yield counter("num_preemptions", "Requests preempted (to be recomputed) because KV pages ran out.",
                       snap["preemptions"])
         yield gauge("grpc_requests_active", "Generate calls in flight on this server.", owner.active_calls())
+        yield from self._gateway(snap, page_size, engine.allocator.num_usable)
         spec = snap.get("spec")
         if spec is not None:  # speculative decoding, as vLLM names it
             yield counter("spec_decode_num_drafts", "Verify segments that carried draft tokens.", spec["num_drafts"])
@@ -118,6 +131,30 @@ class _EngineCollector:
             for i, n in enumerate(spec["accepted_per_pos"]):
                 per_pos.add_metric(values + [str(i)], float(n))
             yield per_pos
+
+
+    def _gateway(self, snap: dict, page_size: int, num_pages: int):
+        """The same numbers under vLLM's names, for the gateways that read them (the model-server protocol of
+        Kubernetes' Gateway API Inference Extension: TotalQueuedRequests, TotalRunningRequests,
+        KVCacheUtilization, and the prefix-cache scorer's BlockSize and NumGPUBlocks)."""
+        labels, values = self._owner.label_names, self._owner.label_values
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(GATEWAY_PREFIX + name, doc, labels=labels)
+            g.add_metric(values, float(value))
+            return g
+
+        yield gauge("num_requests_running", "Requests in the engine's running batch (vLLM's name).", snap["running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", snap["waiting"])
+        yield gauge("kv_cache_usage_perc", "KV-cache usage, the fraction of pages in use, 1 = full (vLLM's name).",
+                    snap["kv_usage"])
+        yield gauge("gpu_cache_usage_perc", "KV-cache usage, the fraction of pages in use (vLLM's older name).",
+                    snap["kv_usage"])
+        info = GaugeMetricFamily(GATEWAY_PREFIX + "cache_config_info",
+                                 "The KV cache's page size (block_size) and page count (num_gpu_blocks), as labels.",
+                                 labels=labels + ["block_size", "num_gpu_blocks"])
+        info.add_metric(values + [str(page_size), str(num_pages)], 1.0)
+        yield info
 
 
 class ServerMetrics:

@@ -4,7 +4,13 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completion
 vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (200
 ``{"status": "ok"}`` while serving, 503 ``{"status": "draining"}`` while shutting
 down), ``GET /metrics`` (the server's Prometheus registry, the same numbers as
-``--metrics-port``).
+``--metrics-port``), and the worker endpoints sglang-router reads when it registers a worker:
+``GET /server_info`` and ``GET /model_info`` (SGLang's fields; `server_info` / `model_info`), also under
+their older names ``/get_server_info`` and ``/get_model_info``.
+
+The port speaks HTTP/1.1. A client that opens it with HTTP/2 prior knowledge (a gRPC client: sglang-router
+probes every worker URL for an SGLang and a vLLM gRPC server besides HTTP) is answered in HTTP/2 with a
+GOAWAY HTTP_1_1_REQUIRED, so it fails at once with a reason and nothing is logged as an invalid request.
 
 While the model loads, `Startup` answers in the app's place (the listener
 comes up before the load, as llama-server's does): ``/health`` is 503
@@ -29,6 +35,7 @@ import hmac
 import json
 import logging
 import socket
+from pathlib import Path
 from typing import Callable, Optional
 
 import uvicorn
@@ -38,6 +45,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
 
 from jaxinfer._version import __version__
 from jaxinfer.server.auth import bearer_token
@@ -212,6 +221,16 @@ def create_app(llm, servicer, config, metrics=None) -> FastAPI:
     async def version():
         return {"version": __version__}
 
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return server_info(serving, llm, config)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return model_info(serving, llm)
+
     return app
 
 
@@ -313,6 +332,64 @@ def model_card(serving: OpenAIServing, llm) -> dict:
     }
 
 
+def _model_paths(llm) -> tuple:
+    """(model path, tokenizer path) as SGLang reports them: where the model was loaded from, and the directory
+    holding its tokenizer (None for a GGUF file or an in-memory model: there is no file a router could read)."""
+    source = getattr(llm, "model_source", None)
+    if source is None:
+        return None, None
+    path = Path(source.path)
+    tokenizer = str(path) if path.is_dir() and (path / "tokenizer.json").is_file() else None
+    return str(path), tokenizer
+
+
+def server_info(serving: OpenAIServing, llm, config) -> dict:
+    """``GET /server_info``: SGLang's server description, in the fields sglang-router reads when it registers a
+    worker (model_path, served_model_name, tp_size, dp_size, disaggregation_mode: its labels; served_model_name,
+    else model_path, is the worker's model id) and the engine's limits under SGLang's names.
+
+    dp_size is 1: the router's ``--dp-aware`` mode addresses ranks inside one server (``routed_dp_rank``),
+    which this server does not take; replicas are separate servers behind the router."""
+    ecfg = llm.engine_config
+    allocator = llm.engine.allocator
+    model_path, tokenizer_path = _model_paths(llm)
+    mode = getattr(config, "disaggregation_mode", None)
+    info = {
+        "model_path": model_path or llm.model_name,
+        "tokenizer_path": tokenizer_path,
+        "served_model_name": serving.model_name,
+        "tp_size": ecfg.tensor_parallel_size,
+        "dp_size": 1,
+        "disaggregation_mode": mode or "null",  # SGLang's spelling of "no role"
+        "page_size": ecfg.page_size,
+        "context_length": llm.max_model_len,
+        "max_running_requests": ecfg.max_num_seqs,
+        "max_prefill_tokens": llm.engine.scheduler.budget,  # the tokens one step computes
+        "max_total_tokens": allocator.num_usable * ecfg.page_size,  # KV-cache tokens
+        "kv_cache_dtype": ecfg.kv_cache_dtype,
+        "dtype": ecfg.dtype,
+        "version": __version__,
+    }
+    port = getattr(config, "disaggregation_bootstrap_port", None)
+    if mode and port is not None:
+        info["disaggregation_bootstrap_port"] = port
+    return info
+
+
+def model_info(serving: OpenAIServing, llm) -> dict:
+    """``GET /model_info``: SGLang's model description (model_path, tokenizer_path, is_generation, model_type)."""
+    model_path, tokenizer_path = _model_paths(llm)
+    return {
+        "model_path": model_path or llm.model_name,
+        "tokenizer_path": tokenizer_path,
+        "served_model_name": serving.model_name,
+        "is_generation": True,
+        "model_type": llm.model_config.architecture,
+        "context_length": llm.max_model_len,
+        "vocab_size": llm.model_config.vocab_size,
+    }
+
+
 # --------------------------------------------------------------------------- #
 # the uvicorn server, on the caller's event loop
 # --------------------------------------------------------------------------- #
@@ -334,6 +411,52 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what an HTTP/2 client with prior knowledge sends first
+_H2_HTTP_1_1_REQUIRED = 0xD
+_H2_REFUSAL = b"this port speaks HTTP/1.1 (jaxinfer's OpenAI API); jaxinfer's gRPC API has a port of its own"
+
+
+def _h2_frame(kind: int, payload: bytes) -> bytes:
+    """One HTTP/2 frame on stream 0 with no flags: 24-bit length, type, flags, stream id, payload (RFC 9113 4.1)."""
+    return len(payload).to_bytes(3, "big") + bytes([kind, 0]) + (0).to_bytes(4, "big") + payload
+
+
+H2_REFUSAL = (_h2_frame(0x4, b"")  # the server's preface: an empty SETTINGS frame
+              + _h2_frame(0x7, (0).to_bytes(4, "big") + _H2_HTTP_1_1_REQUIRED.to_bytes(4, "big") + _H2_REFUSAL))
+
+
+def _answering_h2c(base: type) -> type:
+    """uvicorn's HTTP/1.1 protocol class, made to answer a connection that opens with HTTP/2's preface: the
+    server's SETTINGS and a GOAWAY(HTTP_1_1_REQUIRED), then the connection closes (RFC 9113 3.4, 5.4.1),
+    where uvicorn would log an invalid request and answer HTTP/1.1 400 to a client that cannot read it."""
+
+    class Protocol(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._first_bytes: Optional[bytes] = b""  # None once the connection is known to be HTTP/1.1
+
+        def data_received(self, data: bytes) -> None:
+            if self._first_bytes is None:
+                return super().data_received(data)
+            head = self._first_bytes + data
+            n = min(len(head), len(H2_PREFACE))
+            if head[:n] != H2_PREFACE[:n]:
+                self._first_bytes = None
+                return super().data_received(head)
+            if len(head) < len(H2_PREFACE):
+                self._first_bytes = head  # the preface split across reads: wait for the rest
+                return None
+            self._first_bytes = None
+            log.debug("answered an HTTP/2 (gRPC) connection from %s with GOAWAY HTTP_1_1_REQUIRED",
+                      getattr(self, "client", None))
+            self.transport.write(H2_REFUSAL)
+            self.transport.close()
+            return None
+
+    Protocol.__name__ = Protocol.__qualname__ = f"H2cAnswering{base.__name__}"
+    return Protocol
+
+
 class HttpServer:
     """uvicorn serving the app on the running event loop; signals stay with the caller (`jaxinfer.server.serve`).
 
@@ -346,8 +469,9 @@ class HttpServer:
             def capture_signals(self):  # the gRPC server's serve() owns SIGTERM/SIGINT and drains both
                 yield
 
+        http = _answering_h2c(import_from_string(HTTP_PROTOCOLS["auto"]))
         cfg = uvicorn.Config(app, log_config=None, access_log=verbose, lifespan="off", timeout_keep_alive=30,
-                             timeout_graceful_shutdown=2, ws="none", interface="asgi3")
+                             timeout_graceful_shutdown=2, ws="none", interface="asgi3", http=http)
         self.server = _Server(cfg)
         self.sock = sock
         self.port: int = sock.getsockname()[1]
