@@ -182,11 +182,14 @@ class LLM:
 
         The one front door (`jaxinfer.engine.processor.InputProcessor.process`): the options are its
         keywords (messages, chat_template_kwargs, add_generation_prompt, request_id, priority,
-        metrics, fit_max_tokens). Hand the result to `submit` or `stream_request`. For
+        metrics, fit_max_tokens), and ``kv_transfer_params`` (`make_requests`). Hand the result to `submit` or `stream_request`. For
         ``params.n`` > 1 use `make_requests`.
         """
         _one_choice(params)
-        return self.processor.process(prompt, params, **options)
+        transfer = KVTransferParams.of(options.pop("kv_transfer_params", None))
+        r = self.processor.process(prompt, params, **options)
+        r.kv_transfer = transfer
+        return r
 
     def make_requests(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> list:
         """One validated `Request` per choice of ``params.n`` (the prompt tokenized once); the

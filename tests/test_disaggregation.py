@@ -1,0 +1,231 @@
+"""Prefill/decode disaggregation (`jaxinfer.engine.kv_transfer`): two engines in this process, each with
+its own real transfer server on loopback, the prefill one with its HTTP bootstrap channel.
+
+What goes through prefill -> decode must equal one engine's output token for token and logprob for
+logprob; every fault ends with no page held on either side."""
+
+import json
+import threading
+import time
+
+import pytest
+
+import jaxinfer
+from conftest import TINY, TINY_ENGINE, tiny_params
+from jaxinfer import SamplingParams
+from jaxinfer.engine.kv_transfer import KVTransferParams, error_status
+
+
+def _char_tokenizer(path):
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from jaxinfer.text.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    return Tokenizer.from_dir(path)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tok = _char_tokenizer(tmp_path_factory.mktemp("tok"))
+    params = tiny_params()
+
+    def make(**kw):
+        return jaxinfer.LLM.from_params(TINY, params, tokenizer=tok, engine_config=TINY_ENGINE, **kw)
+
+    single = make()
+    prefill = make(kv_transfer_config={"role": "prefill", "bootstrap_port": 0, "timeout_s": 3.0})
+    decode = make(kv_transfer_config={"role": "decode", "timeout_s": 2.0})
+    yield single, prefill, decode
+    for llm in (single, prefill, decode):
+        llm.close()
+
+
+_rooms = iter(range(1000, 10**6))
+
+
+def _disaggregated(prefill, decode, prompt, sp, room=None, decode_first=True):
+    """The prompt through the prefill engine, then the decode engine (started first: the router sends both at
+    once); returns (prefill output, decode output)."""
+    room = next(_rooms) if room is None else room
+    port = prefill.engine.kv.bootstrap_port
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("d", decode.generate(
+        [prompt], sp, kv_transfer_params={"bootstrap_host": "127.0.0.1", "bootstrap_port": port,
+                                          "bootstrap_room": room})[0]))
+    if decode_first:
+        t.start()
+        time.sleep(0.05)
+    p = prefill.generate([prompt], sp, kv_transfer_params={"bootstrap_room": room})[0]
+    if not decode_first:
+        t.start()
+    t.join(30)
+    return p, out["d"]
+
+
+def _settled(*llms, timeout=5.0):
+    """Every engine idle with no page referenced (held transfers included), within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for llm in llms:
+                assert llm.wait_idle(timeout=2.0)
+                llm.engine.allocator.check_all_free()
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _same(ref, got):
+    assert len(ref.outputs) == len(got.outputs)
+    for a, b in zip(ref.outputs, got.outputs):
+        assert b.error is None, b.error
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text
+        assert b.finish_reason == a.finish_reason
+        if a.logprobs is not None:
+            assert [(x.token_id, x.logprob, x.top) for x in b.logprobs] == [(x.token_id, x.logprob, x.top)
+                                                                            for x in a.logprobs]
+
+
+LONG = "the quick brown fox jumps over the lazy dog; " * 2  # 90 tokens: chunked (16 a chunk)
+
+
+@pytest.mark.parametrize("prompt, sp", [
+    ("Hello there", SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)),
+    (LONG, SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)),
+    ("seeded sampling", SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7, logprobs=1)),
+    ("two choices", SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2, logprobs=2)),
+], ids=["greedy-short", "greedy-chunked-long", "seeded", "n2"])
+def test_prefill_then_decode_equals_one_engine(engines, prompt, sp):
+    single, prefill, decode = engines
+    ref = single.generate([prompt], sp)[0]
+    p, d = _disaggregated(prefill, decode, prompt, sp)
+    assert [c.token_ids for c in p.outputs] == [c.token_ids[:1] for c in ref.outputs]  # the prefill: 1 token
+    _same(ref, d)
+    _settled(prefill, decode)
+
+
+def test_stop_string_and_prefix_hits_on_both_sides(engines):
+    single, prefill, decode = engines
+    prompt = LONG + "stop"
+    free = single.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].text
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, stop=[free[-1]])  # its second token
+    ref = single.generate([prompt], sp)[0]
+    assert ref.outputs[0].finish_reason == "stop"
+    _same(ref, _disaggregated(prefill, decode, prompt, sp)[1])
+    hits = prefill.engine.allocator.hits, decode.engine.allocator.hits
+    # the same prompt again: the prefill side computes from its prefix cache; the decode side had the pulled
+    # pages named and finds them (it pulls the whole prompt all the same)
+    p, d = _disaggregated(prefill, decode, prompt, sp, decode_first=False)
+    _same(ref, d)
+    assert p.metrics.cached_tokens > 0 and prefill.engine.allocator.hits > hits[0]
+    assert decode.engine.allocator.lookup(_hashes(decode, prompt))
+    _settled(prefill, decode)
+
+
+def _hashes(llm, prompt):
+    from jaxinfer.engine.prefix_cache import extend_hashes
+
+    ids = llm.make_request(prompt).prompt_ids
+    return extend_hashes([], ids, llm.engine_config.page_size)[:1]
+
+
+def test_unknown_room_fails_the_request_and_frees_its_pages(engines):
+    _, prefill, decode = engines
+    t0 = time.monotonic()
+    out = decode.generate(["nobody sends this"], SamplingParams(max_tokens=4, temperature=0.0),
+                          kv_transfer_params={"bootstrap_host": "127.0.0.1",
+                                              "bootstrap_port": prefill.engine.kv.bootstrap_port,
+                                              "bootstrap_room": "no-such-room"})[0]
+    comp = out.outputs[0]
+    assert comp.finish_reason == "error" and error_status(comp.error) == 404, comp.error
+    assert "unknown transfer id no-such-room/0" in comp.error
+    assert time.monotonic() - t0 < 6
+    _settled(prefill, decode)
+
+
+def test_a_transfer_nobody_takes_is_freed_at_the_timeout_and_then_gone(engines):
+    _, prefill, decode = engines
+    room = next(_rooms)
+    prefill.generate(["held for nobody"], SamplingParams(max_tokens=4, temperature=0.0),
+                     kv_transfer_params={"bootstrap_room": room})
+    n, pages = prefill.engine.kv.held()
+    assert n == 1 and pages == 4 and prefill.engine.allocator.num_used == 4
+    assert "KV held 1 (4 pages)" in prefill.engine.kv.stats_suffix()
+    _settled(prefill, timeout=6.0)  # 3 s
+    assert prefill.engine.kv.held() == (0, 0) and prefill.engine.kv.expired >= 1
+    out = decode.generate(["held for nobody"], SamplingParams(max_tokens=4, temperature=0.0),
+                          kv_transfer_params={"bootstrap_host": "127.0.0.1",
+                                              "bootstrap_port": prefill.engine.kv.bootstrap_port,
+                                              "bootstrap_room": room})[0]
+    assert error_status(out.outputs[0].error) == 410 and "expired" in out.outputs[0].error
+    _settled(prefill, decode)
+
+
+def test_a_decode_client_that_walks_away_frees_both_sides_at_once(engines):
+    _, prefill, decode = engines
+    room = next(_rooms)
+    sp = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    prefill.generate(["walk away"], sp, kv_transfer_params={"bootstrap_room": room})
+    assert prefill.engine.kv.held()[0] == 1
+    req = decode.make_request("walk away", sp, kv_transfer_params={
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.engine.kv.bootstrap_port, "bootstrap_room": room})
+    stream = decode.submit(req)
+    next(iter(stream))  # the first token (the prefill's)
+    stream.abort()
+    _settled(prefill, decode, timeout=2.0)  # well before the prefill side's 3 s timeout
+
+
+def test_an_unreachable_prefill_server_fails_the_request(engines):
+    import socket
+
+    _, _, decode = engines
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    out = decode.generate(["gone"], SamplingParams(max_tokens=4),
+                          kv_transfer_params={"bootstrap_host": "127.0.0.1", "bootstrap_port": port,
+                                              "bootstrap_room": 1})[0]
+    assert error_status(out.outputs[0].error) == 502, out.outputs[0].error
+    _settled(decode)
+
+
+def test_a_different_page_size_is_refused_in_one_line(engines):
+    import dataclasses
+
+    _, prefill, _ = engines
+    other = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=dataclasses.replace(TINY_ENGINE, page_size=8),
+                                     kv_transfer_config={"role": "decode", "timeout_s": 2.0})
+    try:
+        out = other.generate([[5, 6, 7]], SamplingParams(max_tokens=2),
+                             kv_transfer_params={"bootstrap_host": "127.0.0.1",
+                                                 "bootstrap_port": prefill.engine.kv.bootstrap_port,
+                                                 "bootstrap_room": 9})[0]
+        err = out.outputs[0].error
+        assert err == (f"KV transfer 409: refusing KV from 127.0.0.1:{prefill.engine.kv.bootstrap_port}: "
+                       "page size 4 there, 8 here")
+        _settled(other)
+    finally:
+        other.close()
+
+
+def test_transfer_params_from_sglang_and_vllm_fields():
+    assert KVTransferParams.of(None) is None
+    p = KVTransferParams.of(bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=2**63 + 5)
+    assert (p.host, p.port, p.room) == ("10.0.0.1", 8998, str(2**63 + 5))
+    v = KVTransferParams.of({"remote_host": "h", "remote_port": 1234, "transfer_id": "abc"})
+    assert (v.host, v.port, v.room) == ("h", 1234, "abc")
+    with pytest.raises(ValueError, match="need a bootstrap_room"):
+        KVTransferParams.of(bootstrap_host="h", bootstrap_port=1)
+    with pytest.raises(ValueError, match="kv_transfer_config role"):
+        jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE,
+                                 kv_transfer_config={"role": "both"})
