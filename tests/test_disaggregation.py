@@ -27,7 +27,9 @@ def _char_tokenizer(path):
     tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
     tok.decoder = decoders.Fuse()
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return Tokenizer.from_dir(path)
 
 
@@ -229,3 +231,75 @@ def test_transfer_params_from_sglang_and_vllm_fields():
     with pytest.raises(ValueError, match="kv_transfer_config role"):
         jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE,
                                  kv_transfer_config={"role": "both"})
+
+
+# -- over HTTP: the body fields sglang-router's PD mode adds, sent to both servers at once ----------------
+
+
+@pytest.fixture(scope="module")
+def http_pair(engines):
+    from jaxinfer.server import ServerConfig, ServerThread
+
+    _, prefill, decode = engines
+    with ServerThread(prefill, ServerConfig(port=0, http_port=0)) as p, \
+            ServerThread(decode, ServerConfig(port=0, http_port=0)) as d:
+        yield p, d
+
+
+def _both(http_pair, path, body, room, port=None):
+    """POST the body with SGLang's bootstrap fields to the prefill and the decode server at once (as the router
+    does); the two responses (httpx), the decode one read as text for a stream."""
+    import httpx
+
+    p, d = http_pair
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port or p.llm.engine.kv.bootstrap_port,
+              "bootstrap_room": room}
+    out = {}
+
+    def send(name, url):
+        out[name] = httpx.post(url + path, json={**body, **fields}, timeout=30)
+
+    threads = [threading.Thread(target=send, args=("d", d.http_url)), threading.Thread(target=send, args=("p", p.http_url))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out["p"], out["d"]
+
+
+def test_http_completion_and_chat_through_prefill_and_decode_servers(engines, http_pair):
+    single = engines[0]
+    body = {"model": single.model_name, "prompt": LONG, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    ref = single.generate([LONG], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2))[0].outputs[0]
+    p, d = _both(http_pair, "/v1/completions", body, next(_rooms))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    assert p.json()["usage"]["completion_tokens"] == 1
+    choice = d.json()["choices"][0]
+    assert choice["text"] == ref.text and choice["finish_reason"] == ref.finish_reason
+    assert choice["logprobs"]["token_logprobs"] == [lp.logprob for lp in ref.logprobs]
+    # streamed, on the chat endpoint
+    chat = {"model": single.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    p, d = _both(http_pair, "/v1/chat/completions", chat, next(_rooms))
+    assert p.status_code == 200 and d.status_code == 200
+    assert d.text.rstrip().endswith("data: [DONE]")
+    chunks = [json.loads(line[6:]) for line in d.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    want = single.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert text == want.outputs[0].text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    _settled(*(srv.llm for srv in http_pair))
+
+
+def test_http_unknown_room_is_a_404_for_that_request(engines, http_pair):
+    import httpx
+
+    p, d = http_pair
+    body = {"model": engines[0].model_name, "prompt": "x", "max_tokens": 3,
+            "kv_transfer_params": {"bootstrap_host": "127.0.0.1", "bootstrap_port": p.llm.engine.kv.bootstrap_port,
+                                   "bootstrap_room": "never"}}
+    r = httpx.post(d.http_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 404 and "unknown transfer id never/0" in r.json()["error"]["message"]
+    bad = httpx.post(d.http_url + "/v1/completions", json={**body, "kv_transfer_params": None,
+                                                          "bootstrap_room": [1, 2]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bootstrap_room"
+    _settled(p.llm, d.llm)

@@ -107,6 +107,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--reasoning-parser", metavar="NAME",
                    help="split the model's reasoning from its answer: qwen3, deepseek_r1 (<think>...</think> -> "
                    "reasoning_content; default: off)")
+    d = p.add_argument_group("prefill/decode disaggregation (SGLang's flags; behind sglang-router --pd-disaggregation)")
+    d.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null",
+                   help="prefill: compute prompts and their first token, hold their KV for a decode server; "
+                   "decode: take each request's KV from the prefill server its bootstrap_host/port/room name, "
+                   "and decode (default: null, one engine does both)")
+    d.add_argument("--disaggregation-bootstrap-port", type=_port, default=8998, metavar="PORT",
+                   help="prefill: the HTTP port decode servers ask for a request's KV (default: 8998; 0: any)")
+    d.add_argument("--disaggregation-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="prefill: free a prompt's held KV pages when no decode server has taken them after "
+                   "this long; decode: give up waiting for a transfer after this long (default: 30)")
     e = add_engine_flags(p, warmup="before accepting requests (default: on; --no-warmup accepts requests at once "
                          "and compiles each program when a request first needs it)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
@@ -139,7 +149,20 @@ def server_config_from_args(args: argparse.Namespace):
         access_log=bool(getattr(args, "verbose", False)),
     )
     _check_parsers(config)
+    # what /server_info reports (sglang-router reads the role and the bootstrap port there)
+    mode = getattr(args, "disaggregation_mode", "null")
+    config.disaggregation_mode = None if mode in (None, "null") else mode
+    config.disaggregation_bootstrap_port = args.disaggregation_bootstrap_port if mode == "prefill" else None
     return config
+
+
+def kv_transfer_config(args: argparse.Namespace) -> Optional[dict]:
+    """The LLM's ``kv_transfer_config`` from --disaggregation-mode (None: no role)."""
+    mode = getattr(args, "disaggregation_mode", "null")
+    if mode in (None, "null"):
+        return None
+    return {"role": mode, "bootstrap_host": args.host, "bootstrap_port": args.disaggregation_bootstrap_port,
+            "timeout_s": args.disaggregation_timeout, "transfer_host": args.host}
 
 
 def _check_parsers(config) -> None:
@@ -269,13 +292,21 @@ def run_serve(args: argparse.Namespace) -> int:
         llm = server.llm
         e = llm.engine_config
         security = ("TLS" if config.tls_cert else "plaintext") + (", token auth" if config.auth_token else "")
+        kv = llm.engine.kv
+        role = ""
+        if kv is not None and kv.role == "prefill":
+            config.disaggregation_bootstrap_port = kv.bootstrap_port  # the bound one (--disaggregation-bootstrap-port 0)
+            role = f"; prefill role, KV bootstrap on port {kv.bootstrap_port}"
+        elif kv is not None:
+            role = "; decode role"
+
         print(
             f"jaxinfer: serving {llm.model_name} on {server.address} ({security}; max_model_len "
             f"{llm.max_model_len}, {e.num_pages - 1} KV pages x {e.page_size}, max_num_seqs {e.max_num_seqs}, "
             f"backend {llm.info()['backend']}"
             + (f"; metrics at {server.metrics_url}" if server.metrics_url else "")
             + (f"; OpenAI-compatible API at {server.http_url}/v1 as {config.served_model_name or llm.model_name!r}"
-               if server.http_url else "") + ") - ready",
+               if server.http_url else "") + role + ") - ready",
             flush=True,
         )
 
@@ -308,7 +339,8 @@ def _load_llm(args: argparse.Namespace):
         enable_compilation_cache()
         from jaxinfer.llm import LLM
     return LLM(**llm_kwargs(args), scheduling_policy=args.scheduling_policy,
-               log_stats_interval=args.log_stats_interval or None, warmup=args.warmup)
+               log_stats_interval=args.log_stats_interval or None, warmup=args.warmup,
+               kv_transfer_config=kv_transfer_config(args))
 
 
 def _follow(args: argparse.Namespace) -> int:

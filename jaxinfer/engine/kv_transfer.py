@@ -697,8 +697,12 @@ class KVReceiver:
                 cache = self.engine.runner.kv_cache
                 shape = (meta["padded_pages"], *cache[0].shape[1:])
                 specs = [jax.ShapeDtypeStruct(shape, layer.dtype, sharding=layer.sharding) for layer in cache]
+                address = meta["address"]
+                host, _, port = address.rpartition(":")
+                if host in ("0.0.0.0", "[::]", "::", ""):  # a wildcard bind: the host the bootstrap answered on
+                    address = f"{p.host}:{port}"
                 t0 = time.perf_counter()
-                pulled = self._connection(meta["address"]).pull(int(meta["uuid"]), specs)
+                pulled = self._connection(address).pull(int(meta["uuid"]), specs)
                 jax.block_until_ready(pulled)
                 seconds = time.perf_counter() - t0
             except KVTransferError:

@@ -102,6 +102,13 @@ class _Sampling(_Body):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
+    # Prefill/decode disaggregation (`jaxinfer.engine.kv_transfer`): SGLang's fields, which sglang-router's PD
+    # mode adds to the body it sends both workers (one value, or one per prompt of a batch), and vLLM's
+    # ``kv_transfer_params``; serving.py turns them into one `KVTransferParams` per prompt.
+    bootstrap_host: Union[None, str, list[Optional[str]]] = None
+    bootstrap_port: Union[None, int, list[Optional[int]]] = None
+    bootstrap_room: Union[None, int, str, list[Union[None, int, str]]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class TextPart(BaseModel):

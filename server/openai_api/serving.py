@@ -54,6 +54,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
+from jaxinfer.engine.kv_transfer import KVTransferParams, error_status
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.server.openai_api.errors import APIError, bad_request, unsupported
@@ -255,6 +256,9 @@ class OpenAIServing:
         """Why a finished choice is an error instead of an answer: the engine failed it (500), or the shutdown
         aborted it after its grace period (503, the gRPC status's HTTP twin); else None."""
         reason = output.outputs[0].finish_reason
+        status = error_status(output.outputs[0].error) if reason == "error" else None
+        if status is not None:  # its KV transfer failed (unknown or expired transfer id, prefill gone): the router's cue
+            return APIError(status if 400 <= status < 600 and status != 499 else 502, output.outputs[0].error)
         if reason == "error" and not output.outputs[0].error:  # with a message: the choice says it (not a failure)
             return APIError(500, "the engine failed this request.")
         if reason == "abort" and self.servicer.abort_message is not None:
@@ -319,8 +323,10 @@ class OpenAIServing:
         if self._keeps_special_tokens(parse_tools):  # the parser's markers are special tokens: keep them in the text
             params = params.clone(skip_special_tokens=False)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        transfer = _transfers(body, 1)[0]
         try:
-            reqs = await self._make(None, params, arrival, rid, body.priority, structured, **chat)
+            reqs = await self._make(None, params, arrival, rid, body.priority, structured, kv_transfer_params=transfer,
+                                    **chat)
         except APIError as e:  # chat's names for what the library calls logprobs and the prompt
             e.param = {"logprobs": "top_logprobs", "prompt": "messages"}.get(e.param, e.param)
             raise
@@ -494,9 +500,10 @@ class OpenAIServing:
                                       prompt_logprobs=prompt_logprobs, structured=structured)
         rid = f"cmpl-{uuid.uuid4().hex}"
         groups = []
+        transfers = _transfers(body, len(prompts))
         for k, p in enumerate(prompts):
             groups.append(await self._make(p, params, arrival, rid if len(prompts) == 1 else f"{rid}-p{k}",
-                                           body.priority, structured))
+                                           body.priority, structured, kv_transfer_params=transfers[k]))
         calls = self._submit(groups)
         n = len(groups[0])
         echoes = [self._echo_text(g[0]) if body.echo else "" for g in groups]
@@ -1186,6 +1193,33 @@ def _merge_delta(a: dict, b: dict) -> dict:
     if "tool_calls" in b:
         out["tool_calls"] = out.get("tool_calls", []) + b["tool_calls"]
     return out
+
+
+def _transfers(body, count: int) -> list:
+    """One `KVTransferParams` (or None) per prompt, from SGLang's bootstrap_host/port/room (a value, or a list
+    with one per prompt, as sglang-router sends a batch) or vLLM's kv_transfer_params; a 400 when malformed."""
+    host, port, room = body.bootstrap_host, body.bootstrap_port, body.bootstrap_room
+    try:
+        if body.kv_transfer_params:
+            if room is not None:
+                raise ValueError("bootstrap_room and kv_transfer_params are two spellings of one thing: send one.")
+            return [KVTransferParams.of(body.kv_transfer_params)] * count
+        if isinstance(room, list):
+            if len(room) != count:
+                raise ValueError(f"bootstrap_room has {len(room)} entries for {count} prompts.")
+            hosts = host if isinstance(host, list) else [host] * count
+            ports = port if isinstance(port, list) else [port] * count
+            if len(hosts) != count or len(ports) != count:
+                raise ValueError(f"bootstrap_host and bootstrap_port need one entry per prompt ({count}).")
+            return [KVTransferParams.of(bootstrap_host=h, bootstrap_port=p, bootstrap_room=r)
+                    for h, p, r in zip(hosts, ports, room)]
+        if isinstance(host, list) or isinstance(port, list):
+            raise ValueError("bootstrap_host and bootstrap_port are lists only with a list of bootstrap_room.")
+        if room is not None and count > 1:
+            raise ValueError(f"one bootstrap_room for {count} prompts: send a list, one room per prompt.")
+        return [KVTransferParams.of(bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)] * count
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="kv_transfer_params" if body.kv_transfer_params else "bootstrap_room")
 
 
 async def _watch(disconnected, calls: list) -> None:
