@@ -61,6 +61,22 @@ def settle(llm, srv) -> None:
     assert llm.wait_idle(10)
 
 
+def test_preemptions_are_counted_as_the_scheduler_makes_them():
+    """Four requests that need more pages than a small cache has: the scheduler preempts some, and the scraped
+    counter is exactly its count (a counter that read 0, or anything else, fails)."""
+    tight = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE.replace(num_pages=20))
+    try:
+        with ServerThread(tight, ServerConfig(port=0, metrics_port=0)) as srv:
+            params = jaxinfer.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+            outs = tight.generate([prompt(i, 15) for i in range(4)], params)  # ~35 tokens each, 19 pages of 4
+            assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+            made = tight.engine.scheduler.num_preemptions
+            assert made > 0
+            assert value(scrape(srv.server.metrics_url), "jaxinfer:num_preemptions_total") == made
+    finally:
+        tight.close()
+
+
 def test_metrics_are_off_by_default(llm):
     assert ServerConfig().metrics_port is None
     with ServerThread(llm, ServerConfig(port=0)) as srv:
@@ -70,6 +86,7 @@ def test_metrics_are_off_by_default(llm):
 def test_scraped_counts_and_histograms_match_the_requests_sent(llm, slow_decode):
     engine = llm.engine
     gen0, finished0 = engine.stats.generation_tokens, dict(engine.stats.finished)
+    t_start = time.time()
     with ServerThread(llm, ServerConfig(port=0, metrics_port=0)) as srv:
         url = srv.server.metrics_url
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
@@ -122,7 +139,8 @@ def test_scraped_counts_and_histograms_match_the_requests_sent(llm, slow_decode)
         assert value(m, full + "_bucket", le="+Inf") == count, name
         buckets = sorted(((float(dict(k)["le"]), v) for k, v in m[full + "_bucket"].items()))
         assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), f"{name}: buckets are cumulative"
-        assert value(m, full + "_sum") >= 0
+        # every request took time at each stage, and none longer than the test's run
+        assert 0 < value(m, full + "_sum") <= count * (time.time() - t_start), name
     # decode steps were slowed to >= 20 ms, so gaps are that long on average (a gap can be shorter
     # when the engine reads two steps' tokens in one iteration, at the end of a request)
     assert value(m, "jaxinfer:inter_token_latency_seconds_sum") >= 0.02 * gaps * 0.5
@@ -136,7 +154,7 @@ def test_scraped_counts_and_histograms_match_the_requests_sent(llm, slow_decode)
     assert 0 <= value(m, "jaxinfer:kv_cache_usage_perc") <= 1
     assert 0 <= value(m, "jaxinfer:prefix_cache_hit_rate") <= 1
     assert value(m, "jaxinfer:prefix_cache_hits_total") <= value(m, "jaxinfer:prefix_cache_queries_total")
-    assert value(m, "jaxinfer:num_preemptions_total") >= 0
+    assert value(m, "jaxinfer:num_preemptions_total") == 0  # 256 pages: this workload never runs out
 
     # each step's floor over its measured time (`jaxinfer.engine.roofline`): a lower bound, so <= 1 per step
     for kind in ("prefill", "decode"):
