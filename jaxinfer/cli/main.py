@@ -79,6 +79,7 @@ from jaxinfer.cli.flags import (
     print_logprobs,
     read_prompt,
 )
+from jaxinfer.cli.interrupt import PiecePump, StopOnInterrupt
 from jaxinfer.cli.serve import add_serve_arguments, generate_via_server, run_serve
 from jaxinfer.engine.compile_cache import enable_compilation_cache
 
@@ -316,33 +317,6 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- #
 
 
-class _StopOnInterrupt:
-    """While generating, Ctrl-C asks the loop to stop after the current token.
-
-    Raising KeyboardInterrupt inside a JAX call can leave the runtime's threads
-    in a state that aborts the process at exit; a flag checked between tokens
-    ends the request cleanly instead. A second Ctrl-C interrupts at once.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self) -> "_StopOnInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
 def _write(stream, text: str) -> None:
     stream.write(text)
     stream.flush()
@@ -390,25 +364,24 @@ def _generate(args: argparse.Namespace, llm, prompt: str, overrides: dict) -> in
     llm.engine.runner.warmup(llm.engine.request_program_keys(len(req.prompt_ids), req.max_tokens), complete=False)
     req.metrics.arrival_time += time.perf_counter() - t0
     progress.ready(_T_START)
-    deltas = llm.stream_request(req)
+    stream = llm.submit(req)
 
     out = sys.stdout
     final = None
     printed = False
-    with _StopOnInterrupt() as interrupt:
+    with StopOnInterrupt() as interrupt:
+        pump = PiecePump(stream)  # read on its own thread: a Ctrl-C is seen at once, even during the prefill
         try:
-            for d in deltas:
-                if interrupt.requested:  # a piece that arrives after Ctrl-C is not printed
-                    break
+            for d in pump.pieces(interrupt):  # none after a Ctrl-C
                 if d.text and not args.json:
                     _write(out, d.text)
                     printed = True
                 if d.output is not None:
                     final = d.output
-                if interrupt.requested:
-                    break
         finally:
-            deltas.close()  # aborts an unfinished request and frees its KV pages
+            if not pump.finished:
+                stream.abort()  # stopped: the request ends at the engine's next step and frees its KV pages
+            pump.close()
     if interrupt.requested:
         if printed:
             _write(out, "\n")
