@@ -111,20 +111,32 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "token_ids", "sampling", "request_id", "priority")
+    __slots__ = ("prompt", "chat", "token_ids", "sampling", "request_id", "priority", "kv_transfer")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatInput
     token_ids: TokenIds
     sampling: SamplingOptions
     request_id: str
     priority: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    kv_transfer: KVTransfer
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
+
+class KVTransfer(_message.Message):
+    __slots__ = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+    BOOTSTRAP_HOST_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_PORT_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: str
+    def __init__(self, bootstrap_host: _Optional[str] = ..., bootstrap_port: _Optional[int] = ..., bootstrap_room: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")

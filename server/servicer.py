@@ -68,6 +68,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from jaxinfer._version import __version__
+from jaxinfer.engine.kv_transfer import error_status
 from jaxinfer.metrics import RequestMetrics
 from jaxinfer.sampling_params import StructuredOutputsParams
 from jaxinfer.server import jaxinfer_pb2 as pb
@@ -106,6 +107,20 @@ def structured_outputs_from_proto(opts: pb.SamplingOptions) -> Optional[Structur
     else:  # regex, grammar
         kw[kind] = getattr(opts, kind)
     return StructuredOutputsParams(**kw)
+
+
+_TRANSFER_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                   410: grpc.StatusCode.NOT_FOUND, 502: grpc.StatusCode.UNAVAILABLE,
+                   504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def _transfer_failure(delta) -> Optional[grpc.StatusCode]:
+    """The gRPC status of a request whose KV transfer failed (`jaxinfer.engine.kv_transfer.error_status`), else None."""
+    out = delta.output
+    if out is None or not out.outputs or out.outputs[0].finish_reason != "error":
+        return None
+    status = error_status(out.outputs[0].error)
+    return None if status is None else _TRANSFER_CODES.get(status, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def response_for(delta, token_str: Callable[[int], str]) -> pb.GenerateResponse:
@@ -279,9 +294,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise ValueError("the request has no input: set one of prompt, chat or token_ids.")
         prompt = msg.prompt if kind == "prompt" else list(msg.token_ids.ids) if kind == "token_ids" else None
         chat = chat_input_from_proto(msg.chat) if kind == "chat" else {}
+        kv = None
+        if msg.HasField("kv_transfer"):
+            t = msg.kv_transfer
+            kv = {"bootstrap_host": t.bootstrap_host or None, "bootstrap_port": t.bootstrap_port or None,
+                  "bootstrap_room": t.bootstrap_room or None}
         return self.llm.make_request(
             prompt, params, request_id=msg.request_id or None, priority=msg.priority,
-            metrics=RequestMetrics(arrival_time=arrival), **chat,
+            metrics=RequestMetrics(arrival_time=arrival), kv_transfer_params=kv, **chat,
         )
 
     def _capacity(self) -> Optional[int]:
@@ -374,6 +394,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         deltas = stream.__aiter__()
         try:
             async for delta in deltas:
+                code = _transfer_failure(delta)
+                if code is not None:  # its KV never came: the call fails with the transfer's status
+                    await context.abort(code, delta.output.outputs[0].error)
                 await context.write(response_for(delta, self._token_str))
         except RuntimeError as e:  # the engine failed this request
             await context.abort(grpc.StatusCode.INTERNAL, str(e))

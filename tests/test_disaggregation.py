@@ -303,3 +303,34 @@ def test_http_unknown_room_is_a_404_for_that_request(engines, http_pair):
                                                           "bootstrap_room": [1, 2]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bootstrap_room"
     _settled(p.llm, d.llm)
+
+
+def test_grpc_kv_transfer_field_and_a_missing_room_is_not_found(engines, http_pair):
+    import grpc
+
+    from jaxinfer.server import jaxinfer_pb2 as pb
+    from jaxinfer.server import jaxinfer_pb2_grpc as pb_grpc
+
+    single = engines[0]
+    p, d = http_pair
+    port = p.llm.engine.kv.bootstrap_port
+    room = str(next(_rooms))
+    sampling = pb.SamplingOptions(max_tokens=6, temperature=0.0)
+
+    def call(srv, kv):
+        with grpc.insecure_channel(srv.address) as ch:
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 1, 4, 1, 5, 9, 2, 6]), sampling=sampling, kv_transfer=kv)
+            return [tok for m in pb_grpc.GenerationStub(ch).Generate(req, timeout=30) for tok in m.token_ids]
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("d", call(d, pb.KVTransfer(
+        bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room))))
+    t.start()
+    assert len(call(p, pb.KVTransfer(bootstrap_room=room))) == 1
+    t.join(30)
+    want = single.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert out["d"] == want.outputs[0].token_ids
+    with pytest.raises(grpc.RpcError) as e:
+        call(d, pb.KVTransfer(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room="nope"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "unknown transfer id nope/0" in e.value.details()
+    _settled(p.llm, d.llm)
