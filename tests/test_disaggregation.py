@@ -334,3 +334,70 @@ def test_grpc_kv_transfer_field_and_a_missing_room_is_not_found(engines, http_pa
         call(d, pb.KVTransfer(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room="nope"))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "unknown transfer id nope/0" in e.value.details()
     _settled(p.llm, d.llm)
+
+
+def test_latent_layout_in_bfloat16_through_prefill_and_decode():
+    """DeepSeek's latent (MLA) cache, one entry a token shared by all heads, in bfloat16: the same tokens and
+    logprobs as one engine."""
+    import dataclasses
+
+    from conftest import FIXTURES
+
+    engine = dataclasses.replace(TINY_ENGINE, kv_cache_dtype="bfloat16")
+    path = f"{FIXTURES}/families/deepseek_v2"
+    llms = [jaxinfer.LLM(path, engine_config=engine, progress=False, **kw) for kw in (
+        {}, {"kv_transfer_config": {"role": "prefill", "bootstrap_port": 0}},
+        {"kv_transfer_config": {"role": "decode"}})]
+    try:
+        single, prefill, decode = llms
+        assert prefill.runner.kv_cache[0].shape[2] == 1 and prefill.runner.kv_cache[0].dtype == "bfloat16"
+        prompt = list(range(3, 40))
+        sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+        _same(single.generate([prompt], sp)[0], _disaggregated(prefill, decode, prompt, sp)[1])
+        _settled(prefill, decode)
+    finally:
+        for llm in llms:
+            llm.close()
+
+
+_PREFILL_PROCESS = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import jaxinfer
+from conftest import TINY, TINY_ENGINE, tiny_params
+llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE,
+                               kv_transfer_config={{"role": "prefill", "bootstrap_port": 0}})
+print(llm.engine.kv.bootstrap_port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_prefill_process_killed_while_decode_waits_fails_that_request_only(engines):
+    import os
+    import subprocess
+    import sys
+
+    _, _, decode = engines
+    code = _PREFILL_PROCESS.format(tests=os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("d", decode.generate(
+            [[7, 8, 9, 10, 11]], SamplingParams(max_tokens=4),
+            kv_transfer_params={"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5})[0]))
+        t.start()
+        deadline = time.monotonic() + 5
+        while not decode.engine.kv.pulling and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert decode.engine.allocator.num_used == 2  # its pages, while it waits on the prefill side
+        time.sleep(0.3)
+        proc.kill()
+        t.join(10)
+        assert error_status(out["d"].outputs[0].error) == 502, out["d"].outputs[0].error
+        _settled(decode)
+        # and it still serves
+        assert decode.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
+    finally:
+        proc.kill()
+        proc.wait()
