@@ -401,3 +401,44 @@ def test_a_prefill_process_killed_while_decode_waits_fails_that_request_only(eng
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_http_vllm_contract_the_prefill_answer_names_the_transfer(engines, http_pair):
+    """vLLM's proxy contract: the prefill request says do_remote_decode, its answer carries kv_transfer_params,
+    and those go into the decode request as they are."""
+    import httpx
+
+    single = engines[0]
+    p, d = http_pair
+    body = {"model": single.model_name, "prompt": "a proxy in front", "max_tokens": 7, "temperature": 0}
+    first = httpx.post(p.http_url + "/v1/completions", timeout=30,
+                       json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["bootstrap_port"] == p.llm.engine.kv.bootstrap_port
+    r = httpx.post(d.http_url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=30)
+    want = single.generate(["a proxy in front"], SamplingParams(max_tokens=7, temperature=0.0))[0].outputs[0]
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+    _settled(p.llm, d.llm)
+
+
+def test_penalties_are_computed_on_the_decode_side_and_the_prefill_side_lets_go(engines):
+    """A request with penalties needs its token history from position 0: the decode engine prefills it itself
+    (the same output) and acknowledges the prefill side at once."""
+    single, prefill, decode = engines
+    sp = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, logprobs=1)
+    _same(single.generate(["penalised"], sp)[0], _disaggregated(prefill, decode, "penalised", sp)[1])
+    _settled(prefill, decode, timeout=2.0)  # before the 3 s hold timeout
+
+
+def test_serve_flags_make_the_kv_transfer_config():
+    import argparse
+
+    from jaxinfer.cli.serve import add_serve_arguments, kv_transfer_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "9001",
+                              "--disaggregation-timeout", "12", "--host", "0.0.0.0"])
+    assert kv_transfer_config(args) == {"role": "prefill", "bootstrap_host": "0.0.0.0", "bootstrap_port": 9001,
+                                        "timeout_s": 12.0, "transfer_host": "0.0.0.0"}
+    assert kv_transfer_config(parser.parse_args([])) is None

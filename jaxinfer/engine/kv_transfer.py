@@ -66,9 +66,11 @@ import json
 import logging
 import random
 import re
+import socket
 import threading
 import time
 import urllib.parse
+import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -166,7 +168,9 @@ class KVTransferParams:
     def of(cls, value: Any = None, *, bootstrap_host=None, bootstrap_port=None,
            bootstrap_room=None) -> Optional["KVTransferParams"]:
         """From SGLang's three body fields, or a dict (vLLM's ``kv_transfer_params``: ``bootstrap_*``,
-        or ``remote_host``/``remote_port`` with ``transfer_id``/``remote_request_id``), or None."""
+        or ``remote_host``/``remote_port`` with ``transfer_id``/``remote_request_id``), or None.
+        ``{"do_remote_decode": true}`` without a room (vLLM's proxy asking a prefill server) draws a new
+        room, which the prefill server's response carries (`KVSender.response_params`)."""
         if isinstance(value, cls):
             return value
         if isinstance(value, dict) and value:
@@ -174,6 +178,8 @@ class KVTransferParams:
             bootstrap_host = v.get("bootstrap_host", v.get("remote_host", bootstrap_host))
             bootstrap_port = v.get("bootstrap_port", v.get("remote_port", bootstrap_port))
             bootstrap_room = v.get("bootstrap_room", v.get("transfer_id", v.get("remote_request_id", bootstrap_room)))
+            if bootstrap_room is None and v.get("do_remote_decode") and bootstrap_host is None:
+                bootstrap_room = uuid.uuid4().hex
         elif value not in (None, {}):
             raise ValueError(f"kv_transfer_params must be a dict, got {type(value).__name__}.")
         if bootstrap_room is None:
@@ -280,6 +286,7 @@ class KVSender:
         self._entries: dict = {}  # (room, choice) -> _Held
         self._gone: OrderedDict = OrderedDict()  # released keys -> why (410 with the reason)
         self._releases: deque = deque()  # keys the decode side acknowledged (HTTP threads -> engine thread)
+        self._early: OrderedDict = OrderedDict()  # acknowledged before the request came here -> until when
         self.transfers = 0  # registered for pulling
         self.acked = 0
         self.expired = 0
@@ -307,7 +314,9 @@ class KVSender:
             if old is not None and old.state == "ready":
                 self._release(old, "replaced")
             self._gone.pop(key, None)
-            self._entries[key] = _Held(key, time.monotonic() + self.cfg.timeout_s)
+            e = self._entries[key] = _Held(key, time.monotonic() + self.cfg.timeout_s)
+            if self._early.pop(key, 0) > time.monotonic():  # the decode side will not take it: computed, not held
+                e.state, e.error = "failed", "released by the decode side before it was ready"
             self._cond.notify_all()
         return False  # scheduled as any request
 
@@ -362,13 +371,20 @@ class KVSender:
         now = time.monotonic()
         with self._cond:
             while self._releases:
-                e = self._entries.get(self._releases.popleft())
-                if e is not None and e.state == "ready":
+                key = self._releases.popleft()
+                e = self._entries.get(key)
+                if e is None and key not in self._gone:  # its request has not come yet (the router sends both)
+                    self._early[key] = now + self.cfg.timeout_s
+                    while len(self._early) > 4096:
+                        self._early.popitem(last=False)
+                elif e is not None and e.state == "ready":
                     self.acked += 1
                     self._release(e, "acknowledged")
                 elif e is not None and e.state == "computing":  # the decode side gave up first
                     e.state, e.error = "failed", "released by the decode side before it was ready"
                     e.deadline = now + self.cfg.timeout_s
+            while self._early and next(iter(self._early.values())) < now:
+                self._early.popitem(last=False)
             for e in list(self._entries.values()):
                 if e.deadline < now and e.state != "computing":
                     if e.state == "ready":
@@ -400,6 +416,15 @@ class KVSender:
     def close(self) -> None:
         self.http.shutdown()
         self.http.server_close()
+
+    def response_params(self, p: KVTransferParams) -> dict:
+        """What a prefill server's response carries for a proxy to hand the decode server (vLLM's
+        ``kv_transfer_params`` contract; the same fields as SGLang's body)."""
+        host = self.cfg.bootstrap_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        return {"do_remote_prefill": True, "do_remote_decode": False, "bootstrap_host": host,
+                "bootstrap_port": self.bootstrap_port, "bootstrap_room": p.room}
 
     def held(self) -> tuple:
         """(transfers held ready, their pages)."""
@@ -573,6 +598,8 @@ class KVReceiver:
 
     def on_finish(self, r) -> None:
         self.pulling.pop(r.request_id, None)
+        if self.waiting:
+            self.engine._wake.set()  # its slot and pages may let a waiting transfer start: no idle wait first
 
     def _done(self, r, pulled: list, meta: dict, seconds: float) -> None:
         """Engine thread: the buffers are here; scatter them into the request's pages, start decoding."""
@@ -587,6 +614,9 @@ class KVReceiver:
         self.pulled += 1
         self.bytes += meta.get("bytes", 0)
         self.seconds += seconds
+        log.debug("KV transfer %s/%d: %d tokens, %d bytes in %.1f ms (%.2f GB/s)", r.kv_transfer.room,
+                  r.choice_index, meta["num_tokens"], meta.get("bytes", 0), seconds * 1e3,
+                  meta.get("bytes", 0) / seconds / 1e9 if seconds else 0.0)
         r.num_computed = r.prompt_len
         r.num_sampled = 1
         r.metrics.cached_tokens = 0

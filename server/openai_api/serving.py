@@ -342,6 +342,7 @@ class OpenAIServing:
         }
         if body.prompt_logprobs is not None:  # vLLM's extra, beside the choices
             answer["prompt_logprobs"] = self._prompt_logprobs(outputs[0].prompt_logprobs, body.prompt_logprobs)
+        self._transfer_answer(answer, transfer)
         return answer
 
     def _keeps_special_tokens(self, parse_tools: bool) -> bool:
@@ -527,8 +528,17 @@ class OpenAIServing:
                 choice["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs, body.prompt_logprobs)
             choices.append(choice)
         usage = _usage_groups(outputs, n)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": usage, "system_fingerprint": None}
+        answer = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                  "choices": choices, "usage": usage, "system_fingerprint": None}
+        self._transfer_answer(answer, transfers[0] if len(transfers) == 1 else None)
+        return answer
+
+    def _transfer_answer(self, answer: dict, transfer) -> None:
+        """A prefill server's answer names the transfer it holds (vLLM's ``kv_transfer_params``): what a
+        proxy passes to the decode server's request."""
+        kv = self.llm.engine.kv
+        if transfer is not None and kv is not None and kv.role == "prefill":
+            answer["kv_transfer_params"] = kv.response_params(transfer)
 
     def _echo_text(self, req) -> str:
         if req.prompt is not None:
@@ -1203,7 +1213,9 @@ def _transfers(body, count: int) -> list:
         if body.kv_transfer_params:
             if room is not None:
                 raise ValueError("bootstrap_room and kv_transfer_params are two spellings of one thing: send one.")
-            return [KVTransferParams.of(body.kv_transfer_params)] * count
+            if count > 1:
+                raise ValueError(f"kv_transfer_params names one transfer; this request has {count} prompts.")
+            return [KVTransferParams.of(body.kv_transfer_params)]
         if isinstance(room, list):
             if len(room) != count:
                 raise ValueError(f"bootstrap_room has {len(room)} entries for {count} prompts.")
