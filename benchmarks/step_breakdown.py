@@ -10,7 +10,10 @@ its own engine in one process:
   device (`benchmarks.core.StepBench`), the same step through the runner (host inputs built and
   dispatched each step), and a whole `LLM.generate`'s time per output token (the host loop, sampling's
   read-back, detokenizing and the request's stream on top);
-* **prefill**: the time to the first token of a ``--prompt-len`` prompt (`LLM.generate`, one token);
+* **prefill**: the time to the first token of a ``--prompt-len`` prompt (`LLM.generate`, one token), and the
+  same request run again under the JAX profiler, its prefill program's thunks attributed as the decode
+  step's are (the rest of the TTFT is the host's work: the request's way in, scheduling, inputs, dispatch,
+  reading the token back, and XLA's runtime between thunks);
 * the decode step's ``--steps`` calls run again under the JAX profiler, every thunk XLA's CPU runtime executed
   attributed from the compiled program's HLO: the native matmul kernel by the weight it multiplies
   (wqkv, wo, w_gate_up, w_down, the LM head; products with a row of ones are the batch-invariant row
@@ -36,6 +39,8 @@ import os
 import re
 import shutil
 import tempfile
+import time
+from typing import Optional
 
 import jax
 
@@ -89,14 +94,18 @@ def thunk_parts(hlo: str, cfg) -> dict:
     return parts
 
 
-def profile(fn, calls: int, parts: dict) -> dict:
+def profile(fn, calls: int, parts: dict, wall: Optional[list] = None) -> dict:
     """Run ``fn`` ``calls`` times under the JAX profiler; {part: microseconds per call} of the leaf thunks
-    (custom calls by `parts`, everything else XLA's own ops)."""
+    (custom calls by `parts`, everything else XLA's own ops). ``wall``: a list that gets each call's seconds
+    under the profiler (the time the parts are shares of)."""
     d = tempfile.mkdtemp(prefix="jaxinfer_breakdown_")
     try:
         with jax.profiler.trace(d):
             for _ in range(calls):
+                t0 = time.perf_counter()
                 fn()
+                if wall is not None:
+                    wall.append(time.perf_counter() - t0)
         events = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)[0]))
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -122,6 +131,15 @@ def first_token_seconds(llm, prompt) -> float:
     return r.metrics.first_token_time - r.metrics.arrival_time
 
 
+def prefill_parts(llm, prompt_len: int) -> dict:
+    """`thunk_parts` of the programs a ``prompt_len``-token prompt's prefill runs (its chunks' steps)."""
+    table, parts = llm.runner.programs, {}
+    for key in llm.engine.request_program_keys(prompt_len, 1):
+        if key.tokens > 1:  # a prefill chunk (decode steps carry one token a request)
+            parts.update(thunk_parts(table.get(key).as_text(), llm.model_config))
+    return parts
+
+
 class System:
     def __init__(self, name: str, a):
         dtype, quantization, amx = SYSTEMS[name]
@@ -134,6 +152,7 @@ class System:
         self.bench = StepBench(self.llm, self.prompt, a.context, 1)
         self.parts = thunk_parts(self.bench.program.as_text(), self.llm.model_config)
         first_token_seconds(self.llm, self.prompt)  # compile / warm the prefill
+        self.prefill_parts = prefill_parts(self.llm, len(self.prompt))
 
     def floors(self, pk: dict) -> tuple:
         """(decode step floor, prefill floor) in seconds at the machine's peaks."""
@@ -151,6 +170,10 @@ class System:
         out["generate_ms"] = (t[-1] - t[0]) / (len(t) - 1) * 1e3
         out["ttft_ms"] = median([first_token_seconds(self.llm, self.prompt) for _ in range(3)]) * 1e3
         out["decode_parts_us"] = profile(b.step, a.steps, self.parts)
+        wall: list = []
+        out["prefill_parts_us"] = profile(lambda: first_token_seconds(self.llm, self.prompt), 3, self.prefill_parts,
+                                          wall)
+        out["prefill_profiled_ms"] = median(wall) * 1e3  # the request's time under the profiler
         return out
 
 
@@ -166,14 +189,18 @@ def measure(b: Bench) -> None:
     for name, rs in rounds.items():
         s = systems[name]
         decode_floor, prefill_floor = s.floors(pk)
-        parts = collections.defaultdict(list)
+        parts, prefill = collections.defaultdict(list), collections.defaultdict(list)
         for r in rs:
             for k, v in r["decode_parts_us"].items():
                 parts[k].append(v)
+            for k, v in r["prefill_parts_us"].items():
+                prefill[k].append(v)
         b.figures["results"][name] = {
             "choice": s.choice, "decode_floor_ms": decode_floor * 1e3, "prefill_floor_ms": prefill_floor * 1e3,
-            **{k: median([r[k] for r in rs]) for k in ("direct_ms", "runner_ms", "generate_ms", "ttft_ms")},
+            **{k: median([r[k] for r in rs])
+               for k in ("direct_ms", "runner_ms", "generate_ms", "ttft_ms", "prefill_profiled_ms")},
             "decode_parts_ms": {k: median(v) / 1e3 for k, v in parts.items()},
+            "prefill_parts_ms": {k: median(v) / 1e3 for k, v in prefill.items()},
             "rounds": [{k: v for k, v in r.items() if not k.endswith("_us")} for r in rs]}
     for s in systems.values():
         s.bench.close()
@@ -192,12 +219,22 @@ def report(res: dict) -> str:
               f"  LLM.generate per token {r['generate_ms']:6.2f} ms (host loop, read-back, detokenize, stream "
               f"{r['generate_ms'] - r['runner_ms']:+.2f})",
               f"  TTFT of {res['prompt_len']} tokens {r['ttft_ms']:7.1f} ms   prefill floor {r['prefill_floor_ms']:6.2f} ms"]
-        parts = r["decode_parts_ms"]
-        known = sum(parts.values())
-        for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
-            L.append(f"    {k:48s} {v:7.2f} ms  {v / step:5.1%}")
-        L.append(f"    {'XLA runtime between thunks + the call':48s} {step - known:7.2f} ms  {(step - known) / step:5.1%}")
+        L.append("    decode step:")
+        L += _parts_lines(r["decode_parts_ms"], step, "XLA runtime between thunks + the call")
+        if r.get("prefill_parts_ms"):
+            L.append(f"    the first token ({res['prompt_len']}-token prompt), {r['prefill_profiled_ms']:.1f} ms a request "
+                     f"under the profiler:")
+            L += _parts_lines(r["prefill_parts_ms"], r["prefill_profiled_ms"],
+                              "host (way in, scheduling, inputs, dispatch, read-back) + XLA runtime")
     return "\n".join(L)
+
+
+def _parts_lines(parts: dict, total: float, rest: str) -> list:
+    known = sum(parts.values())
+    lines = [f"      {k:46s} {v:7.2f} ms  {v / total:5.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])]
+    if known > total:  # XLA ran some thunks at the same time (its thunk executor): shares of the wall overlap
+        return lines + [f"      (the parts overlap: {known:.2f} ms of thunks in {total:.2f} ms)"]
+    return lines + [f"      {rest:46s} {total - known:7.2f} ms  {(total - known) / total:5.1%}"]
 
 
 def main(argv=None) -> int:

@@ -41,3 +41,15 @@ def test_the_profile_times_the_named_parts(step):
     for name in ("matmul wqkv", "matmul LM head", "attention kernel"):
         assert us.get(name, 0) > 0, us
     assert 0 < sum(us.values()) < 10 * min(bench.direct(3)) * 1e6  # per call, not summed over the calls
+
+
+def test_a_prefill_is_attributed_too(step):
+    """The TTFT's breakdown: the prefill chunk's program named part by part, and its profile times them."""
+    llm, _ = step
+    prompt = list(range(10, 30))
+    breakdown.first_token_seconds(llm, prompt)  # its programs made
+    parts = breakdown.prefill_parts(llm, len(prompt))
+    count = collections.Counter(parts.values())
+    assert count["matmul w_gate_up"] == count["attention kernel"] == llm.model_config.num_layers, count
+    us = breakdown.profile(lambda: breakdown.first_token_seconds(llm, prompt), 2, parts)
+    assert us.get("matmul w_gate_up", 0) > 0 and us.get("attention kernel", 0) > 0, us
