@@ -1,6 +1,6 @@
 """What the package reads from the process environment and the host in more than one place: on/off
 switches (``JAXINFER_CPU_KERNELS``, ``JAXINFER_COMPILATION_CACHE``, ``JAXINFER_MODEL_CACHE``,
-``JAXINFER_BATCH_INVARIANT``), the cache root and the CPU's feature flags. Standard library only, so any
+``JAXINFER_BATCH_INVARIANT``, ``JAXINFER_GPU_KERNELS``), the cache root and the CPU's feature flags. Standard library only, so any
 layer may import it."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ CPU_AMX = "JAXINFER_CPU_AMX"  # bfloat16 products on AMX tiles where the CPU has
 # the CPU kernels built at install time (`jaxinfer.ops.kernels.install`); on unless 0 (then built on first use)
 INSTALLED_KERNELS = "JAXINFER_INSTALLED_KERNELS"
 BATCH_INVARIANT = "JAXINFER_BATCH_INVARIANT"  # batch-invariant mode (`jaxinfer.ops.invariant`); off unless set
+# the Pallas GPU (Triton) kernels on NVIDIA (`jaxinfer.ops.attention_pallas_gpu`); on unless 0 (then pure JAX)
+GPU_KERNELS = "JAXINFER_GPU_KERNELS"
 
 
 def switched_off(value) -> bool:

@@ -109,22 +109,50 @@ def test_the_donation_check_catches_a_cache_that_is_not_donated():
 
 @pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_tpu_program_calls_the_pallas_ragged_kernel_and_no_cpu_kernel(weights, kind):
+def test_each_program_calls_its_platforms_pallas_attention_and_no_cpu_kernel(weights, kind):
+    """TPU: Pallas' ragged paged attention (Mosaic); cuda: our Pallas GPU kernel (a Triton custom call,
+    `jaxinfer.ops.attention_pallas_gpu`). Neither reads a cache layer through a gather: the kernels read
+    the pages where they lie (the pure-JAX path's page gather is also what makes it batch-dependent)."""
     tpu, cuda = program("tpu", weights, kind), program("cuda", weights, kind)
     assert tpu.attention_kernel == "tpu" and lowering.has_pallas_ragged_attention(tpu.text)
-    assert cuda.attention_kernel is None and not lowering.has_pallas_ragged_attention(cuda.text)
+    assert not lowering.has_pallas_gpu_attention(tpu.text)
+    assert cuda.attention_kernel == "gpu" and lowering.has_pallas_gpu_attention(cuda.text)
+    assert not lowering.has_pallas_ragged_attention(cuda.text)
     assert lowering.cpu_targets(tpu.text) == [] and lowering.cpu_targets(cuda.text) == []
-    assert tpu.check()["pallas"] == [] and cuda.check()["pallas"] == []
+    for prog in (tpu, cuda):
+        assert prog.check()["pallas"] == [] and prog.check()["cache_gathers"] == []
+        assert lowering.cache_gathers(prog.text, prog.cache_shape) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_gpu_kernel_checks_fail_with_the_kernel_off(kind):
+    """The same cuda step with the GPU kernel off (``JAXINFER_GPU_KERNELS=0``'s choice): the pure-JAX path,
+    whose page gather of the cache layer and missing Triton call both checks report."""
+    off = KernelChoice.for_platform("cuda", gpu_kernels=False)
+    prog = lowering.lower_step(MODEL, ENGINE.replace(dtype="bfloat16"), "cuda", kind, batch=2, tokens=16, pages=4,
+                               kernels=off)
+    assert prog.attention_kernel is None and not lowering.has_pallas_gpu_attention(prog.text)
+    found = lowering.check_program(prog.text, prog.cache_shape, "cuda", "default", expect_pallas=True)
+    assert found["pallas"] and "Triton" in found["pallas"][0]
+    assert found["cache_gathers"] and all("173x16x2x128xbf16" in f for f in found["cache_gathers"])
+
+
+def test_the_gpu_kernel_check_reads_the_kernel_name():
+    """Another Triton kernel in the program is not ours: the check looks for our kernel by name."""
+    text = program("cuda", "bfloat16", "decode").text
+    assert lowering.has_pallas_gpu_attention(text)
+    assert not lowering.has_pallas_gpu_attention(text, name="some_other_triton_kernel")
+    assert not lowering.has_pallas_gpu_attention(text.replace(lowering.TRITON_CALL, "__gpu$xla.gpu.other"))
 
 
 def test_the_pallas_check_fails_where_the_kernel_is_not_staged():
     """A model whose head_dim (64) the kernel does not take: the TPU program falls back to the gather path,
-    so a check that expects the kernel reports it."""
+    so a check that expects the kernel reports it, and the gather of the cache layer too."""
     small = MODEL.__class__(**{**MODEL.__dict__, "head_dim": 64})
     prog = lowering.lower_step(small, ENGINE, "tpu", "decode")
     assert prog.attention_kernel is None and not lowering.has_pallas_ragged_attention(prog.text)
-    found = lowering.check_program(prog.text, prog.cache_shape, "tpu", "default", expect_pallas=True)["pallas"]
-    assert found
+    found = lowering.check_program(prog.text, prog.cache_shape, "tpu", "default", expect_pallas=True)
+    assert found["pallas"] and found["cache_gathers"]
 
 
 def test_the_cpu_target_check_catches_the_native_kernels():
@@ -188,13 +216,13 @@ def test_float32_products_carry_the_default_precision(platform, weights, kind):
     assert lowering.precision_findings(prog.text, "default") == []
 
 
-@pytest.mark.parametrize("platform,weights", [("cuda", "float32"), ("cuda", "bfloat16"), ("tpu", "float32"),
+@pytest.mark.parametrize("platform,weights", [("cuda", "float32"), ("cuda", "int8"), ("tpu", "float32"),
                                               ("tpu", "int8")])
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_products_carry_the_highest_precision_when_configured(platform, weights, kind):
-    """float32 weights, the dequantized int8 ones, and the pure-JAX attention's einsums (float32 on the cuda
-    path whatever the weights' dtype; on tpu the Pallas kernel's products are inside its Mosaic body): every
-    float32 product says HIGHEST."""
+    """float32 weights and the dequantized int8 ones: every float32 product says HIGHEST. The attention's
+    products are inside the Pallas kernels' bodies on both platforms (Mosaic on tpu, Triton on cuda, where
+    `jaxinfer.ops.attention` passes the step's precision to the kernel), not in this text."""
     prog = program(platform, weights, kind, "highest")
     assert prog.kernels.matmul_precision == "highest"
     f32 = [d for d in lowering.dot_precisions(prog.text) if d[1] == ("f32", "f32")]
@@ -208,7 +236,7 @@ def test_float32_products_carry_the_highest_precision_when_configured(platform, 
 def test_every_check_of_a_program_at_once():
     found = program("cuda", "float32", "decode").check()
     assert set(found) == {"full_cache_ops", "undonated_cache", "float_weight_copies", "precision", "cpu_targets",
-                          "pallas"} and not any(found.values())
+                          "pallas", "cache_gathers"} and not any(found.values())
     assert program("cuda", "int8", "decode").check()["float_weight_copies"]  # strict: the fusible copies too
 
 

@@ -43,7 +43,7 @@ def test_a_choice_is_a_frozen_hashable_value():
 def test_a_choice_for_another_platform_is_built_on_this_host():
     tpu = KernelChoice.for_platform("tpu")
     assert (tpu.platform, tpu.tpu_attention, tpu.cpu_matmul, tpu.cpu_attention) == ("tpu", True, False, False)
-    assert KernelChoice.for_platform("gpu") == KernelChoice.for_platform("cuda") == KernelChoice("cuda")
+    assert KernelChoice.for_platform("gpu") == KernelChoice.for_platform("cuda") == KernelChoice("cuda", gpu_attention=True)
     # what it means for shapes: Llama 3's heads take the Pallas kernel, SmolLM2's do not
     assert tpu.attention_kernel(32, 8, 128, 32, jnp.bfloat16) == "tpu"
     assert tpu.attention_kernel(9, 3, 64, 32, jnp.bfloat16) is None

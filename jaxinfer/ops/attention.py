@@ -28,13 +28,17 @@ Accelerators (`jaxinfer.ops.attention_pallas`, where the reasons are given in fu
   stopping at each row's length. It is staged where the shapes fit its tiling
   (head_dim a multiple of 128, a KV-head count that tiles; `tpu_kernel_fits`);
   other models (SmolLM2: head_dim 64, 3 KV heads) take the pure-JAX path.
-- GPU: the pure-JAX path. The Pallas GPU ``paged_attention`` reads K and V as two
-  head-major arrays: from our layout that is a copy of the whole cache every step
-  (about 200 GiB per step for a 100 GiB Llama-3-8B cache), and it is decode-only;
-  ``decode_attention`` and cuDNN's ``jax.nn.dot_product_attention`` read contiguous
-  keys, i.e. the same page gather the pure-JAX path does, plus a transpose. None
-  was measured on a GPU yet (none was available): `jaxinfer.tools.device_check` reports
-  the decode step against the bandwidth roofline on the first GPU it runs on.
+- GPU (cuda): our own Pallas (Triton) ragged paged attention (`jaxinfer.ops.attention_pallas_gpu`),
+  which reads this cache layer as it is, decode rows and prefill chunks in one launch, key blocks
+  fixed by absolute position (batch-invariant by construction). It is staged where the shapes fit
+  (`gpu_kernel_fits`: head_dim and page_size powers of two, a float32 or bfloat16 cache) and the
+  step's `KernelChoice` has it (``gpu_attention``; ``JAXINFER_GPU_KERNELS=0`` keeps the pure-JAX
+  path). JAX's own Pallas GPU ``paged_attention`` and ``decode_attention`` were not wired: they read
+  K and V head-major or contiguous (a copy or a page gather of the cache every step) and are
+  decode-only (`jaxinfer.ops.attention_pallas`). The latent cache of multi-head latent attention
+  stays on the pure-JAX path on GPU (a different layout; documented fallback). Not measured on a GPU
+  yet (none was available): proven on CPU by interpret mode and by lowering the step for cuda;
+  `jaxinfer.tools.device_check` reports it on the first GPU it runs on.
 
 The kernel is built by `prepare_cpu_kernel` (`jaxinfer.ops.backend.prepare` calls it at model
 load, with its own progress line; cached per machine), never inside a jit trace.
@@ -62,6 +66,9 @@ Batch invariance (a query token's output bitwise the same whatever else is compu
   it differently per shape, and the fused loops contract multiply-adds differently) and was 2-10x
   slower, so it was not kept. On GPU and TPU the same einsums and reduction go to cuBLAS/XLA's
   emitters and the MXU, whose orders also follow the shapes; not measured here.
+- Pallas GPU kernel (cuda): yes by construction (fixed tile shapes, key blocks at absolute positions,
+  one program per row's whole reduction, no split-K; `jaxinfer.ops.attention_pallas_gpu`), checked
+  bitwise in interpret mode on CPU (tests/test_pallas_gpu_attention.py); not yet measured on a GPU.
 
 Compile keys: every path stops at each request's context (the kernels at its last position; the
 pure-JAX path skips, at run time, the blocks of page columns past the step's last position), so the
@@ -78,6 +85,7 @@ import numpy as np
 
 from jaxinfer.ops import backend, kernels, mesh
 from jaxinfer.ops.attention_pallas import from_ragged, rows_as_ragged, to_ragged, tpu_ragged_attention
+from jaxinfer.ops.attention_pallas_gpu import gpu_ragged_attention
 from jaxinfer.ops.gather_attention import (
     AttentionMetadata,
     RaggedMetadata,
@@ -253,6 +261,9 @@ def _attend(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: in
         return _cpu_attention(q, k, v, cache_layer, meta, scale, window)
     if kernel == "tpu":  # block sizes for the TPU the choice names, not the device the trace runs on
         return tpu_ragged_attention(q, k, v, cache_layer, meta, scale=scale, window=window, tpu_kind=choice.tpu_kind)
+    if kernel == "gpu":  # float32 operands' products at the step's precision (None: TF32 on NVIDIA)
+        return gpu_ragged_attention(q, k, v, cache_layer, meta, scale=scale, window=window,
+                                    precision=choice.lax_precision)
     return ragged_gather_attention(q, k, v, cache_layer, meta, scale, window)
 
 

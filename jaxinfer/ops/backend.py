@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import MATMUL_PRECISIONS, EngineConfig
-from jaxinfer.env import BATCH_INVARIANT, cpu_flags, is_set
+from jaxinfer.env import BATCH_INVARIANT, GPU_KERNELS, cpu_flags, is_on, is_set
 from jaxinfer.ops import kernels
 from jaxinfer.ops.attention_pallas import tpu_kernel_fits
+from jaxinfer.ops.attention_pallas_gpu import gpu_kernel_fits
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 SIMD_LEVELS = ("", "amx", "avx512", "avx2", "scalar")
@@ -60,6 +61,9 @@ class KernelChoice:
     cpu_matmul:    products go to the native CPU kernel (`jaxinfer.ops.cpu_matmul`) where it takes the weight.
     cpu_attention: attention goes to the native CPU paged-attention kernel where it takes the shapes.
     tpu_attention: attention goes to Pallas ``ragged_paged_attention`` where it takes the shapes.
+    gpu_attention: attention goes to our Pallas GPU (Triton) ragged paged attention
+                   (`jaxinfer.ops.attention_pallas_gpu`) where it takes the shapes; cuda only, chosen there
+                   unless ``JAXINFER_GPU_KERNELS=0`` (`for_platform`).
     simd:          the SIMD path of the CPU matmul kernel ("amx", "avx512", "avx2", "scalar"; "" when unknown
                    or not used): a different build of the same source, so programs compiled with one are not
                    programs of the other. "amx" is AVX-512 with bfloat16 weights' products on the AMX tiles
@@ -79,6 +83,7 @@ class KernelChoice:
     cpu_matmul: bool = False
     cpu_attention: bool = False
     tpu_attention: bool = False
+    gpu_attention: bool = False
     simd: str = ""
     matmul_precision: str = "default"
     batch_invariant: bool = False
@@ -91,6 +96,8 @@ class KernelChoice:
             raise ValueError(f"the native CPU kernels run on the cpu platform only, not {self.platform!r}")
         if self.tpu_attention and self.platform != "tpu":
             raise ValueError(f"the Pallas TPU attention runs on the tpu platform only, not {self.platform!r}")
+        if self.gpu_attention and self.platform != "cuda":
+            raise ValueError(f"the Pallas GPU attention runs on the cuda platform only, not {self.platform!r}")
         if self.simd not in SIMD_LEVELS:
             raise ValueError(f"simd must be one of {', '.join(repr(s) for s in SIMD_LEVELS)}, got {self.simd!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -121,16 +128,18 @@ class KernelChoice:
 
     @classmethod
     def for_platform(cls, platform: str, native_cpu_kernels: bool = True, simd: str = "",
-                     tpu_kind: str = "") -> "KernelChoice":
+                     tpu_kind: str = "", gpu_kernels: Optional[bool] = None) -> "KernelChoice":
         """The kernels of ``platform`` ("cpu", "cuda" or "gpu", "rocm", "tpu"), whatever this host is:
         on cpu the native kernels unless ``native_cpu_kernels`` is False, on tpu the Pallas attention
         (for the TPU ``tpu_kind`` names, e.g. "TPU v6 lite"; "" for the kernel's explicit block sizes),
-        on GPUs the pure-JAX path. Nothing is built or loaded: a program traced with it calls the CPU
-        kernels by name, so run it where they are loaded (`prepare`)."""
+        on cuda the Pallas GPU attention unless ``gpu_kernels`` is False (None: unless
+        ``$JAXINFER_GPU_KERNELS`` is 0, read now), on rocm the pure-JAX path. Nothing is built or loaded: a
+        program traced with it calls the CPU kernels by name, so run it where they are loaded (`prepare`)."""
         platform = {"gpu": "cuda"}.get(platform, platform)
         cpu = platform == "cpu" and native_cpu_kernels
+        gpu = platform == "cuda" and (is_on(GPU_KERNELS) if gpu_kernels is None else bool(gpu_kernels))
         return cls(platform, cpu_matmul=cpu, cpu_attention=cpu, tpu_attention=platform == "tpu",
-                   simd=simd if cpu else "", tpu_kind=tpu_kind)
+                   gpu_attention=gpu, simd=simd if cpu else "", tpu_kind=tpu_kind)
 
     @classmethod
     def pure_jax(cls, platform: str = "cpu") -> "KernelChoice":
@@ -157,17 +166,20 @@ class KernelChoice:
 
     def attention_kernel(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                          cache_dtype) -> Optional[str]:
-        """The attention kernel for these shapes (one device's heads): "cpu", "tpu", or None for the
+        """The attention kernel for these shapes (one device's heads): "cpu", "tpu", "gpu", or None for the
         pure-JAX gather path."""
         if self.cpu_attention and cpu_attention_fits(num_heads, num_kv_heads, head_dim, cache_dtype):
             return "cpu"
         if self.tpu_attention and tpu_kernel_fits(num_heads, num_kv_heads, head_dim, page_size, cache_dtype):
             return "tpu"
+        if self.gpu_attention and gpu_kernel_fits(num_heads, num_kv_heads, head_dim, page_size, cache_dtype):
+            return "gpu"
         return None
 
     def __str__(self) -> str:
         used = [n for n, on in (("cpu matmul", self.cpu_matmul), ("cpu attention", self.cpu_attention),
-                                ("tpu attention", self.tpu_attention)) if on]
+                                ("tpu attention", self.tpu_attention), ("gpu attention", self.gpu_attention))
+                if on]
         simd = f" ({self.simd})" if self.simd else ""
         precision = f", {self.matmul_precision} precision" if self.matmul_precision != "default" else ""
         mode = ", batch-invariant" if self.batch_invariant else ""

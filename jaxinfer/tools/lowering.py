@@ -15,9 +15,13 @@ program's text, so they hold any step to the same rules, whoever lowered it:
   copy, broadcast, gather, transpose, loop carry or branch result of it) except an in-place update
   of the cache itself (a scatter or dynamic-update-slice at the slots, or a custom call that
   aliases it); `undonated_cache_args` adds that every cache argument is donated.
-- `custom_calls`, `has_pallas_ragged_attention`, `cpu_targets`: the TPU program calls the Pallas
-  ragged paged attention kernel (a ``tpu_custom_call`` of that kernel name) where the model's
-  shapes fit it, and no accelerator program calls the native CPU kernels.
+- `custom_calls`, `has_pallas_ragged_attention`, `has_pallas_gpu_attention`, `cpu_targets`: the TPU
+  program calls the Pallas ragged paged attention kernel (a ``tpu_custom_call`` of that kernel name)
+  and the cuda program our Pallas GPU kernel (a Triton custom call, ``__gpu$xla.gpu.triton``, named
+  `jaxinfer.ops.attention_pallas_gpu.KERNEL_NAME`) where the model's shapes fit them, and no
+  accelerator program calls the native CPU kernels.
+- `cache_gathers`: where a kernel attends, no gather reads a cache layer (the pure-JAX path's page
+  gather, which on GPU is also what makes it batch-dependent); the kernel reads the pages itself.
 - `float_weight_copies`: a quantized weight (an int8 or packed-int4 argument) never becomes a float
   tensor as large as the whole weight outside a product; each finding says whether the copy only
   flows into dot_generals (a dequantization XLA may fuse into the product) or not.
@@ -47,6 +51,7 @@ from jaxinfer.engine.sampling import build_metadata
 from jaxinfer.ops import kernels as native_kernels
 from jaxinfer.ops import kv_cache
 from jaxinfer.ops.attention import AttentionMetadata, RaggedMetadata
+from jaxinfer.ops.attention_pallas_gpu import KERNEL_NAME as PALLAS_GPU_KERNEL
 from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.mesh import DP_AXIS, TP_AXIS
 from jaxinfer.ops.sampler import init_sampler_state
@@ -84,13 +89,13 @@ class StepProgram:
     kernels: KernelChoice
     text: str
     cache_shape: tuple[int, ...]  # one layer: [num_pages, page_size, 2 * KVH, head_dim]
-    attention_kernel: Optional[str]  # what the choice names for these shapes: "tpu", "cpu" or None (pure JAX)
+    attention_kernel: Optional[str]  # what the choice names for these shapes: "tpu", "gpu", "cpu" or None (pure JAX)
 
     def check(self, matmul_precision: Optional[str] = None) -> dict[str, list]:
         """Every check's findings (empty lists where it holds); `check_program`."""
         return check_program(self.text, self.cache_shape, self.platform,
                              matmul_precision or self.kernels.matmul_precision,
-                             expect_pallas=self.attention_kernel == "tpu")
+                             expect_pallas=self.attention_kernel in ("tpu", "gpu"))
 
 
 def step_inputs(cfg: ModelConfig, ecfg: EngineConfig, kind: str, batch: int, tokens: int, pages: int) -> tuple:
@@ -142,7 +147,9 @@ def lower_step(cfg: ModelConfig, ecfg: EngineConfig, platform: str, kind: str = 
 
 def check_program(text: str, cache_shape: Sequence[int], platform: str, matmul_precision: str,
                   expect_pallas: bool = False) -> dict[str, list]:
-    """Every check on one lowered step: {check name: findings}; a property holds where its list is empty."""
+    """Every check on one lowered step: {check name: findings}; a property holds where its list is empty.
+    ``expect_pallas``: the platform's Pallas attention must be called (tpu: the ragged kernel; cuda: ours)
+    and no gather may read a cache layer."""
     out = {
         "full_cache_ops": full_cache_ops(text, cache_shape),
         "undonated_cache": undonated_cache_args(text, cache_shape),
@@ -150,10 +157,12 @@ def check_program(text: str, cache_shape: Sequence[int], platform: str, matmul_p
         "precision": precision_findings(text, matmul_precision),
         "cpu_targets": cpu_targets(text) if platform != "cpu" else [],
     }
-    if expect_pallas and not has_pallas_ragged_attention(text):
+    out["pallas"] = []
+    if expect_pallas and platform == "cuda" and not has_pallas_gpu_attention(text):
+        out["pallas"] = [f"no Triton custom call of the Pallas GPU attention kernel ({PALLAS_GPU_KERNEL})"]
+    elif expect_pallas and platform != "cuda" and not has_pallas_ragged_attention(text):
         out["pallas"] = ["no tpu_custom_call of the Pallas ragged paged attention kernel"]
-    else:
-        out["pallas"] = []
+    out["cache_gathers"] = cache_gathers(text, cache_shape) if expect_pallas else []
     return out
 
 
@@ -476,6 +485,24 @@ def custom_calls(text) -> list[tuple[str, str]]:
 def has_pallas_ragged_attention(text) -> bool:
     """Whether the program calls the Pallas TPU ragged paged attention kernel (a Mosaic ``tpu_custom_call``)."""
     return any(t == "tpu_custom_call" and k.startswith(PALLAS_RAGGED_KERNEL) for t, k in custom_calls(text))
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call a Pallas Triton kernel lowers to
+
+
+def has_pallas_gpu_attention(text, name: str = PALLAS_GPU_KERNEL) -> bool:
+    """Whether the program calls our Pallas GPU attention kernel: a Triton custom call whose backend config
+    names it (``name = "jaxinfer_ragged_paged_attention"``)."""
+    return any(f"@{TRITON_CALL}(" in line and f'name = "{name}"' in line for line in text.splitlines())
+
+
+def cache_gathers(text, cache_shape: Sequence[int]) -> list[str]:
+    """Gathers whose operand is a whole cache layer (``cache_shape``): a page gather of the cache, which a
+    kernel that reads the pages itself never needs."""
+    mod = _module(text)
+    return [f"{op.name} of {op.operand_types[0]} at {op.where(mod.locs)}" for op in mod.ops
+            if op.name in ("stablehlo.gather", "stablehlo.dynamic_gather") and op.operand_types
+            and op.operand_types[0] is not None and tuple(op.operand_types[0].shape) == tuple(cache_shape)]
 
 
 def cpu_targets(text) -> list[str]:
