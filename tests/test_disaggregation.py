@@ -43,10 +43,33 @@ def engines(tmp_path_factory):
 
     single = make()
     prefill = make(kv_transfer_config={"role": "prefill", "bootstrap_port": 0, "timeout_s": 3.0})
-    decode = make(kv_transfer_config={"role": "decode", "timeout_s": 2.0})
+    decode = make(kv_transfer_config={"role": "decode", "timeout_s": 20.0})
     yield single, prefill, decode
     for llm in (single, prefill, decode):
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def impatient(engines):
+    """A decode engine that waits 1.5 s for a transfer (an unknown room fails after that long)."""
+    llm = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE,
+                                   kv_transfer_config={"role": "decode", "timeout_s": 1.5})
+    yield llm
+    llm.close()
+
+
+def _gone_room(prefill) -> int:
+    """A room the prefill engine held and let go (acknowledged): asking for it again is a 410."""
+    import http.client
+
+    room = next(_rooms)
+    prefill.generate([[9, 9, 9]], SamplingParams(max_tokens=2), kv_transfer_params={"bootstrap_room": room})
+    conn = http.client.HTTPConnection("127.0.0.1", prefill.engine.kv.bootstrap_port, timeout=10)
+    conn.request("POST", f"/v1/kv/{room}/0/ack")
+    assert conn.getresponse().status == 200
+    conn.close()
+    _settled(prefill)
+    return room
 
 
 _rooms = iter(range(1000, 10**6))
@@ -141,17 +164,18 @@ def _hashes(llm, prompt):
     return extend_hashes([], ids, llm.engine_config.page_size)[:1]
 
 
-def test_unknown_room_fails_the_request_and_frees_its_pages(engines):
-    _, prefill, decode = engines
+def test_unknown_room_fails_the_request_and_frees_its_pages(engines, impatient):
+    _, prefill, _ = engines
+    decode = impatient
     t0 = time.monotonic()
-    out = decode.generate(["nobody sends this"], SamplingParams(max_tokens=4, temperature=0.0),
+    out = decode.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0),
                           kv_transfer_params={"bootstrap_host": "127.0.0.1",
                                               "bootstrap_port": prefill.engine.kv.bootstrap_port,
                                               "bootstrap_room": "no-such-room"})[0]
     comp = out.outputs[0]
     assert comp.finish_reason == "error" and error_status(comp.error) == 404, comp.error
     assert "unknown transfer id no-such-room/0" in comp.error
-    assert time.monotonic() - t0 < 6
+    assert time.monotonic() - t0 < 5
     _settled(prefill, decode)
 
 
@@ -206,7 +230,7 @@ def test_a_different_page_size_is_refused_in_one_line(engines):
 
     _, prefill, _ = engines
     other = jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=dataclasses.replace(TINY_ENGINE, page_size=8),
-                                     kv_transfer_config={"role": "decode", "timeout_s": 2.0})
+                                     kv_transfer_config={"role": "decode"})
     try:
         out = other.generate([[5, 6, 7]], SamplingParams(max_tokens=2),
                              kv_transfer_params={"bootstrap_host": "127.0.0.1",
@@ -290,22 +314,23 @@ def test_http_completion_and_chat_through_prefill_and_decode_servers(engines, ht
     _settled(*(srv.llm for srv in http_pair))
 
 
-def test_http_unknown_room_is_a_404_for_that_request(engines, http_pair):
+def test_http_a_room_gone_is_a_410_for_that_request(engines, http_pair):
     import httpx
 
     p, d = http_pair
+    room = _gone_room(p.llm)
     body = {"model": engines[0].model_name, "prompt": "x", "max_tokens": 3,
             "kv_transfer_params": {"bootstrap_host": "127.0.0.1", "bootstrap_port": p.llm.engine.kv.bootstrap_port,
-                                   "bootstrap_room": "never"}}
+                                   "bootstrap_room": room}}
     r = httpx.post(d.http_url + "/v1/completions", json=body, timeout=30)
-    assert r.status_code == 404 and "unknown transfer id never/0" in r.json()["error"]["message"]
+    assert r.status_code == 410 and f"transfer {room}/0 is gone (acknowledged)" in r.json()["error"]["message"]
     bad = httpx.post(d.http_url + "/v1/completions", json={**body, "kv_transfer_params": None,
                                                           "bootstrap_room": [1, 2]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bootstrap_room"
     _settled(p.llm, d.llm)
 
 
-def test_grpc_kv_transfer_field_and_a_missing_room_is_not_found(engines, http_pair):
+def test_grpc_kv_transfer_field_and_a_room_gone_is_not_found(engines, http_pair):
     import grpc
 
     from jaxinfer.server import jaxinfer_pb2 as pb
@@ -330,9 +355,10 @@ def test_grpc_kv_transfer_field_and_a_missing_room_is_not_found(engines, http_pa
     t.join(30)
     want = single.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=6, temperature=0.0))[0]
     assert out["d"] == want.outputs[0].token_ids
+    gone = _gone_room(p.llm)
     with pytest.raises(grpc.RpcError) as e:
-        call(d, pb.KVTransfer(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room="nope"))
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "unknown transfer id nope/0" in e.value.details()
+        call(d, pb.KVTransfer(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=str(gone)))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and f"transfer {gone}/0 is gone" in e.value.details()
     _settled(p.llm, d.llm)
 
 
@@ -442,3 +468,34 @@ def test_serve_flags_make_the_kv_transfer_config():
     assert kv_transfer_config(args) == {"role": "prefill", "bootstrap_host": "0.0.0.0", "bootstrap_port": 9001,
                                         "timeout_s": 12.0, "transfer_host": "0.0.0.0"}
     assert kv_transfer_config(parser.parse_args([])) is None
+
+
+def test_the_bootstrap_channel_gives_a_transfer_to_one_taker_and_frees_it_on_ack(engines):
+    import http.client
+
+    _, prefill, _ = engines
+    kv = prefill.engine.kv
+    room = next(_rooms)
+    prefill.generate([[4, 5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0.0),
+                     kv_transfer_params={"bootstrap_room": room})
+
+    def ask(method, path):
+        conn = http.client.HTTPConnection("127.0.0.1", kv.bootstrap_port, timeout=10)
+        conn.request(method, path)
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        conn.close()
+        return r.status, body
+
+    status, info = ask("GET", "/v1/kv/info")
+    assert status == 200 and info == {"role": "prefill", "page_size": 4, "tp": 1, "dtype": "float32", "layers": 2,
+                                      "entry": [4, 4, 16]}
+    status, meta = ask("GET", f"/v1/kv/{room}/0")
+    assert status == 200 and meta["num_tokens"] == 6 and meta["num_pages"] == 2 and meta["padded_pages"] == 2
+    assert ask("GET", f"/v1/kv/{room}/0")[0] == 409  # one taker
+    assert ask("POST", f"/v1/kv/{room}/0/ack")[0] == 200
+    _settled(prefill, timeout=2.0)
+    assert ask("GET", f"/v1/kv/{room}/0") == (410, {"error": f"transfer {room}/0 is gone (acknowledged)"})
+    with pytest.raises(ValueError, match=f"cannot serve the KV bootstrap channel on 127.0.0.1:{kv.bootstrap_port}"):
+        jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE,
+                                 kv_transfer_config={"role": "prefill", "bootstrap_port": kv.bootstrap_port})

@@ -31,7 +31,9 @@ The bootstrap channel is plain HTTP/JSON on the prefill side's ``bootstrap_port`
   ``first_logprob``); 202 while the prompt is still being computed (or not yet arrived: the router
   sends the request to both sides at once) after ``wait`` seconds; 404 for a room the prefill side
   has never seen, 410 for one it released (acknowledged or expired), 409 for one whose prefill
-  failed or was aborted. A 200 renews the entry's deadline (the pull follows).
+  failed or was aborted, or that another request already took (a transfer has one taker: the
+  primitive's pull of a uuid already pulled never returns). A 200 renews the entry's deadline (the
+  pull follows).
 * ``POST /v1/kv/<room>/<choice>/ack`` -> 200: the decode side has the data (or gave up); the
   prefill side frees the pages now.
 
@@ -265,7 +267,7 @@ class _Held:
 
     def __init__(self, key: tuple, deadline: float):
         self.key = key
-        self.state = "computing"  # -> "ready" -> gone; or "failed"
+        self.state = "computing"  # -> "ready" -> "claimed" (a decode side has its layout) -> gone; or "failed"
         self.pages: list = []
         self.meta: Optional[dict] = None
         self.deadline = deadline
@@ -292,7 +294,11 @@ class KVSender:
         self.expired = 0
         self.bytes = 0
         self.layout = _layout(engine.runner.kv_cache, engine.ecfg)
-        self.http = ThreadingHTTPServer((cfg.bootstrap_host, cfg.bootstrap_port), _handler(self))
+        try:
+            self.http = ThreadingHTTPServer((cfg.bootstrap_host, cfg.bootstrap_port), _handler(self))
+        except OSError as e:
+            raise ValueError(f"cannot serve the KV bootstrap channel on {cfg.bootstrap_host}:{cfg.bootstrap_port}: "
+                             f"{e.strerror or e} (--disaggregation-bootstrap-port; 0 picks a free one)") from None
         self.http.daemon_threads = True
         self.bootstrap_port = self.http.server_address[1]
         self._thread = threading.Thread(target=self.http.serve_forever, name="jaxinfer-kv-bootstrap", daemon=True)
@@ -311,7 +317,7 @@ class KVSender:
         key = (p.room, r.choice_index)
         with self._cond:
             old = self._entries.get(key)
-            if old is not None and old.state == "ready":
+            if old is not None and old.state in ("ready", "claimed"):
                 self._release(old, "replaced")
             self._gone.pop(key, None)
             e = self._entries[key] = _Held(key, time.monotonic() + self.cfg.timeout_s)
@@ -356,7 +362,8 @@ class KVSender:
         cache = runner.kv_cache
         bufs = _gather_fn(tuple(layer.sharding for layer in cache))(cache, jnp.asarray(idx))
         uuid = random.getrandbits(62)
-        until = datetime.datetime.now() + datetime.timedelta(seconds=3 * self.cfg.timeout_s)
+        # the buffers stay registered past the pages' deadline (a claim renews that once): no cancel exists
+        until = datetime.datetime.now() + datetime.timedelta(seconds=2 * self.cfg.timeout_s + 5)
         self.server.await_pull(uuid, bufs, timeout=until)
         self.transfers += 1
         nbytes = sum(b.size * b.dtype.itemsize for b in bufs) * n // padded
@@ -377,7 +384,7 @@ class KVSender:
                     self._early[key] = now + self.cfg.timeout_s
                     while len(self._early) > 4096:
                         self._early.popitem(last=False)
-                elif e is not None and e.state == "ready":
+                elif e is not None and e.state in ("ready", "claimed"):
                     self.acked += 1
                     self._release(e, "acknowledged")
                 elif e is not None and e.state == "computing":  # the decode side gave up first
@@ -387,11 +394,12 @@ class KVSender:
                 self._early.popitem(last=False)
             for e in list(self._entries.values()):
                 if e.deadline < now and e.state != "computing":
-                    if e.state == "ready":
+                    held = e.state in ("ready", "claimed")
+                    if held:
                         self.expired += 1
                         log.warning("KV transfer %s/%d expired after %.0f s: its %d pages freed", e.key[0], e.key[1],
                                     self.cfg.timeout_s, len(e.pages))
-                    self._release(e, "expired" if e.state == "ready" else e.error)
+                    self._release(e, "expired" if held else e.error)
 
     def _release(self, e: _Held, why: str) -> None:  # under the lock, engine thread
         if e.pages:
@@ -429,7 +437,7 @@ class KVSender:
     def held(self) -> tuple:
         """(transfers held ready, their pages)."""
         with self._cond:
-            ready = [e for e in self._entries.values() if e.state == "ready"]
+            ready = [e for e in self._entries.values() if e.state in ("ready", "claimed")]
             return len(ready), sum(len(e.pages) for e in ready)
 
     def stats_suffix(self) -> str:
@@ -450,9 +458,12 @@ class KVSender:
         with self._cond:
             while True:
                 e = self._entries.get(key)
-                if e is not None and e.state == "ready":
+                if e is not None and e.state == "ready":  # one taker: a uuid pulled twice would hang the second
+                    e.state = "claimed"
                     e.deadline = max(e.deadline, time.monotonic() + self.cfg.timeout_s)  # the pull follows
                     return 200, e.meta
+                if e is not None and e.state == "claimed":
+                    return 409, {"error": f"transfer {key[0]}/{key[1]} is already being taken by another request"}
                 if e is not None and e.state == "failed":
                     return 409, {"error": f"transfer {key[0]}/{key[1]}: {e.error}"}
                 if e is None and key in self._gone:
