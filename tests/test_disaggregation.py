@@ -187,6 +187,10 @@ def test_a_transfer_nobody_takes_is_freed_at_the_timeout_and_then_gone(engines):
     n, pages = prefill.engine.kv.held()
     assert n == 1 and pages == 4 and prefill.engine.allocator.num_used == 4
     assert "KV held 1 (4 pages)" in prefill.engine.kv.stats_suffix()
+    from jaxinfer.engine.kv_transfer import transfer_metrics
+
+    metrics = {name: (kind, value) for kind, name, _, value in transfer_metrics(prefill.engine)}
+    assert metrics["kv_transfers_held"] == ("gauge", 1) and metrics["kv_transfer_pages_held"] == ("gauge", 4)
     _settled(prefill, timeout=6.0)  # 3 s
     assert prefill.engine.kv.held() == (0, 0) and prefill.engine.kv.expired >= 1
     out = decode.generate(["held for nobody"], SamplingParams(max_tokens=4, temperature=0.0),
@@ -499,3 +503,24 @@ def test_the_bootstrap_channel_gives_a_transfer_to_one_taker_and_frees_it_on_ack
     with pytest.raises(ValueError, match=f"cannot serve the KV bootstrap channel on 127.0.0.1:{kv.bootstrap_port}"):
         jaxinfer.LLM.from_params(TINY, tiny_params(), engine_config=TINY_ENGINE,
                                  kv_transfer_config={"role": "prefill", "bootstrap_port": kv.bootstrap_port})
+
+
+def test_a_different_tensor_parallel_size_is_refused_in_one_line(engines, impatient):
+    """The layouts are compared before any pull (here the decode side says it has 2-way TP)."""
+    _, prefill, _ = engines
+    kv = impatient.engine.kv
+    saved = dict(kv.layout)
+    kv.layout["tp"] = 2
+    kv._checked.clear()
+    try:
+        out = impatient.generate([[5, 6, 7]], SamplingParams(max_tokens=2),
+                                 kv_transfer_params={"bootstrap_host": "127.0.0.1",
+                                                     "bootstrap_port": prefill.engine.kv.bootstrap_port,
+                                                     "bootstrap_room": 3})[0]
+    finally:
+        kv.layout.clear()
+        kv.layout.update(saved)
+        kv._checked.clear()
+    assert out.outputs[0].error == (f"KV transfer 409: refusing KV from 127.0.0.1:{prefill.engine.kv.bootstrap_port}: "
+                                    "tensor-parallel size 1 there, 2 here")
+    _settled(prefill, impatient)

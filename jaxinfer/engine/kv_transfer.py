@@ -447,8 +447,8 @@ class KVSender:
     def metrics(self) -> dict:
         n, pages = self.held()
         return {"kv_transfers_held": n, "kv_transfer_pages_held": pages, "kv_transfers_in_flight": 0,
-                "kv_transfers_total": self.transfers, "kv_transfers_expired_total": self.expired,
-                "kv_transfer_bytes_total": self.bytes}
+                "kv_transfers": self.transfers, "kv_transfers_expired": self.expired, "kv_transfers_failed": 0,
+                "kv_transfer_bytes": self.bytes}
 
     # bootstrap HTTP threads -------------------------------------------------------------------
 
@@ -663,8 +663,8 @@ class KVReceiver:
 
     def metrics(self) -> dict:
         return {"kv_transfers_held": 0, "kv_transfer_pages_held": 0,
-                "kv_transfers_in_flight": len(self.pulling) + len(self.waiting), "kv_transfers_total": self.pulled,
-                "kv_transfers_failed_total": self.failed, "kv_transfer_bytes_total": self.bytes}
+                "kv_transfers_in_flight": len(self.pulling) + len(self.waiting), "kv_transfers": self.pulled,
+                "kv_transfers_expired": 0, "kv_transfers_failed": self.failed, "kv_transfer_bytes": self.bytes}
 
     # worker threads -----------------------------------------------------------------------
 
@@ -760,10 +760,22 @@ class KVReceiver:
         self._post(self._done, r, pulled, meta, seconds)
 
 
-def transfer_metrics(engine) -> dict:
-    """Gauges and counters of an engine's KV transfers (empty without a role), for Prometheus:
-    ``kv_transfers_held`` (prefill: ready, not yet taken), ``kv_transfer_pages_held``,
-    ``kv_transfers_in_flight`` (decode: waiting or pulling), ``kv_transfers_total``,
-    ``kv_transfers_expired_total``/``kv_transfers_failed_total``, ``kv_transfer_bytes_total``."""
+_METRIC_DOCS = {  # name -> (kind, help)
+    "kv_transfers_held": ("gauge", "Prefill role: finished prompts whose KV pages wait for a decode server."),
+    "kv_transfer_pages_held": ("gauge", "Prefill role: KV pages held for decode servers."),
+    "kv_transfers_in_flight": ("gauge", "Decode role: requests waiting for or pulling their prompt's KV."),
+    "kv_transfers": ("counter", "KV transfers registered (prefill role) or pulled (decode role)."),
+    "kv_transfers_expired": ("counter", "Prefill role: held transfers freed at the timeout, never taken."),
+    "kv_transfers_failed": ("counter", "Decode role: requests failed because their KV could not be had."),
+    "kv_transfer_bytes": ("counter", "Bytes of KV registered (prefill role) or pulled (decode role)."),
+}
+
+
+def transfer_metrics(engine) -> list:
+    """An engine's KV-transfer metrics for Prometheus, as ``(kind, name, help, value)`` with kind "gauge" or
+    "counter" (counter names without ``_total``, as prometheus_client's CounterMetricFamily takes them);
+    empty without a role."""
     side = getattr(engine, "kv", None)
-    return {} if side is None else side.metrics()
+    if side is None:
+        return []
+    return [(_METRIC_DOCS[k][0], k, _METRIC_DOCS[k][1], v) for k, v in side.metrics().items()]
