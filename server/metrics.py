@@ -21,7 +21,10 @@ Two kinds of numbers:
 * **Engine gauges and counters**, read from the engine at scrape time:
   running / waiting requests, KV-cache usage (a fraction, as vLLM's
   ``kv_cache_usage_perc``), the prefix-cache hit rate and its queries / hits in
-  tokens, preemptions; and the server's own Generate calls in flight.
+  tokens, preemptions; the server's own Generate calls in flight; and, on a
+  server with a disaggregation role, its KV transfers (`transfer_metrics`:
+  held transfers and pages, in flight, registered or pulled, expired, failed,
+  bytes).
 
 **The gateways' names.** Kubernetes' Gateway API Inference Extension (the
 endpoint picker llm-d deploys) scrapes each model server for its queue, its
@@ -48,6 +51,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxinfer.engine.kv_transfer import transfer_metrics
 from jaxinfer.metrics import RooflineCollector
 
 PREFIX = "jaxinfer:"
@@ -118,6 +122,8 @@ class _EngineCollector:
         yield counter("num_preemptions", "Requests preempted (to be recomputed) because KV pages ran out.",
                       snap["preemptions"])
         yield gauge("grpc_requests_active", "Generate calls in flight on this server.", owner.active_calls())
+        for kind, name, doc, value in transfer_metrics(engine):  # a prefill or decode role's KV transfers
+            yield (gauge if kind == "gauge" else counter)(name, doc, value)
         yield from self._gateway(snap, page_size, engine.allocator.num_usable)
         spec = snap.get("spec")
         if spec is not None:  # speculative decoding, as vLLM names it
