@@ -361,15 +361,15 @@ class KVSender:
         idx[:n] = r.pages[:n]
         cache = runner.kv_cache
         bufs = _gather_fn(tuple(layer.sharding for layer in cache))(cache, jnp.asarray(idx))
-        uuid = random.getrandbits(62)
+        uid = random.getrandbits(62)  # the transfer server's id of these buffers (the room is the caller's)
         # the buffers stay registered past the pages' deadline (a claim renews that once): no cancel exists
         until = datetime.datetime.now() + datetime.timedelta(seconds=2 * self.cfg.timeout_s + 5)
-        self.server.await_pull(uuid, bufs, timeout=until)
+        self.server.await_pull(uid, bufs, timeout=until)
         self.transfers += 1
         nbytes = sum(b.size * b.dtype.itemsize for b in bufs) * n // padded
         self.bytes += nbytes
         lp = r.logprobs[0] if r.logprobs else None
-        return {"uuid": uuid, "address": self.address, "num_tokens": r.prompt_len, "num_pages": n,
+        return {"uuid": uid, "address": self.address, "num_tokens": r.prompt_len, "num_pages": n,
                 "padded_pages": padded, "first_token": int(r.output_ids[0]), "first_logprob": _logprob_dict(lp),
                 "bytes": nbytes, **self.layout}
 
