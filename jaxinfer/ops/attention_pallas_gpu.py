@@ -180,10 +180,12 @@ def gpu_ragged_attention(
     softcap: Optional[float] = None,
     precision: Any = None,
     interpret: bool = False,
+    debug: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """GPU attention over the paged cache with the Pallas (Triton) kernel of this module; the contract of
     `ragged_gather_attention`. The shapes must pass `gpu_kernel_fits`. ``precision``: the products' (None or
-    ``lax.Precision.HIGHEST``); ``interpret``: run the kernel body on CPU (Pallas interpret mode).
+    ``lax.Precision.HIGHEST``); ``interpret``: run the kernel body on CPU (Pallas interpret mode); ``debug``:
+    Pallas prints the kernel's jaxpr and, when lowered for cuda, its Triton module (the tests read it).
     Differentiating it differentiates the pure-JAX path (the kernel has no derivative rule)."""
     n, h, d = q.shape
     kvh = k.shape[1]
@@ -193,12 +195,12 @@ def gpu_ragged_attention(
     if meta.positions.shape != (n,) or meta.slots.shape != (n,):
         raise ValueError(f"positions and slots must be [N] = ({n},), got {meta.positions.shape} and {meta.slots.shape}")
     return _attention(q, k, v, cache_layer, meta, float(scale), int(window), float(softcap or 0.0), precision,
-                      bool(interpret))
+                      bool(interpret), bool(debug))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7, 8, 9))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: int, softcap: float, precision,
-               interpret: bool):
+               interpret: bool, debug: bool):
     from jax.experimental import pallas as pl
 
     cache_layer = write_kv(cache_layer, k, v, meta.slots)
@@ -235,13 +237,12 @@ def _attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window:
     num_pages = cache_layer.shape[0]
     kernel = functools.partial(_kernel, scale=scale, window=window, softcap=softcap or None, ppb=ppb,
                                precision=precision)
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=(ni, kvh),
         in_specs=[
-            whole(items.shape),
-            whole(table.shape),
+            pl.no_block_spec,  # whole arrays, indexed by the kernel
+            pl.no_block_spec,
             pl.BlockSpec((None, tq), lambda i, j: (i, 0)),
             pl.BlockSpec((None, tq, None, gp, d), lambda i, j: (i, 0, j, 0, 0)),
             pl.BlockSpec((num_pages, ps, None, d), lambda i, j: (0, 0, 2 * j, 0)),  # K of KV head j
@@ -251,6 +252,7 @@ def _attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window:
         out_shape=jax.ShapeDtypeStruct((ni, tq, kvh, gp, d), q.dtype),
         compiler_params=_compiler_params(),
         interpret=interpret,
+        debug=debug,
         name=KERNEL_NAME,
     )(items, table, pos, qi, cache_layer, cache_layer)
     out = out[:, :, :, :g].reshape(ni * tq, h, d)
@@ -259,7 +261,7 @@ def _attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window:
 
 
 @_attention.defjvp
-def _attention_jvp(scale, window, softcap, precision, interpret, primals, tangents):
+def _attention_jvp(scale, window, softcap, precision, interpret, debug, primals, tangents):
     if softcap:
         raise NotImplementedError("derivatives of soft-capped Pallas GPU attention")
     return jax.jvp(functools.partial(ragged_gather_attention, scale=scale, window=window), primals, tangents)
