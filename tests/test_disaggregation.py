@@ -248,6 +248,12 @@ def test_a_different_page_size_is_refused_in_one_line(engines):
         other.close()
 
 
+def test_warmup_compiles_the_transfer_programs_for_every_page_count(engines):
+    _, prefill, decode = engines
+    assert prefill.engine.kv.warmup() == decode.engine.kv.warmup() == 6  # 1..32 pages: 128 tokens of 4
+    _settled(prefill, decode)
+
+
 def test_transfer_params_from_sglang_and_vllm_fields():
     assert KVTransferParams.of(None) is None
     p = KVTransferParams.of(bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=2**63 + 5)

@@ -524,6 +524,7 @@ class Engine:
         lengths and batch sizes runs one of these programs.
         """
         n = self.runner.warmup(self.program_keys())
+        n += self.kv.warmup() if self.kv is not None else 0  # the KV transfer's gather or scatter programs
         return n + (self.speculator.warmup() if self.speculator is not None else 0)
 
     @property

@@ -231,6 +231,12 @@ def _scatter(cache, pulled, idx):
     return [layer.at[idx].set(x.astype(layer.dtype)) for layer, x in zip(cache, pulled)]
 
 
+def _page_counts(engine) -> list:
+    """Every padded page count a transfer can have on this engine (a prompt of up to max_model_len tokens)."""
+    most = _bucket(pages_needed(engine.runner.max_model_len, engine.ecfg.page_size))
+    return [1 << i for i in range(most.bit_length())]
+
+
 def _layout(cache: list, ecfg) -> dict:
     first = cache[0]
     return {"page_size": ecfg.page_size, "tp": ecfg.tensor_parallel_size, "dtype": str(first.dtype),
@@ -351,6 +357,15 @@ class KVSender:
             self.engine.allocator.share(e.pages)
             e.deadline = time.monotonic() + self.cfg.timeout_s
             self._cond.notify_all()
+
+    def warmup(self) -> int:
+        """Compile the gather program for every padded page count (engine thread, before serving); how many."""
+        cache = self.engine.runner.kv_cache
+        fn = _gather_fn(tuple(layer.sharding for layer in cache))
+        counts = _page_counts(self.engine)
+        for n in counts:
+            jax.block_until_ready(fn(cache, jnp.zeros(n, jnp.int32)))  # reads the dummy page only
+        return len(counts)
 
     def _register(self, r) -> dict:
         runner = self.engine.runner
@@ -611,6 +626,16 @@ class KVReceiver:
         self.pulling.pop(r.request_id, None)
         if self.waiting:
             self.engine._wake.set()  # its slot and pages may let a waiting transfer start: no idle wait first
+
+    def warmup(self) -> int:
+        """Compile the scatter program for every padded page count (engine thread, before serving); how many."""
+        runner = self.engine.runner
+        counts = _page_counts(self.engine)
+        for n in counts:
+            zeros = [jnp.zeros((n, *layer.shape[1:]), layer.dtype, device=layer.sharding) for layer in runner.kv_cache]
+            runner.kv_cache = _scatter(runner.kv_cache, zeros, jnp.zeros(n, jnp.int32))  # writes the dummy page only
+        jax.block_until_ready(runner.kv_cache)
+        return len(counts)
 
     def _done(self, r, pulled: list, meta: dict, seconds: float) -> None:
         """Engine thread: the buffers are here; scatter them into the request's pages, start decoding."""
