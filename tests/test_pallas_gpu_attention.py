@@ -256,3 +256,39 @@ def test_one_triton_program_whatever_the_step(capsys):
     assert all("inputPrecision = tf32" in d for d in _ops(_triton_module(4, 2, jnp.float32, capsys=capsys), "tt.dot"))
     exact = _ops(_triton_module(4, 2, jnp.float32, jax.lax.Precision.HIGHEST, capsys=capsys), "tt.dot")
     assert exact and not any("inputPrecision" in d for d in exact)  # IEEE float32: Triton's default, unprinted
+
+
+def test_the_attention_entry_point_dispatches_to_it_for_ragged_steps_and_rows():
+    """`jaxinfer.ops.attention` under a cuda choice with the kernel interpreted (`KernelChoice.gpu_interpret`):
+    the ragged step and ``[B, T]`` rows (padding tokens inside a row) give the pure-JAX path's outputs and
+    cache."""
+    from jaxinfer.ops import attention, backend
+    from jaxinfer.ops.attention import AttentionMetadata
+
+    world = World(4, 2, 16, jnp.float32, MIX["lengths"], seed=3)
+    q, k, v, meta, cache, _ = world.step(MIX["rows"], 24, 5)
+    choice = KernelChoice("cuda", gpu_attention=True, gpu_interpret=True)
+    assert "interpreted" in str(choice) and choice.attention_kernel(4, 2, 16, PAGE, jnp.float32) == "gpu"
+    with pytest.raises(ValueError, match="needs gpu_attention"):
+        KernelChoice("cuda", gpu_interpret=True)
+
+    def both(fn, *args):
+        with backend.using(choice):
+            assert "pallas_call" in str(jax.make_jaxpr(fn)(*args))  # the kernel, not a fallback
+            got = jax.jit(fn)(*args)
+        with backend.using(KernelChoice.pure_jax("cuda")):
+            want = jax.jit(fn)(*args)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+        return got
+
+    both(lambda *a: attention.ragged_paged_attention(*a, scale=0.35, window=7), q, k, v, cache, meta)
+    # two rows of 4 tokens: a continued chunk of sequence 2, and sequence 3's decode with 3 padding tokens
+    pos = np.array([[5, 6, 7, 8], [2, -1, -1, -1]], np.int32)
+    tables = world.tables[[2, 3]]
+    slots = np.where(pos >= 0, slots_for(tables, np.maximum(pos, 0), PAGE), 0).astype(np.int32)
+    rows = AttentionMetadata(jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(tables), jnp.asarray([9, 3], jnp.int32))
+    rng = np.random.default_rng(4)
+    qr, kr, vr = (jnp.asarray(rng.standard_normal((2, 4, n, 16)), jnp.float32) for n in (4, 2, 2))
+    out, _ = both(lambda *a: attention.paged_attention(*a, scale=0.35), qr, kr, vr, world.cached({2: 5, 3: 2}), rows)
+    assert not np.asarray(out)[1, 1:].any()

@@ -263,7 +263,7 @@ def _attend(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window: in
         return tpu_ragged_attention(q, k, v, cache_layer, meta, scale=scale, window=window, tpu_kind=choice.tpu_kind)
     if kernel == "gpu":  # float32 operands' products at the step's precision (None: TF32 on NVIDIA)
         return gpu_ragged_attention(q, k, v, cache_layer, meta, scale=scale, window=window,
-                                    precision=choice.lax_precision)
+                                    precision=choice.lax_precision, interpret=choice.gpu_interpret)
     return ragged_gather_attention(q, k, v, cache_layer, meta, scale, window)
 
 

@@ -237,12 +237,13 @@ def _attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window:
     num_pages = cache_layer.shape[0]
     kernel = functools.partial(_kernel, scale=scale, window=window, softcap=softcap or None, ppb=ppb,
                                precision=precision)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=(ni, kvh),
         in_specs=[
-            pl.no_block_spec,  # whole arrays, indexed by the kernel
-            pl.no_block_spec,
+            whole(items.shape),  # small int32 tables, indexed by the kernel
+            whole(table.shape),
             pl.BlockSpec((None, tq), lambda i, j: (i, 0)),
             pl.BlockSpec((None, tq, None, gp, d), lambda i, j: (i, 0, j, 0, 0)),
             pl.BlockSpec((num_pages, ps, None, d), lambda i, j: (0, 0, 2 * j, 0)),  # K of KV head j

@@ -64,6 +64,8 @@ class KernelChoice:
     gpu_attention: attention goes to our Pallas GPU (Triton) ragged paged attention
                    (`jaxinfer.ops.attention_pallas_gpu`) where it takes the shapes; cuda only, chosen there
                    unless ``JAXINFER_GPU_KERNELS=0`` (`for_platform`).
+    gpu_interpret: that kernel in Pallas interpret mode: a cuda program that runs on a CPU host (tests, a
+                   device check's quick run on CPU); never on a GPU (slow).
     simd:          the SIMD path of the CPU matmul kernel ("amx", "avx512", "avx2", "scalar"; "" when unknown
                    or not used): a different build of the same source, so programs compiled with one are not
                    programs of the other. "amx" is AVX-512 with bfloat16 weights' products on the AMX tiles
@@ -84,6 +86,7 @@ class KernelChoice:
     cpu_attention: bool = False
     tpu_attention: bool = False
     gpu_attention: bool = False
+    gpu_interpret: bool = False
     simd: str = ""
     matmul_precision: str = "default"
     batch_invariant: bool = False
@@ -98,6 +101,8 @@ class KernelChoice:
             raise ValueError(f"the Pallas TPU attention runs on the tpu platform only, not {self.platform!r}")
         if self.gpu_attention and self.platform != "cuda":
             raise ValueError(f"the Pallas GPU attention runs on the cuda platform only, not {self.platform!r}")
+        if self.gpu_interpret and not self.gpu_attention:
+            raise ValueError("gpu_interpret is the Pallas GPU attention's interpret mode: it needs gpu_attention")
         if self.simd not in SIMD_LEVELS:
             raise ValueError(f"simd must be one of {', '.join(repr(s) for s in SIMD_LEVELS)}, got {self.simd!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -183,6 +188,7 @@ class KernelChoice:
         simd = f" ({self.simd})" if self.simd else ""
         precision = f", {self.matmul_precision} precision" if self.matmul_precision != "default" else ""
         mode = ", batch-invariant" if self.batch_invariant else ""
+        mode += ", interpreted" if self.gpu_interpret else ""
         kind = f" [{self.tpu_kind}]" if self.tpu_kind else ""
         return f"{self.platform}{kind}: {', '.join(used) or 'pure JAX'}{simd}{precision}{mode}"
 
