@@ -327,3 +327,66 @@ def test_the_gateway_gauges_follow_the_engine_under_vllms_names(replicas):
     assert busy[("vllm:gpu_cache_usage_perc", labels)] == busy[("vllm:kv_cache_usage_perc", labels)]
     after = rep.metrics()
     assert after[("vllm:num_requests_running", labels)] == 0 and after[("vllm:num_requests_waiting", labels)] == 0
+
+
+def _as_float32(answer):
+    """(text, [(token, float32 logprob)]): the engine's logprobs are float32; the router's PD path re-encodes
+    the decode server's JSON numbers, which can move the last of their 17 digits (the same float32 either way)."""
+    import numpy as np
+
+    text, tokens = answer
+    return text, [(t, np.float32(lp)) for t, lp in tokens]
+
+
+class PDRouter(Router):
+    """launch_router in its PD mode: the prefill server with its bootstrap port, the decode server."""
+
+    def __init__(self, prefill, decode, bootstrap_port: int):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-port", str(_free_port()), "--pd-disaggregation", "--health-check-interval-secs", "1",
+                "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
+        self.n = 2
+        self.p = Proc(argv)
+
+
+class RoleServer(Replica):
+    def __init__(self, model_dir, *role):
+        self.http_port = _free_port()
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        argv = [sys.executable, "-m", "jaxinfer", "serve", "--model", str(model_dir), "--port", str(_free_port()),
+                "--http-port", str(self.http_port), *SERVE_ARGS, *role]
+        self.p = Proc(argv, env={"JAX_PLATFORMS": "cpu"})
+
+
+def test_prefill_and_decode_servers_behind_the_router_give_the_single_engines_answers(model_dir, replicas):
+    """launch_router --pd-disaggregation over a jaxinfer prefill server and a jaxinfer decode server: the openai
+    client's chat and completions, streamed and not, are a single engine's answers token for token and logprob
+    for logprob, the KV having moved from the prefill server to the decode server; both end with no KV held."""
+    bootstrap = _free_port()
+    prefill = RoleServer(model_dir, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                         str(bootstrap))
+    decode = RoleServer(model_dir, "--disaggregation-mode", "decode")
+    router = None
+    try:
+        _wait("the prefill server", prefill.ready, prefill.p)
+        _wait("the decode server", decode.ready, decode.p)
+        router = PDRouter(prefill, decode, bootstrap)
+        _wait("the PD router", router.ready, router.p, timeout=60)
+        direct, via = _direct(replicas[0]), router.client()
+        for stream in (False, True):
+            want = _chat(direct, PROMPTS[2])
+            assert len(want[1]) == 8 and _as_float32(_chat(via, PROMPTS[2], stream=stream)) == _as_float32(want)
+            want = _complete(direct, PROMPTS[3])
+            assert len(want[1]) == 8 and _as_float32(_complete(via, PROMPTS[3], stream=stream)) == _as_float32(want)
+        pulled = decode.metrics()
+        assert sum(v for (name, _), v in pulled.items() if name == "jaxinfer:kv_transfers_total") >= 4, \
+            sorted(k for k in pulled if "kv_transfer" in k[0])
+        deadline = time.monotonic() + 30  # acknowledged transfers are let go on the prefill side
+        while any(v for (name, _), v in prefill.metrics().items() if name == "jaxinfer:kv_transfer_pages_held"):
+            assert time.monotonic() < deadline, "the prefill server still holds KV pages"
+            time.sleep(0.2)
+    finally:
+        for p in ([router.p] if router else []) + [prefill.p, decode.p]:
+            p.stop()
