@@ -245,13 +245,13 @@ def _ops(module, name):
 def test_one_triton_program_whatever_the_step(capsys):
     """What makes the kernel batch-invariant on a GPU, where interpret mode cannot show it (XLA:CPU computes a
     row the same whatever its tile): every step shape, from a lone decode row to a wide mixed step, runs the
-    same products and the same key loop (tile [32 rows x 128] x [128 x 64 keys], float32 sums), only over
+    same products and the same key loop (tile [64 rows x 128] x [128 x 64 keys], float32 sums), only over
     more programs. The products of float32 operands follow the step's precision (TF32 or full float32)."""
     small, wide = _triton_module(1, 1, capsys=capsys), _triton_module(96, 7, capsys=capsys)
     dots = _ops(small, "tt.dot")
     assert dots == _ops(wide, "tt.dot") and len(dots) == 2
-    assert "tensor<32x128xbf16> * tensor<128x64xbf16> -> tensor<32x64xf32>" in dots[0]
-    assert "tensor<32x64xbf16> * tensor<64x128xbf16> -> tensor<32x128xf32>" in dots[1]
+    assert "tensor<64x128xbf16> * tensor<128x64xbf16> -> tensor<64x64xf32>" in dots[0]
+    assert "tensor<64x64xbf16> * tensor<64x128xbf16> -> tensor<64x128xf32>" in dots[1]
     assert _ops(small, "scf.for") == _ops(wide, "scf.for") and len(_ops(small, "scf.for")) == 1
     assert all("inputPrecision = tf32" in d for d in _ops(_triton_module(4, 2, jnp.float32, capsys=capsys), "tt.dot"))
     exact = _ops(_triton_module(4, 2, jnp.float32, jax.lax.Precision.HIGHEST, capsys=capsys), "tt.dot")

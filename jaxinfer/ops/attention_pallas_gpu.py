@@ -66,7 +66,7 @@ from jaxinfer.ops.gather_attention import RaggedMetadata, ragged_gather_attentio
 from jaxinfer.ops.kv_cache import write_kv
 
 KERNEL_NAME = "jaxinfer_ragged_paged_attention"  # the Pallas call's name (in the Triton custom call)
-ROWS = 32  # query rows of a tile: TQ tokens x GP heads (fixed, so a row's products never depend on the batch)
+ROWS = 64  # query rows of a tile: TQ tokens x GP heads (fixed, so a row's products never depend on the batch)
 BLOCK_TOKENS = 64  # keys per block (at least one page): fixed by the page size, never by the step
 NEG = -1e30  # a masked score; finite, so a row that has seen no key yet never computes inf - inf
 NUM_WARPS = 4
