@@ -292,3 +292,22 @@ def test_the_attention_entry_point_dispatches_to_it_for_ragged_steps_and_rows():
     qr, kr, vr = (jnp.asarray(rng.standard_normal((2, 4, n, 16)), jnp.float32) for n in (4, 2, 2))
     out, _ = both(lambda *a: attention.paged_attention(*a, scale=0.35), qr, kr, vr, world.cached({2: 5, 3: 2}), rows)
     assert not np.asarray(out)[1, 1:].any()
+
+
+@pytest.mark.parametrize("h,kvh,d,page,dtype,window,softcap", [
+    (9, 3, 64, 16, jnp.bfloat16, 0, 0.0),  # SmolLM2's heads (GQA 3, padded to 4)
+    (8, 8, 128, 128, jnp.float32, 4096, 0.0),  # no GQA, a page of 128 (one page a block), a window
+    (16, 2, 256, 32, jnp.bfloat16, 4096, 50.0),  # Gemma-like: head_dim 256, a window, soft-capped
+])
+def test_it_lowers_to_triton_for_the_shapes_it_fits(h, kvh, d, page, dtype, window, softcap):
+    from jaxinfer.tools import lowering
+
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    n, r, p, cache = 16, 3, 8, (50, page, 2 * kvh, d)
+    meta = RaggedMetadata(sds((n,), i32), sds((n,), i32), sds((r + 1,), i32), sds((r, p), i32), sds((r,), i32))
+    args = (sds((n, h, d), dtype), sds((n, kvh, d), dtype), sds((n, kvh, d), dtype), sds(cache, dtype), meta)
+    fn = functools.partial(gk.gpu_ragged_attention, scale=0.1, window=window, softcap=softcap or None)
+    with lowering.abstract_device("cuda"):
+        text = jax.jit(fn, donate_argnums=(3,)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowering.has_pallas_gpu_attention(text)
+    assert lowering.full_cache_ops(text, cache) == [] and lowering.cache_gathers(text, cache) == []

@@ -49,8 +49,16 @@ Precision: products are accumulated in float32; float32 operands go to Triton's 
 ``matmul_precision`` (None: the platform's default, TF32 on NVIDIA; ``HIGHEST``: full float32).
 
 Proven without a GPU: `interpret=True` runs the same kernel body on CPU (tests/test_pallas_gpu_attention.py,
-against a float64 reference and bitwise across batches and chunkings), and the step lowered for cuda calls it
-as a Triton custom call (`jaxinfer.tools.lowering.has_pallas_gpu_attention`; tests/test_cross_lowering.py).
+against a float64 reference and bitwise across batches and chunkings; `KernelChoice.gpu_interpret` runs a cuda
+program's attention so on a CPU host), and the step lowered for cuda calls it as a Triton custom call
+(`jaxinfer.tools.lowering.has_pallas_gpu_attention`; tests/test_cross_lowering.py) with one Triton program
+(the same dots and key loop) for every step shape. Interpret mode cannot show the GPU's own orders (XLA:CPU
+computes a row the same whatever its tile); the fixed tile shapes in the Triton module are what carry that.
+
+Not done yet (no GPU has run it): the tile sizes (`ROWS`, `BLOCK_TOKENS`, warps, stages) are unmeasured
+choices; a long context at a small batch runs only ``items x KV heads`` programs (batch-1 decode of Llama-3-8B:
+8), which a split of the keys fixed by position (chunks of a constant number of blocks, partial softmax states
+merged in chunk order) would spread over the GPU without losing invariance; it is not built.
 """
 
 from __future__ import annotations
