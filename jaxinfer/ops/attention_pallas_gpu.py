@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfer.ops.gather_attention import RaggedMetadata, ragged_gather_attention, work_items
+from jaxinfer.ops.gather_attention import RaggedMetadata, ragged_gather_attention, request_of_token, work_items
 from jaxinfer.ops.kv_cache import write_kv
 
 KERNEL_NAME = "jaxinfer_ragged_paged_attention"  # the Pallas call's name (in the Triton custom call)
@@ -219,7 +219,7 @@ def _attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window:
     ps = cache_layer.shape[1]
     ppb = pages_per_block(ps)
     bk = ppb * ps
-    r, p = meta.page_table.shape
+    p = meta.page_table.shape[1]
     i32 = jnp.int32
 
     # work items: up to TQ consecutive tokens of one request (`work_items`), their tokens' positions
@@ -231,7 +231,7 @@ def _attention(q, k, v, cache_layer, meta: RaggedMetadata, scale: float, window:
     lo = jnp.maximum(pos - window + 1, 0) if window > 0 else jnp.zeros_like(pos)
     last = jnp.max(pos, axis=1)  # -1 for an empty item
     first = jnp.min(jnp.where(pos >= 0, lo, jnp.iinfo(i32).max), axis=1)
-    req = jnp.clip(jnp.searchsorted(meta.query_start[1:], jnp.minimum(start, n - 1), side="right"), 0, r - 1)
+    req = request_of_token(meta.query_start, jnp.minimum(start, n - 1))
     blk_lo = jnp.where(last >= 0, first // bk, 0)
     blk_hi = jnp.where(last >= 0, last // bk, -1)  # empty items walk no block
     items = jnp.stack([req, blk_lo, blk_hi], axis=1).astype(i32)  # [I, 3]
