@@ -89,7 +89,9 @@ kernel to a Mosaic TPU program on CPU (an abstract TPU device).
 
 GPU: `jax.experimental.pallas.ops.gpu.paged_attention` and `decode_attention` -- no adapter
 --------------------------------------------------------------------------------------------
-Decision: neither is wired; the pure-JAX path stays the GPU path. Both kernels interpret on
+Decision: neither is wired. The GPU path is our own Pallas kernel for the ragged step's layout as it
+is (`jaxinfer.ops.attention_pallas_gpu`, chosen for cuda by `KernelChoice.gpu_attention`); the
+reasons JAX's two could not serve follow. Both kernels interpret on
 CPU (``interpret=True``), so testing is not the obstacle: the layout is. Both modules are
 also deprecated in JAX 0.11 (importing them warns ``... is deprecated.``). The reasons:
 
