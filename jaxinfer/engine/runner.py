@@ -36,7 +36,7 @@ from jaxinfer.ops.sampler import SamplerOutput, init_sampler_state
 from jaxinfer.engine.sampling import RowSampling, build_metadata
 from jaxinfer.engine.step import LogitsRows
 from jaxinfer.sampling_params import MAX_LOGIT_BIAS
-from jaxinfer.ops.spec import is_spec
+from jaxinfer.ops.spec import is_spec, zeros
 from jaxinfer.engine.structured import bitmask_width, segment_masks
 from jaxinfer.loading.weights import canonical_specs, check_param_tree, stored_tree
 
@@ -61,9 +61,10 @@ class ModelRunner:
         self.params = place_params(params, model_cfg, self.layout, self.mesh)
         self.max_model_len = engine_cfg.context_limit(model_cfg.max_position_embeddings, model_cfg.kv_window)
         self.kv_cache = init_cache(self.cfg, engine_cfg, sharding=cache_sharding(self.mesh, self.cfg))
-        self.sampler_state = jax.jit(  # made on the devices (every process of a multi-host mesh)
-            functools.partial(init_sampler_state, engine_cfg.max_num_seqs, model_cfg.vocab_size),
-            out_shardings=replicated(self.mesh))()
+        # zeros on every device of the mesh (each process its own), no program compiled for them
+        self.sampler_state = jax.tree.map(
+            lambda a: zeros(a.shape, a.dtype, replicated(self.mesh)),
+            jax.eval_shape(functools.partial(init_sampler_state, engine_cfg.max_num_seqs, model_cfg.vocab_size)))
         # Several processes: the leader (process 0) publishes each step's plan, the others follow it.
         self.plans = distributed.PlanChannel() if distributed.is_multiprocess() else None
         # XLA:CPU's collectives block a pool thread per device until every device arrives, so two

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.ops.spec import ArraySpec
+from jaxinfer.ops.spec import ArraySpec, zeros
 
 KVCache = list  # list[jax.Array], one [num_pages, page_size, 2*num_kv_heads, head_dim] (or latent) per layer
 
@@ -59,7 +59,7 @@ def init_cache(model: ModelConfig, engine: EngineConfig, sharding: Any = None) -
     specs = cache_specs(model, engine)
     if sharding is None:
         return [jnp.zeros(s.shape, s.dtype) for s in specs]
-    return [jnp.zeros(s.shape, s.dtype, device=sharding) for s in specs]  # made in place, shard by shard
+    return [zeros(s.shape, s.dtype, sharding) for s in specs]  # shard by shard, no program compiled
 
 
 
