@@ -472,7 +472,7 @@ def report(res: dict) -> str:
         f"{t} tokens {med['pd'][f'ttft_{t}_ms'] - med['single'][f'ttft_{t}_ms']:+.0f} ms" for t in (128, L))]
     xfer = [f"KV transfer (the decode server's log of each pull), {what}: "
             f"{cell('pd', f'transfer_{t}_mb', '.1f')} MB in {cell('pd', f'transfer_{t}_ms', '.1f')} ms each (median), "
-            f"{cell('pd', f'transfer_{t}_gbs', '.2f')} GB/s"
+            f"{cell('pd', f'transfer_{t}_gbs', '.3f')} GB/s"
             for t, what in ((128, "128 tokens alone"), (L, f"{L} tokens alone"), ("load", f"{L} tokens under load"))]
     H = heading(f"Prefill/decode disaggregation against one engine — {res['model']}, engine {res['engine_config']}, "
                 f"max-model-len {res['max_model_len']}, {res['num_pages']} KV pages; pd: prefill server on core 0, "
