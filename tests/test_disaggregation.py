@@ -424,9 +424,10 @@ def test_a_prefill_process_killed_while_decode_waits_fails_that_request_only(eng
             kv_transfer_params={"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5})[0]))
         t.start()
         deadline = time.monotonic() + 5
-        while not decode.engine.kv.pulling and time.monotonic() < deadline:
+        while not decode.engine.kv.asking and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert decode.engine.allocator.num_used == 2  # its pages, while it waits on the prefill side
+        assert decode.engine.kv.asking  # waiting for the prefill side to have its KV ...
+        assert decode.engine.allocator.num_used == 0  # ... without holding a page or a slot meanwhile
         time.sleep(0.3)
         proc.kill()
         t.join(10)

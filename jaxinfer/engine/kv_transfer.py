@@ -573,10 +573,17 @@ class KVReceiver:
         self.server = _start_transfer_server(cfg.transfer_host)
         self.layout = _layout(engine.runner.kv_cache, engine.ecfg)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="jaxinfer-kv-pull")
+        # the waits for a prefill side to have the KV (long polls) on threads of their own, so that a backlog of
+        # them never holds up a pull that could start
+        self._asks = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="jaxinfer-kv-ask")
         self._lock = threading.Lock()
         self._connections: dict = {}  # transfer address -> TransferConnection
         self._checked: dict = {}  # (host, port) -> None (fine) or the refusal
-        self.waiting: deque = deque()  # requests waiting for a slot and pages (engine thread)
+        # A request holds no slot and no pages until its KV is ready on the prefill side: the router sends a
+        # request to both servers at once, and a backlogged prefill server must not make this one hold pages
+        # (and preempt running streams) for prompts that are not computed yet.
+        self.asking: dict = {}  # request id -> request, waiting for the prefill side to have its KV
+        self.waiting: deque = deque()  # (request, transfer metadata): ready, waiting for a slot and pages
         self.pulling: dict = {}  # request id -> request, its pull under way
         self.pulled = 0
         self.failed = 0
@@ -600,14 +607,24 @@ class KVReceiver:
             # the prompt here and let the prefill side go
             self._pool.submit(self._ack, p, r.choice_index)
             return False
-        self.waiting.append(r)
+        self.asking[r.request_id] = r
+        self._asks.submit(self._ask, r)
         return True
+
+    def _ready(self, r, meta: dict) -> None:
+        """Engine thread: the prefill side has the request's KV; it may take a slot and pages now."""
+        if self.asking.pop(r.request_id, None) is None:
+            return
+        if r.finished:  # aborted while it waited: the prefill side may free at once
+            self._pool.submit(self._ack, r.kv_transfer, r.choice_index)
+            return
+        self.waiting.append((r, meta))
 
     def tick(self) -> None:
         """Each engine iteration: start the pulls a slot and pages allow, oldest first."""
         sched, alloc = self.engine.scheduler, self.engine.allocator
         while self.waiting:
-            r = self.waiting[0]
+            r, meta = self.waiting[0]
             if r.finished:  # aborted before its pull began: the prefill side may free at once
                 self.waiting.popleft()
                 self._pool.submit(self._ack, r.kv_transfer, r.choice_index)
@@ -620,7 +637,7 @@ class KVReceiver:
             sched.reserve(r)
             self.pulling[r.request_id] = r
             r.metrics.scheduled_time = time.perf_counter()
-            self._pool.submit(self._pull, r)
+            self._pool.submit(self._pull, r, meta)
 
     def on_finish(self, r) -> None:
         self.pulling.pop(r.request_id, None)
@@ -663,6 +680,7 @@ class KVReceiver:
 
     def _failed(self, r, err: KVTransferError) -> None:
         self.failed += 1
+        self.asking.pop(r.request_id, None)
         if self.pulling.pop(r.request_id, None) is None and r.finished:
             return
         if not r.finished:
@@ -678,9 +696,10 @@ class KVReceiver:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._asks.shutdown(wait=False, cancel_futures=True)
 
     def stats_suffix(self) -> str:
-        n = len(self.pulling) + len(self.waiting)
+        n = len(self.asking) + len(self.pulling) + len(self.waiting)
         if not (n or self.pulled or self.failed):
             return ""
         rate = self.bytes / self.seconds / 1e9 if self.seconds else 0.0
@@ -688,7 +707,8 @@ class KVReceiver:
 
     def metrics(self) -> dict:
         return {"kv_transfers_held": 0, "kv_transfer_pages_held": 0,
-                "kv_transfers_in_flight": len(self.pulling) + len(self.waiting), "kv_transfers": self.pulled,
+                "kv_transfers_in_flight": len(self.asking) + len(self.pulling) + len(self.waiting),
+                "kv_transfers": self.pulled,
                 "kv_transfers_expired": 0, "kv_transfers_failed": self.failed, "kv_transfer_bytes": self.bytes}
 
     # worker threads -----------------------------------------------------------------------
@@ -751,7 +771,9 @@ class KVReceiver:
                     raise KVTransferError(404, body.get("error", "unknown transfer id"))
                 raise KVTransferError(504, f"transfer {p.room}/{r.choice_index} not ready after {self.cfg.timeout_s:.0f} s")
 
-    def _pull(self, r) -> None:
+    def _ask(self, r) -> None:
+        """Wait until the prefill side has the request's KV (its bootstrap's long poll), then hand it to the
+        engine thread (`_ready`) to get a slot and pages."""
         p = r.kv_transfer
         try:
             try:
@@ -760,6 +782,20 @@ class KVReceiver:
                 if meta["num_tokens"] != r.prompt_len:
                     raise KVTransferError(409, f"transfer {p.room}: {meta['num_tokens']} prompt tokens there, "
                                                f"{r.prompt_len} here (not the same prompt)")
+            except KVTransferError:
+                raise
+            except (OSError, http.client.HTTPException) as e:
+                raise KVTransferError(502, f"prefill bootstrap {p.host}:{p.port} unreachable: {e}") from None
+        except KVTransferError as e:
+            self._ack(p, r.choice_index)  # whatever the prefill side holds (or will) for it is freed now
+            self._post(self._failed, r, e)
+            return
+        self._post(self._ready, r, meta)
+
+    def _pull(self, r, meta: dict) -> None:
+        p = r.kv_transfer
+        try:
+            try:
                 cache = self.engine.runner.kv_cache
                 shape = (meta["padded_pages"], *cache[0].shape[1:])
                 specs = [jax.ShapeDtypeStruct(shape, layer.dtype, sharding=layer.sharding) for layer in cache]
