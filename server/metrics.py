@@ -99,15 +99,16 @@ class _EngineCollector:
         snap = engine.stats.snapshot()
         page_size = engine.ecfg.page_size
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric(values, float(value))
-            return g
+        def one(family, name, doc, value, prefix=PREFIX):
+            m = family(prefix + name, doc, labels=labels)
+            m.add_metric(values, float(value))
+            return m
+
+        def gauge(name, doc, value, prefix=PREFIX):
+            return one(GaugeMetricFamily, name, doc, value, prefix)
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric(values, float(value))
-            return c
+            return one(CounterMetricFamily, name, doc, value)
 
         yield gauge("num_requests_running", "Number of requests in the engine's running batch.", snap["running"])
         yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", snap["waiting"])
@@ -124,7 +125,7 @@ class _EngineCollector:
         yield gauge("grpc_requests_active", "Generate calls in flight on this server.", owner.active_calls())
         for kind, name, doc, value in transfer_metrics(engine):  # a prefill or decode role's KV transfers
             yield (gauge if kind == "gauge" else counter)(name, doc, value)
-        yield from self._gateway(snap, page_size, engine.allocator.num_usable)
+        yield from self._gateway(snap, page_size, engine.allocator.num_usable, gauge)
         spec = snap.get("spec")
         if spec is not None:  # speculative decoding, as vLLM names it
             yield counter("spec_decode_num_drafts", "Verify segments that carried draft tokens.", spec["num_drafts"])
@@ -139,23 +140,20 @@ class _EngineCollector:
             yield per_pos
 
 
-    def _gateway(self, snap: dict, page_size: int, num_pages: int):
+    def _gateway(self, snap: dict, page_size: int, num_pages: int, gauge):
         """The same numbers under vLLM's names, for the gateways that read them (the model-server protocol of
         Kubernetes' Gateway API Inference Extension: TotalQueuedRequests, TotalRunningRequests,
         KVCacheUtilization, and the prefix-cache scorer's BlockSize and NumGPUBlocks)."""
         labels, values = self._owner.label_names, self._owner.label_values
-
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(GATEWAY_PREFIX + name, doc, labels=labels)
-            g.add_metric(values, float(value))
-            return g
-
-        yield gauge("num_requests_running", "Requests in the engine's running batch (vLLM's name).", snap["running"])
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", snap["waiting"])
-        yield gauge("kv_cache_usage_perc", "KV-cache usage, the fraction of pages in use, 1 = full (vLLM's name).",
-                    snap["kv_usage"])
-        yield gauge("gpu_cache_usage_perc", "KV-cache usage, the fraction of pages in use (vLLM's older name).",
-                    snap["kv_usage"])
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the engine's running batch (vLLM's name).", snap["running"]),
+            ("num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", snap["waiting"]),
+            ("kv_cache_usage_perc", "KV-cache usage, the fraction of pages in use, 1 = full (vLLM's name).",
+             snap["kv_usage"]),
+            ("gpu_cache_usage_perc", "KV-cache usage, the fraction of pages in use (vLLM's older name).",
+             snap["kv_usage"]),
+        ):
+            yield gauge(name, doc, value, prefix=GATEWAY_PREFIX)
         info = GaugeMetricFamily(GATEWAY_PREFIX + "cache_config_info",
                                  "The KV cache's page size (block_size) and page count (num_gpu_blocks), as labels.",
                                  labels=labels + ["block_size", "num_gpu_blocks"])

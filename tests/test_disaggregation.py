@@ -11,31 +11,18 @@ import time
 import pytest
 
 import jaxinfer
-from conftest import TINY, TINY_ENGINE, tiny_params
+from conftest import TINY, TINY_ENGINE, char_tokenizer, tiny_params
 from jaxinfer import SamplingParams
 from jaxinfer.engine.kv_transfer import KVTransferParams, error_status
 
 
-def _char_tokenizer(path):
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    from jaxinfer.text.tokenizer import Tokenizer
-
-    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant: {% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return Tokenizer.from_dir(path)
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    tok = _char_tokenizer(tmp_path_factory.mktemp("tok"))
+    tok = char_tokenizer(tmp_path_factory.mktemp("tok"), TEMPLATE)
     params = tiny_params()
 
     def make(**kw):

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from conftest import save_char_model
 from jaxinfer.config import GenerationDefaults
 from jaxinfer.loading.generation_config import (
     FALLBACK,
@@ -24,8 +25,6 @@ from jaxinfer.sampling_params import SamplingParams
 
 SEED, N = 7, 12
 MESSAGES = [{"role": "user", "content": "hello world"}]
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }} | {% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 # --------------------------------------------------------------------------- #
@@ -142,35 +141,7 @@ def test_cli_default_max_tokens_is_the_rest_of_the_context_capped():
 def model_dir(tmp_path_factory):
     """A tiny random-weight model with a character tokenizer and a chat template that ships no sampling
     defaults (as SmolLM2's GGUF), saved as a directory."""
-    import jax
-    import numpy as np
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    import jaxinfer
-    from conftest import TINY
-    from jaxinfer.models import llama
-    from jaxinfer.ops.spec import is_spec
-    from jaxinfer.text.tokenizer import Tokenizer
-
-    src = tmp_path_factory.mktemp("tokenizer")
-    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(str(src / "tokenizer.json"))
-    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    rng = np.random.default_rng(1)
-
-    def init(s):
-        if s.init in ("ones", "zeros"):
-            return (np.ones if s.init == "ones" else np.zeros)(s.shape, s.dtype)
-        return (0.3 * rng.standard_normal(s.shape)).astype(s.dtype)
-
-    params = jax.tree.map(init, llama.param_specs(TINY), is_leaf=is_spec)
-    return jaxinfer.save_model(tmp_path_factory.mktemp("models") / "tiny", TINY, params,
-                               tokenizer=Tokenizer.from_dir(src))
-
+    return save_char_model(tmp_path_factory, seed=1)
 
 def _flags(model_dir) -> list:
     return ["--model", str(model_dir), "--engine-config", "cpu", "--max-model-len", "64", "--num-pages", "16"]

@@ -11,10 +11,15 @@ import sys
 
 import pytest
 
-from test_cli import tiny_model_dir  # noqa: F401  (a module fixture: the tiny model saved as a directory)
+from conftest import save_char_model
 
 from jaxinfer.ops import kernels
 from jaxinfer.ops.kernels import install
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return save_char_model(tmp_path_factory)
 
 
 def _recording_compiler(tmp_path, then_run: str = "") -> tuple[str, str]:

@@ -17,7 +17,6 @@ Skipped where sglang-router is not installed (``pip install sglang-router``; the
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -34,51 +33,17 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip
 
 import openai  # noqa: E402
 
-from conftest import TINY  # noqa: E402
+from conftest import free_port, save_char_model  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }} | {% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 SERVE_ARGS = ["--engine-config", "cpu", "--max-model-len", "128", "--num-pages", "40", "--no-warmup", "--verbose"]
 NUM_PAGES = 40
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random-weight model with a character-level tokenizer and a chat template, saved as a directory."""
-    import jax
-    import numpy as np
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    import jaxinfer
-    from jaxinfer.models import llama
-    from jaxinfer.ops.spec import is_spec
-    from jaxinfer.text.tokenizer import Tokenizer
-
-    src = tmp_path_factory.mktemp("tokenizer")
-    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(str(src / "tokenizer.json"))
-    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    rng = np.random.default_rng(0)
-
-    def init(s):
-        if s.init in ("ones", "zeros"):
-            return (np.ones if s.init == "ones" else np.zeros)(s.shape, s.dtype)
-        return (0.3 * rng.standard_normal(s.shape)).astype(s.dtype)
-
-    params = jax.tree.map(init, llama.param_specs(TINY), is_leaf=is_spec)
-    return jaxinfer.save_model(tmp_path_factory.mktemp("models") / "tiny", TINY, params,
-                               tokenizer=Tokenizer.from_dir(src))
-
+    return save_char_model(tmp_path_factory)
 
 class Proc:
     """A child process whose output goes to a file (read at any time, never a full pipe)."""
@@ -124,9 +89,9 @@ def _get(url: str):
 
 class Replica:
     def __init__(self, model_dir):
-        self.http_port = _free_port()
+        self.http_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
-        argv = [sys.executable, "-m", "jaxinfer", "serve", "--model", str(model_dir), "--port", str(_free_port()),
+        argv = [sys.executable, "-m", "jaxinfer", "serve", "--model", str(model_dir), "--port", str(free_port()),
                 "--http-port", str(self.http_port), *SERVE_ARGS]
         self.p = Proc(argv, env={"JAX_PLATFORMS": "cpu"})
 
@@ -149,10 +114,10 @@ class Replica:
 
 class Router:
     def __init__(self, workers, policy: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-port", str(_free_port()), "--policy", policy, "--health-check-interval-secs", "1",
+                "--prometheus-port", str(free_port()), "--policy", policy, "--health-check-interval-secs", "1",
                 "--worker-urls", *[w.url for w in workers]]
         self.n = len(workers)
         self.p = Proc(argv)
@@ -342,10 +307,10 @@ class PDRouter(Router):
     """launch_router in its PD mode: the prefill server with its bootstrap port, the decode server."""
 
     def __init__(self, prefill, decode, bootstrap_port: int):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-port", str(_free_port()), "--pd-disaggregation", "--health-check-interval-secs", "1",
+                "--prometheus-port", str(free_port()), "--pd-disaggregation", "--health-check-interval-secs", "1",
                 "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
         self.n = 2
         self.p = Proc(argv)
@@ -353,9 +318,9 @@ class PDRouter(Router):
 
 class RoleServer(Replica):
     def __init__(self, model_dir, *role):
-        self.http_port = _free_port()
+        self.http_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
-        argv = [sys.executable, "-m", "jaxinfer", "serve", "--model", str(model_dir), "--port", str(_free_port()),
+        argv = [sys.executable, "-m", "jaxinfer", "serve", "--model", str(model_dir), "--port", str(free_port()),
                 "--http-port", str(self.http_port), *SERVE_ARGS, *role]
         self.p = Proc(argv, env={"JAX_PLATFORMS": "cpu"})
 
@@ -364,7 +329,7 @@ def test_prefill_and_decode_servers_behind_the_router_give_the_single_engines_an
     """launch_router --pd-disaggregation over a jaxinfer prefill server and a jaxinfer decode server: the openai
     client's chat and completions, streamed and not, are a single engine's answers token for token and logprob
     for logprob, the KV having moved from the prefill server to the decode server; both end with no KV held."""
-    bootstrap = _free_port()
+    bootstrap = free_port()
     prefill = RoleServer(model_dir, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                          str(bootstrap))
     decode = RoleServer(model_dir, "--disaggregation-mode", "decode")

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 import jaxinfer
-from conftest import TINY
+from conftest import free_port, save_char_model
 from jaxinfer import progress
 from jaxinfer.server import ServerConfig
 from jaxinfer.server.client import Client, Unavailable
@@ -39,37 +39,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random-weight model with a character-level tokenizer, saved as a model directory."""
-    import jax
-    import numpy as np
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    from jaxinfer.models import llama
-    from jaxinfer.ops.spec import is_spec
-    from jaxinfer.text.tokenizer import Tokenizer
-
-    src = tmp_path_factory.mktemp("tokenizer")
-    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.save(str(src / "tokenizer.json"))
-    rng = np.random.default_rng(0)
-
-    def init(s):
-        if s.init in ("ones", "zeros"):
-            return (np.ones if s.init == "ones" else np.zeros)(s.shape, s.dtype)
-        return (0.3 * rng.standard_normal(s.shape)).astype(s.dtype)
-
-    params = jax.tree.map(init, llama.param_specs(TINY), is_leaf=is_spec)
-    return jaxinfer.save_model(tmp_path_factory.mktemp("models") / "tiny", TINY, params,
-                               tokenizer=Tokenizer.from_dir(src))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return save_char_model(tmp_path_factory, chat_template=None)
 
 
 def _serve(model_dir, grpc_port: int, http_port: int) -> subprocess.Popen:
@@ -108,7 +78,7 @@ def _first_health(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> t
 
 
 def test_serve_answers_health_503_loading_at_once_then_200_and_grpc_serving_once_ready(tiny_dir):
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     proc = _serve(tiny_dir, grpc_port, http_port)
     url = f"http://127.0.0.1:{http_port}"
     try:
@@ -152,7 +122,7 @@ def test_serve_answers_health_503_loading_at_once_then_200_and_grpc_serving_once
 
 
 def test_serve_stopped_while_loading_exits_at_once(tiny_dir):
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     proc = _serve(tiny_dir, grpc_port, http_port)
     try:
         _, status, body = _first_health(http_port, proc)
