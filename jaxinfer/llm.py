@@ -186,10 +186,7 @@ class LLM:
         ``params.n`` > 1 use `make_requests`.
         """
         _one_choice(params)
-        transfer = KVTransferParams.of(options.pop("kv_transfer_params", None))
-        r = self.processor.process(prompt, params, **options)
-        r.kv_transfer = transfer
-        return r
+        return self.make_requests(prompt, params, **options)[0]
 
     def make_requests(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> list:
         """One validated `Request` per choice of ``params.n`` (the prompt tokenized once); the
@@ -207,16 +204,12 @@ class LLM:
         ``bootstrap_host`` and ``bootstrap_port`` (vLLM's ``kv_transfer_params`` keys are read too).
         """
         transfer = KVTransferParams.of(options.pop("kv_transfer_params", None))
-        reqs = self._make_requests(prompt, params, **options)
-        for r in reqs:
-            r.kv_transfer = transfer
-        return reqs
-
-    def _make_requests(self, prompt: Prompt, params: Optional[SamplingParams] = None, **options) -> list:
         params = self.processor.default_sampling_params() if params is None else params
         n = params.n if isinstance(params, SamplingParams) else 1
         if n == 1:
-            return [self.processor.process(prompt, params, **options)]
+            r = self.processor.process(prompt, params, **options)
+            r.kv_transfer = transfer
+            return [r]
         base = options.pop("request_id", None)
         if base is not None and (not isinstance(base, str) or not base):
             raise ValueError(f"request_id must be a non-empty string, got {base!r}.")
@@ -233,7 +226,7 @@ class LLM:
                 priority=first.priority, fit_max_tokens=options.get("fit_max_tokens", False),
             ))
         for i, r in enumerate(reqs):
-            r.choice_index, r.group_id = i, base
+            r.choice_index, r.group_id, r.kv_transfer = i, base, transfer
         return reqs
 
     def _chat_requests(self, messages, params, chat_template_kwargs, add_generation_prompt) -> list:
