@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from test_cli import CHAT_TEMPLATE
+from conftest import CHAR_CHAT_TEMPLATE as CHAT_TEMPLATE
 
 CMD = [sys.executable, "-m", "jaxinfer"]
 # few programs: one batch row bucket for a conversation, two chunk lengths
