@@ -10,6 +10,8 @@ import os
 OFF = frozenset({"0", "false", "no", "off"})
 ON = frozenset({"1", "true", "yes", "on"})
 CPU_AMX = "JAXINFER_CPU_AMX"  # bfloat16 products on AMX tiles where the CPU has them (x rounded to bfloat16); on unless 0
+# int8 / int4 products by VNNI where the CPU has AVX512-VNNI (x quantized to int8 per block of 32); on unless 0
+CPU_VNNI = "JAXINFER_CPU_VNNI"
 # the CPU kernels built at install time (`jaxinfer.ops.kernels.install`); on unless 0 (then built on first use)
 INSTALLED_KERNELS = "JAXINFER_INSTALLED_KERNELS"
 BATCH_INVARIANT = "JAXINFER_BATCH_INVARIANT"  # batch-invariant mode (`jaxinfer.ops.invariant`); off unless set

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops import cpu_matmul, quant
+from jaxinfer.ops import backend, cpu_matmul, quant
 from jaxinfer.env import cpu_flags
 from jaxinfer.ops.backend import KernelChoice
 from jaxinfer.ops.quant import QuantizedWeight
@@ -61,10 +61,13 @@ def make_weight(rng, scheme: str, k: int, n: int):
 
 def as_multiplied(x, w, targets=None):
     """x as the kernel multiplies it by ``w``: rounded to bfloat16 where the build's path takes a bfloat16
-    weight on the AMX tiles (`cpu_matmul.bf16_dot`), else as it is (float32)."""
+    weight on the AMX tiles (`cpu_matmul.bf16_dot`), quantized per block of 32 where it takes a quantized
+    weight by VNNI (`cpu_matmul.int8_dot`), else as it is (float32)."""
     simd = targets.get("isa", "") if targets else KernelChoice.loaded().simd
     if cpu_matmul.bf16_dot(w, simd):
         return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    if cpu_matmul.int8_dot(w, simd):
+        return np.asarray(cpu_matmul.quantize_x(jnp.asarray(x)))
     return x
 
 
@@ -255,9 +258,9 @@ def test_thread_split_does_not_change_bits():
 def test_eager_and_x_dtype():
     w, _, ref = cases(64, 100)["int4-g32"]
     x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
-    check(np.asarray(cpu_matmul.matmul(jnp.asarray(x), w)), x, ref)
+    check(np.asarray(cpu_matmul.matmul(jnp.asarray(x), w)), as_multiplied(x, w), ref)
     y = cpu_matmul.matmul(jnp.asarray(x, jnp.bfloat16), w)  # x is taken as float32
-    check(np.asarray(y), np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)), ref)
+    check(np.asarray(y), as_multiplied(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)), w), ref)
 
 
 def test_jvp_matches_xla():
@@ -279,17 +282,19 @@ def _variant(flags, isa, required):
 
 
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+NO_DOTS = [*NO_AMX, "-mno-avx512vnni"]  # AVX-512 without the dot instructions: float products only
 
 
 @pytest.mark.parametrize("name", ["avx512", "avx2", "scalar"])
 def test_other_builds(name):
-    """The AVX-512 path without AMX (bfloat16 weights widened, x in float32: every AVX-512 CPU without
-    AMX, and ``JAXINFER_CPU_AMX=0``), the AVX2 path (8 lanes, 12-row decode tiles) and the scalar fallback
+    """The AVX-512 path without AMX or VNNI (bfloat16 weights widened, quantized ones too, x in float32:
+    AVX-512 CPUs without them, and ``JAXINFER_CPU_AMX=0 JAXINFER_CPU_VNNI=0``), the AVX2 path (8 lanes, 12-row decode tiles) and the scalar fallback
     (8-row tiles): against the reference, and the same row bits alone and among others across their tiles."""
     if name == "avx512":
-        if KernelChoice.loaded().simd != "amx":
-            pytest.skip("no AMX path here: the default build is the AVX-512 (or narrower) one the tests above run")
-        targets = _variant(["-O3", "-march=native", *NO_AMX, "-fopenmp-simd"], "avx512", {"avx512f"})
+        if not backend.simd_features(KernelChoice.loaded().simd):
+            pytest.skip("no AMX or VNNI path here: the default build is the plain AVX-512 (or narrower) one the "
+                        "tests above run")
+        targets = _variant(["-O3", "-march=native", *NO_DOTS, "-fopenmp-simd"], "avx512", {"avx512f"})
         for m in (1, 5, 16, 17, 130):
             run_all(m, SHAPES, targets=targets)
         check_invariance((1, 2, 16, 17, 48, 100), targets=targets)
@@ -297,16 +302,21 @@ def test_other_builds(name):
         with pytest.raises(Exception, match="bf16_dot asks for AMX bfloat16 products"):
             jax.block_until_ready(jax.ffi.ffi_call(targets["float"], jax.ShapeDtypeStruct((2, 8), jnp.float32))(
                 x, jnp.ones((64, 8), jnp.bfloat16), w_contract=np.int64(0), share=True, bf16_dot=True))
+        with pytest.raises(Exception, match="int8_dot asks for VNNI integer products"):
+            jax.block_until_ready(jax.ffi.ffi_call(targets["q"], jax.ShapeDtypeStruct((2, 8), jnp.float32))(
+                x, jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float16), jnp.zeros((0, 8), jnp.float16),
+                bits=np.int64(8), group=np.int64(32), w_contract=np.int64(0), share=True, int8_dot=True))
         return
     if name == "avx2":
         if "avx512f" not in cpu_flags():
             pytest.skip("no AVX-512 here: the default build is this AVX2 build, which every test above runs")
-        targets = _variant(["-O3", "-march=native", "-mno-avx512f", *NO_AMX, "-fopenmp-simd"], "avx2",
+        targets = _variant(["-O3", "-march=native", "-mno-avx512f", *NO_DOTS, "-fopenmp-simd"], "avx2",
                            {"avx2", "fma", "f16c"})
         rows = (1, 5, 12, 13, 25, 48, 130)
         inv = (1, 2, 7, 12, 13, 19, 48, 64, 128)
     else:
-        targets = _variant(["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma", *NO_AMX], "scalar", set())
+        targets = _variant(["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma", *NO_DOTS], "scalar",
+                           set())
         rows = (1, 9, 48, 130)
         inv = (1, 3, 8, 9, 13, 48, 100)
     for m in rows:
@@ -339,8 +349,8 @@ def test_errors_name_the_problem():
                          **fshare))
     q8, s = jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8), jnp.float16)
     none = jnp.zeros((0, 8), jnp.float16)
-    def qattrs(bits, group, wc=0):
-        return dict(bits=np.int64(bits), group=np.int64(group), w_contract=np.int64(wc), **share)
+    def qattrs(bits, group, wc=0, int8_dot=False):
+        return dict(bits=np.int64(bits), group=np.int64(group), w_contract=np.int64(wc), int8_dot=int8_dot, **share)
     _raises(r"scale \[3, 8\] should be \[2, 8\]",
             lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, jnp.ones((3, 8), jnp.float16), none, **qattrs(8, 32)))
     _raises(r"group 48 must be positive, divide K = 64",
@@ -367,6 +377,12 @@ def test_errors_name_the_problem():
             lambda: call(cpu_matmul.TARGET_Q, (2, 9), x, qt, st, none, **qattrs(8, 32, 1)))
     _raises(r"w_contract must be 0 or 1",
             lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, qt, st, none, **qattrs(8, 32, 2)))
+    if cpu_matmul.isa() and "vnni" in backend.simd_features(cpu_matmul.isa()):  # the VNNI path's own limits
+        _raises(r"int8_dot takes groups of a multiple of 32 contraction rows, got group 16",
+                lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, q8, jnp.ones((4, 8), jnp.float16), none,
+                             **qattrs(8, 16, int8_dot=True)))
+        _raises(r"int8_dot takes a \[K, N\] weight \(w_contract 0\), got w_contract 1",
+                lambda: call(cpu_matmul.TARGET_Q, (2, 8), x, qt, st, none, **qattrs(8, 32, 1, int8_dot=True)))
     # through matmul: a weight whose K does not match x
     wt, _ = transposed_cases()[(64, 100, 32)]
     _raises(r"do not agree on the contraction", lambda: cpu_matmul.matmul(jnp.ones((2, 576), f32), wt, 1))

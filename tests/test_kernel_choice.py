@@ -38,6 +38,13 @@ def test_a_choice_is_a_frozen_hashable_value():
         KernelChoice("tpu", cpu_matmul=True)
     with pytest.raises(ValueError, match="simd"):
         KernelChoice("cpu", simd="sse9")
+    # the AVX-512 level with its dot instructions after it, and nothing else
+    for simd in ("avx512+amx+vnni", "avx512+vnni", "avx512+amx", "avx2", "scalar"):
+        assert KernelChoice("cpu", cpu_matmul=True, simd=simd).simd == simd
+    for bad in ("avx2+vnni", "avx512+sve", "amx", "scalar+amx"):
+        with pytest.raises(ValueError, match="simd must be one of"):
+            KernelChoice("cpu", simd=bad)
+    assert KernelChoice("cpu", simd="avx512+vnni") != KernelChoice("cpu", simd="avx512")  # other programs
 
 
 def test_a_choice_for_another_platform_is_built_on_this_host():
@@ -130,6 +137,8 @@ def test_the_traced_config_values_reach_the_key_as_data():
     ["-O3", "-march=native", "-mno-avx512f", "-fopenmp-simd"],  # the AVX2 path
     ["-O2", "-march=native", "-mno-avx512f", "-mno-avx2", "-mno-fma"],  # the scalar path
     ["-O3", "-march=skylake-avx512", "-fopenmp-simd"],  # the AVX-512 path (checked, not run: -fsyntax-only)
+    ["-O3", "-march=icelake-server", "-fopenmp-simd"],  # AVX-512 with VNNI, no AMX
+    ["-O3", "-march=sapphirerapids", "-fopenmp-simd"],  # AVX-512 with VNNI and AMX
 ])
 def test_the_kernels_compile_without_warnings(source, flags):
     if kernels.compiler() is None:

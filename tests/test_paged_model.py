@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, TINY_ENGINE, tiny_params
-from jaxinfer.ops import kv_cache
+from jaxinfer.ops import backend, kv_cache
 from jaxinfer.engine import step
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.config import EngineConfig, RopeScaling
@@ -23,8 +24,24 @@ PS = TINY_ENGINE.page_size
 fwd = jax.jit(llama.forward, static_argnums=1)
 
 
-def full_logits(params, cfg, seq):
-    """Logits at every position from one pass over `seq` on a fresh cache (no reuse)."""
+@functools.partial(jax.jit, static_argnums=(1, 5))
+def _fwd_with(params, cfg, ids, cache, attn, choice):
+    with backend.using(choice):
+        return llama.forward(params, cfg, ids, cache, attn)
+
+
+def full_logits(params, cfg, seq, choice=None):
+    """Logits at every position from one pass over `seq` on a fresh cache (no reuse); ``choice``: traced with
+    these kernels (`jaxinfer.ops.backend.KernelChoice`), not whichever the host had at the first trace."""
+    if choice is not None:
+        n = len(seq)
+        cache = kv_cache.init_cache(cfg, EngineConfig(page_size=PS, num_pages=n // PS + 2))
+        pos = np.arange(n, dtype=np.int32)[None]
+        table = np.arange(1, 1 + -(-n // PS), dtype=np.int32)[None]
+        attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, PS), table, np.array([n], np.int32))
+        h, _ = _fwd_with(params, cfg, jnp.asarray([seq], jnp.int32), cache, attn, choice)
+        with backend.using(choice):
+            return np.asarray(llama.logits(params, cfg, h[0]))
     n = len(seq)
     eng = EngineConfig(page_size=PS, num_pages=n // PS + 2)
     cache = kv_cache.init_cache(cfg, eng)

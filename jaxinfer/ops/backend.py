@@ -50,7 +50,13 @@ from jaxinfer.ops.attention_pallas import tpu_kernel_fits
 from jaxinfer.ops.attention_pallas_gpu import gpu_kernel_fits
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-SIMD_LEVELS = ("", "amx", "avx512", "avx2", "scalar")
+SIMD_LEVELS = ("", "avx512", "avx2", "scalar")
+SIMD_FEATURES = ("amx", "vnni")  # an AVX-512 build's dot instructions, "+"-joined after the level: "avx512+amx+vnni"
+
+
+def simd_features(simd: str) -> tuple:
+    """The "+feature"s of a `KernelChoice.simd` string ("avx512+amx+vnni" -> ("amx", "vnni"))."""
+    return tuple(simd.split("+")[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +72,12 @@ class KernelChoice:
                    unless ``JAXINFER_GPU_KERNELS=0`` (`for_platform`).
     gpu_interpret: that kernel in Pallas interpret mode: a cuda program that runs on a CPU host (tests, a
                    device check's quick run on CPU); never on a GPU (slow).
-    simd:          the SIMD path of the CPU matmul kernel ("amx", "avx512", "avx2", "scalar"; "" when unknown
-                   or not used): a different build of the same source, so programs compiled with one are not
-                   programs of the other. "amx" is AVX-512 with bfloat16 weights' products on the AMX tiles
-                   (activations rounded to bfloat16 for them; `jaxinfer.ops.cpu_matmul`).
+    simd:          the SIMD path of the CPU matmul kernel ("avx512", "avx2", "scalar"; "" when unknown or not
+                   used) and on AVX-512 its dot instructions ("+amx": bfloat16 weights' products on the AMX
+                   tiles, activations rounded to bfloat16; "+vnni": int8 / int4 weights' products by VNNI,
+                   activations quantized to int8 per block of 32; `jaxinfer.ops.cpu_matmul`), e.g.
+                   "avx512+amx+vnni": a different build, or different products, of the same source, so programs
+                   compiled with one are not programs of the other.
     matmul_precision: XLA's float32 products (dot_general, einsums) at the platform's "default" precision
                    (TF32 on NVIDIA GPUs, one bfloat16 pass on TPUs) or at "highest" (full float32). The
                    native CPU kernels compute float32 exactly either way.
@@ -103,8 +111,10 @@ class KernelChoice:
             raise ValueError(f"the Pallas GPU attention runs on the cuda platform only, not {self.platform!r}")
         if self.gpu_interpret and not self.gpu_attention:
             raise ValueError("gpu_interpret is the Pallas GPU attention's interpret mode: it needs gpu_attention")
-        if self.simd not in SIMD_LEVELS:
-            raise ValueError(f"simd must be one of {', '.join(repr(s) for s in SIMD_LEVELS)}, got {self.simd!r}")
+        level, features = self.simd.split("+")[0], simd_features(self.simd)
+        if level not in SIMD_LEVELS or not set(features) <= set(SIMD_FEATURES) or (features and level != "avx512"):
+            raise ValueError(f"simd must be one of {', '.join(repr(s) for s in SIMD_LEVELS)}, \"avx512\" with any of "
+                             f"{', '.join('+' + f for f in SIMD_FEATURES)} after it, got {self.simd!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")
@@ -319,14 +329,19 @@ def dtype_choice(backend: Optional[str] = None) -> tuple[str, str]:
     if isa == "scalar":
         return "float32", ("the native CPU kernel has no SIMD path here (AVX2 or AVX-512), and XLA's bfloat16 "
                            "product is not batch-invariant")
-    if isa == "amx":
+    if "amx" in simd_features(isa):
         return "bfloat16", ("the native CPU kernel multiplies bfloat16 weights on the AMX tiles (activations "
                             "rounded to bfloat16, float32 sums)")
-    return "bfloat16", (f"the native CPU kernel ({_ISA_NAMES[isa]}) reads bfloat16 weights (half of float32's "
+    return "bfloat16", (f"the native CPU kernel ({isa_name(isa)}) reads bfloat16 weights (half of float32's "
                         f"bytes) against float32 activations")
 
 
-_ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "amx": "AVX-512 + AMX", "scalar": "no SIMD"}
+_ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2", "scalar": "no SIMD", "amx": "AMX", "vnni": "VNNI"}
+
+
+def isa_name(simd: str) -> str:
+    """A `KernelChoice.simd` string as the load line says it: "avx512+amx+vnni" -> "AVX-512 + AMX + VNNI"."""
+    return " + ".join(_ISA_NAMES.get(part, part) for part in simd.split("+"))
 
 
 def kernels_note(backend: Optional[str] = None) -> str:
@@ -337,7 +352,7 @@ def kernels_note(backend: Optional[str] = None) -> str:
     if not kernels.enabled():
         return "CPU kernels off (JAXINFER_CPU_KERNELS=0): XLA's own products and attention"
     isa = _matmul_isa()
-    matmul = f"matmul native ({_ISA_NAMES.get(isa, isa)})" if isa else "matmul XLA (native kernel unavailable)"
+    matmul = f"matmul native ({isa_name(isa)})" if isa else "matmul XLA (native kernel unavailable)"
     attention = ("attention native" if kernels.ready(kernels.PAGED_ATTENTION)
                  else "attention pure-JAX (native kernel unavailable)")
     return f"CPU kernels: {matmul}, {attention}"

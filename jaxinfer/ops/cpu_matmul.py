@@ -32,7 +32,8 @@ the `KernelChoice` that says whether programs use it). In a trace, call `matmul`
 `fits` says so; `fits` reads only the choice (the step's), never the process's registry, and is
 False where the choice has no CPU matmul (off CPU, ``JAXINFER_CPU_KERNELS=0``, a failed build),
 for a weight it does not take, and under a multi-device mesh (XLA cannot partition a custom call).
-`matmul`'s derivatives are those of the XLA formula (`xla_matmul`), which computes the same function.
+`matmul`'s derivatives are those of the XLA formula (`xla_matmul`), which computes the same function (on
+the VNNI path x's quantization is passed straight through).
 """
 
 from __future__ import annotations
@@ -141,13 +142,27 @@ def fits(rows: int, w: Any, w_contract: int = 0, choice: Optional[KernelChoice] 
     )
 
 
-def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0, bf16_x: bool = False) -> jax.Array:
+def quantize_x(x2: jax.Array) -> jax.Array:
+    """x as the VNNI path multiplies it (`int8_dot`), in float32: per row and block of `DOT_BLOCK` values,
+    xq = round-to-nearest-even(x * 127 / max |x|) in [-127, 127], times max |x| / 127 (zeros stay zeros)."""
+    m, k = x2.shape
+    xb = x2.astype(jnp.float32).reshape(m, k // DOT_BLOCK, DOT_BLOCK)
+    mx = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    inv = jnp.where(mx > 0, 127.0 / jnp.where(mx > 0, mx, 1.0), 0.0)
+    xq = jnp.clip(jnp.round(xb * inv), -127, 127)
+    return (xq * (mx / 127.0)).reshape(m, k)
+
+
+def xla_matmul(x2: jax.Array, w: Any, w_contract: int = 0, bf16_x: bool = False, q8_x: bool = False) -> jax.Array:
     """XLA's path for the same function: dequantize (a quantized weight) or widen (a 16-bit
-    one), then dot, in float32 (``bf16_x``: x rounded to bfloat16 first, as the AMX path does). The
-    kernel's derivatives; the reference its tests use."""
+    one), then dot, in float32 (``bf16_x``: x rounded to bfloat16 first, as the AMX path does;
+    ``q8_x``: x quantized per block as the VNNI path does, `quantize_x`). The kernel's derivatives;
+    the reference its tests use."""
     f32 = jnp.float32
     if bf16_x:
         x2 = x2.astype(jnp.bfloat16)
+    if q8_x:
+        x2 = quantize_x(x2)
     if isinstance(w, QuantizedWeight) and _axis(w) == 1 and w.bits == 8 and w.offset is None:
         n, k = w.q.shape  # [N, K], scale [N, K / group]
         group = w.group or k
@@ -174,18 +189,38 @@ def matmul(x2: jax.Array, w: Any, w_contract: int = 0, targets: Optional[dict] =
     if share is None:
         share = mesh.tp_size() == 1
     simd = targets.get("isa", "") if targets else backend.current().simd
-    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names, bool(share), bf16_dot(w, simd))
+    return _kernel_matmul(x2.astype(jnp.float32), w, w_contract, names, bool(share), dot_kind(w, simd))
+
+
+# x's quantization block on the VNNI path (`int8_dot`; the kernel's vnni::kQ).
+DOT_BLOCK = 32
 
 
 def bf16_dot(w: Any, simd: str) -> bool:
     """Whether the kernel built for ``simd`` multiplies ``w`` on the AMX tiles with x rounded to
-    bfloat16 (a bfloat16 weight on the "amx" path), rather than x in float32 times the widened weight."""
-    return (simd == "amx" and not isinstance(w, QuantizedWeight)
+    bfloat16 (a bfloat16 weight on an "+amx" path), rather than x in float32 times the widened weight."""
+    return ("amx" in backend.simd_features(simd) and not isinstance(w, QuantizedWeight)
             and jnp.dtype(getattr(w, "dtype", jnp.float32)) == jnp.bfloat16)
 
 
+def int8_dot(w: Any, simd: str) -> bool:
+    """Whether the kernel built for ``simd`` multiplies ``w`` by VNNI integer dots with x quantized to int8
+    per row and block of `DOT_BLOCK` (`quantize_x`): a [K, N] int8 or int4 weight whose groups are a
+    multiple of the block, on a "+vnni" path. Decided by the weight alone, never by the rows, so a row's
+    result is the same whatever the batch."""
+    if "vnni" not in backend.simd_features(simd) or not isinstance(w, QuantizedWeight) or _axis(w) != 0:
+        return False
+    k = w.shape[0]
+    return k % DOT_BLOCK == 0 and (w.group or k) % DOT_BLOCK == 0
+
+
+def dot_kind(w: Any, simd: str) -> str:
+    """The kernel's products for ``w`` on ``simd``: "bf16" (`bf16_dot`), "int8" (`int8_dot`) or "" (x in float32)."""
+    return "bf16" if bf16_dot(w, simd) else ("int8" if int8_dot(w, simd) else "")
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
-def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool, amx: bool = False):
+def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool, dot: str = ""):
     m, k = x2.shape
     if isinstance(w, QuantizedWeight):
         qc = 1 if _axis(w) == 1 else 0  # the axis of q that meets x's K
@@ -193,12 +228,14 @@ def _kernel_matmul(x2, w, w_contract: int, names: tuple, share: bool, amx: bool 
         offset = w.offset if w.offset is not None else jnp.zeros((0, n), jnp.float16)
         return jax.ffi.ffi_call(names[1], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
             x2, w.q, w.scale, offset, bits=np.int64(w.bits), group=np.int64(w.group or k), w_contract=np.int64(qc),
-            share=share)
+            share=share, int8_dot=dot == "int8")
     n = w.shape[1 - w_contract]
     return jax.ffi.ffi_call(names[0], jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")(
-        x2, w, w_contract=np.int64(w_contract), share=share, bf16_dot=amx)
+        x2, w, w_contract=np.int64(w_contract), share=share, bf16_dot=dot == "bf16")
 
 
 @_kernel_matmul.defjvp
-def _kernel_matmul_jvp(w_contract, names, share, amx, primals, tangents):
-    return jax.jvp(functools.partial(xla_matmul, w_contract=w_contract, bf16_x=amx), primals, tangents)
+def _kernel_matmul_jvp(w_contract, names, share, dot, primals, tangents):
+    # x's quantization on the VNNI path has a zero derivative almost everywhere: its derivative is taken
+    # as the identity (straight through), i.e. that of the float product.
+    return jax.jvp(functools.partial(xla_matmul, w_contract=w_contract, bf16_x=dot == "bf16"), primals, tangents)

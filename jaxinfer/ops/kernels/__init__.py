@@ -33,7 +33,7 @@ import warnings
 from typing import Optional, Sequence
 
 from jaxinfer import progress
-from jaxinfer.env import CPU_AMX, INSTALLED_KERNELS, cache_root, cpu_flags, is_on
+from jaxinfer.env import CPU_AMX, CPU_VNNI, INSTALLED_KERNELS, cache_root, cpu_flags, is_on
 from jaxinfer.ops.kernels import install
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -137,15 +137,22 @@ def library(source: str) -> Optional[ctypes.CDLL]:
 
 
 def matmul_isa(lib: ctypes.CDLL) -> str:
-    """The SIMD path a build of `MATMUL` runs: "amx" (AVX-512, with bfloat16 weights' products on the AMX
+    """The SIMD path a build of `MATMUL` runs: "avx512", "avx2" or "scalar", and on AVX-512 the dot
+    instructions its products use, each as "+feature": "+amx" (bfloat16 weights' products on the AMX
     tiles: built for a CPU with AMX-BF16, the OS grants the tile state, and ``$JAXINFER_CPU_AMX`` is not
-    0), "avx512", "avx2" or "scalar"."""
+    0), "+vnni" (int8 / int4 weights' products by VNNI: built for a CPU with AVX512-VNNI, and
+    ``$JAXINFER_CPU_VNNI`` is not 0). E.g. "avx512+amx+vnni"."""
     fn = lib.JaxinferMatmulIsa
     fn.restype = ctypes.c_char_p
     isa = fn().decode()
-    if isa == "avx512" and is_on(CPU_AMX) and lib.JaxinferMatmulAmx():
-        return "amx"
-    return isa
+    if isa != "avx512":
+        return isa
+    features = []
+    if is_on(CPU_AMX) and lib.JaxinferMatmulAmx():
+        features.append("amx")
+    if is_on(CPU_VNNI) and hasattr(lib, "JaxinferMatmulVnni") and lib.JaxinferMatmulVnni():
+        features.append("vnni")
+    return "+".join([isa, *features])
 
 
 def build(source: str, flags: Optional[Sequence[str]] = None) -> str:

@@ -90,6 +90,12 @@
 #include <unistd.h>
 #endif
 
+// The VNNI path (int8 and int4 [K, N] weights): built where the compiler targets AVX512-VNNI (-march=native
+// on such a CPU), used where the caller asks for it (attr int8_dot).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define JAXINFER_VNNI 1
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -324,6 +330,12 @@ struct Problem {
   // The AMX path (bfloat16 weights, `amx`): x rounded to bfloat16, rows to a multiple of 16 (mp), K to
   // one of 32 or 16 (kp), zeros past x, as the layout's operands (see amx::pack).
   bool amx = false;
+  // The VNNI path (quantized [K, N] weights, `dot8`): x quantized to int8 per row and block of 32
+  // (xq [M, K], its scales xsc [M, K/32] and integer sums xqs [M, K/32]; see vnni::quantize_x).
+  bool dot8 = false;
+  const int8_t* xq = nullptr;
+  const float* xsc = nullptr;
+  const int32_t* xqs = nullptr;
   const uint16_t* xb = nullptr;
   const uint16_t* xo = nullptr;
   const uint32_t* xpairs = nullptr;
@@ -826,6 +838,309 @@ void item_qt(const Problem& p, int64_t item) {
 }
 
 // ---------------------------------------------------------------------------
+// VNNI, int8 and int4 [K, N] weights: integer products of x quantized per block
+//
+// Where the build has AVX512-VNNI and the caller asks for it (attr int8_dot), a quantized [K, N]
+// weight (int8, or int4 with or without an offset; groups a multiple of kQ) is multiplied by
+// VPDPBUSD, 64 multiply-adds an instruction, as llama.cpp's Q8_0 / Q4_1 dots and oneDNN's int8
+// products do. x is quantized per row and block of kQ = 32 contraction values:
+//
+//   xs = max |x[k]| / 127 over the block, xq[k] = round_to_nearest_even(x[k] * (127 / max)), in
+//   [-127, 127] (a block of zeros: xs = 0, xq = 0);
+//
+// then, per output element and block b of group g, in order:
+//
+//   acc = sum over the block's k of xq[k] * v[k, n]   (int32, exact: at most 32 * 127 * 128)
+//   y = fma(scale[g, n] * xs, float(acc), y)         (y starts at 0; float(acc) is exact)
+//   and at a group's last block with an offset: y = fma(offset[g, n], xsum_g, y)
+//
+// where v is the int8, u - 8 (int4 without offset) or the nibble u (with one), and xsum_g the sum of
+// x as quantized over the group (quantized_sums). An integer sum has one value whatever order its terms
+// are added in, so every path that computes it (the vector blocks, the scalar columns past the last
+// 64, any rows, threads or bands) gives a row bitwise the same result alone or in any batch; the
+// float steps are the same operations in the same order everywhere.
+//
+// The weight goes through VPDPBUSD as its unsigned operand (int8 v + 128, the bias taken out by
+// starting acc at -128 * sum(xq); a nibble as it is, with -8 * sum(xq) for u - 8), xq as the signed
+// one, broadcast 4 bytes (4 contraction rows) at a time. Per band and block of 32 rows the weights
+// are interleaved once into a thread-local panel (for each 4 rows, each column's 4 bytes together,
+// columns in order), then every tile of up to kDotRows rows of x runs over it, 64 columns at a time.
+
+#ifdef JAXINFER_VNNI
+namespace vnni {
+
+constexpr int kQ = 32;        // x's quantization block, and the block of the fold above
+constexpr int kDotRows = 6;   // rows of x per tile: 6 x 4 accumulators + 4 weight vectors + 1 broadcast
+constexpr int kDirectRows = 4;  // at most this many rows: the weights interleaved in registers, no panel
+
+inline int32_t load_u32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// x [M, K] -> xq int8 [M, K], xs [M, K/kQ] and the sums of xq per block [M, K/kQ] (see above).
+void quantize_x(Problem& p, std::vector<int8_t>& xq, std::vector<float>& xs, std::vector<int32_t>& qs) {
+  const int64_t M = p.m, K = p.k, B = K / kQ;
+  xq.resize(static_cast<size_t>(M * K));
+  xs.resize(static_cast<size_t>(M * B));
+  qs.resize(static_cast<size_t>(M * B));
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* x = p.x + m * K + b * kQ;
+      const __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+      constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a0, inv), kRound);
+      __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a1, inv), kRound);
+      q0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi);
+      q1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+      int8_t* dst = xq.data() + m * K + b * kQ;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
+      xs[m * B + b] = mx > 0.f ? mx / 127.f : 0.f;
+      qs[m * B + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+  p.xq = xq.data();
+  p.xsc = xs.data();
+  p.xqs = qs.data();
+}
+
+// With an offset: the group sums of x as quantized (xsum_g = sum over the group's blocks, in order, of
+// xs * sum(xq)), so that the offset's term and the integer one multiply the same x.
+void quantized_sums(Problem& p, std::vector<float>& xsum) {
+  const int64_t B = p.k / kQ, per = p.group / kQ;
+  for (int64_t i = 0; i < p.m; ++i)
+    for (int64_t g = 0; g < p.groups; ++g) {
+      float s = 0.f;
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) s += p.xsc[i * B + b] * static_cast<float>(p.xqs[i * B + b]);
+      xsum[i * p.groups + g] = s;
+    }
+}
+
+// Four rows of 64 unsigned bytes (columns c .. c + 63) -> out[v] with dword j = the 4 rows' bytes of
+// column c + 16 v + j. Each row's dwords are first permuted (dword 4 L + j <- dword L + 4 j) so that
+// the in-lane unpacks leave the columns in order.
+inline void interleave4(__m512i r0, __m512i r1, __m512i r2, __m512i r3, __m512i* out) {
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  r0 = _mm512_permutexvar_epi32(idx, r0);
+  r1 = _mm512_permutexvar_epi32(idx, r1);
+  r2 = _mm512_permutexvar_epi32(idx, r2);
+  r3 = _mm512_permutexvar_epi32(idx, r3);
+  const __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
+  out[0] = _mm512_unpacklo_epi16(t0, t2);
+  out[1] = _mm512_unpackhi_epi16(t0, t2);
+  out[2] = _mm512_unpacklo_epi16(t1, t3);
+  out[3] = _mm512_unpackhi_epi16(t1, t3);
+}
+
+// Contraction rows [k, k + 4) over columns [c, c + 64), interleaved (interleave4) as VPDPBUSD's unsigned
+// operand: int8 v + 128, or the nibbles; prefetches the rows kPrefetchRows further on.
+template <int KIND>
+inline void quad(const Problem& p, int64_t k, int64_t c, __m512i* out) {
+  const int64_t N = p.n;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  if constexpr (KIND == kI8) {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    const uint8_t* src = w + k * N + c;
+    prefetch(src + kPrefetchRows * N);
+    prefetch(src + (kPrefetchRows + 2) * N);
+    __m512i rows[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) rows[i] = _mm512_xor_si512(_mm512_loadu_si512(src + i * N), bias);  // v + 128
+    interleave4(rows[0], rows[1], rows[2], rows[3], out);
+  } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high)
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const uint8_t* src = w + (k / 2) * N + c;
+    prefetch(src + kPrefetchRows / 2 * N);
+    const __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + N);
+    interleave4(_mm512_and_si512(a, nib), _mm512_and_si512(_mm512_srli_epi16(a, 4), nib), _mm512_and_si512(b, nib),
+                _mm512_and_si512(_mm512_srli_epi16(b, 4), nib), out);
+  }
+}
+
+// Contraction rows [k0, k0 + kQ) over columns [c0, c0 + W) (W a multiple of 64) into the panel:
+// 4-row group r at buf + r * qs, column c's 4 bytes at + 4 c.
+template <int KIND>
+void interleave_block(const Problem& p, int64_t k0, int64_t c0, int64_t W, int64_t qs, uint8_t* buf) {
+  for (int64_t r = 0; r < kQ / 4; ++r)
+    for (int64_t c = 0; c < W; c += 64) {
+      __m512i out[4];
+      quad<KIND>(p, k0 + 4 * r, c0 + c, out);
+      for (int v = 0; v < 4; ++v) _mm512_storeu_si512(buf + r * qs + 4 * c + 64 * v, out[v]);
+    }
+}
+
+// The integer sum's start for row m, block b: the int8 weight's +128 bias, int4's -8, or 0.
+template <int KIND, int OFF>
+inline int32_t acc_start(const Problem& p, int64_t m, int64_t b) {
+  const int32_t s = p.xqs[m * (p.k / kQ) + b];
+  return KIND == kI8 ? -128 * s : (OFF == kMinus8 ? -8 * s : 0);
+}
+
+// MT rows of x (from m0) over 64 columns (n) of the block at k0 of group g: the weights from the panel
+// (`wb`, 4-row groups qs bytes apart), or (DIRECT, few rows) interleaved in registers as they are read.
+template <int MT, int KIND, int OFF, bool DIRECT = false>
+inline void dot_tile(const Problem& p, const uint8_t* wb, int64_t qs, int64_t m0, int64_t n, int64_t k0, int64_t g,
+                     bool last) {
+  const int64_t K = p.k, N = p.n, B = K / kQ, b = k0 / kQ;
+  __m512i acc[MT][4];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) {
+    const __m512i a = _mm512_set1_epi32(acc_start<KIND, OFF>(p, m0 + i, b));
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) acc[i][v] = a;
+  }
+  const int8_t* x = p.xq + m0 * K + k0;
+#pragma GCC unroll 8
+  for (int r = 0; r < kQ / 4; ++r, wb += qs) {
+    __m512i wv[4];
+    if constexpr (DIRECT) {
+      quad<KIND>(p, k0 + 4 * r, n, wv);
+    } else {
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(wb + 64 * v);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m512i xb = _mm512_set1_epi32(load_u32(x + i * K + 4 * r));
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], wv[v], xb);
+    }
+  }
+  __m512 s[4], o[4];
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) {
+    s[v] = Avx512::load_h(p.scale + g * N + n + 16 * v);
+    if constexpr (OFF == kOffset) o[v] = Avx512::load_h(p.offset + g * N + n + 16 * v);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) {
+    const __m512 xs = _mm512_set1_ps(p.xsc[(m0 + i) * B + b]);
+    float* y = p.y + (m0 + i) * N + n;
+    __m512 xsum = _mm512_setzero_ps();
+    if constexpr (OFF == kOffset) {
+      if (last) xsum = _mm512_set1_ps(p.xsum[(m0 + i) * p.groups + g]);
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(s[v], xs), _mm512_cvtepi32_ps(acc[i][v]), _mm512_loadu_ps(y + 16 * v));
+      if constexpr (OFF == kOffset) {
+        if (last) out = _mm512_fmadd_ps(o[v], xsum, out);
+      }
+      _mm512_storeu_ps(y + 16 * v, out);
+    }
+  }
+}
+
+template <int KIND, int OFF, int MT = kDotRows - 1>
+void dot_rest(const Problem& p, int mt, const uint8_t* wb, int64_t qs, int64_t m0, int64_t n, int64_t k0, int64_t g,
+                bool last) {
+  if constexpr (MT >= 1) {
+    if (mt == MT)
+      dot_tile<MT, KIND, OFF>(p, wb, qs, m0, n, k0, g, last);
+    else
+      dot_rest<KIND, OFF, MT - 1>(p, mt, wb, qs, m0, n, k0, g, last);
+  }
+}
+
+template <int KIND, int OFF, int MT = kDirectRows>
+void direct_rows(const Problem& p, int mt, int64_t n, int64_t k0, int64_t g, bool last) {
+  if constexpr (MT >= 1) {
+    if (mt == MT)
+      dot_tile<MT, KIND, OFF, true>(p, nullptr, 0, 0, n, k0, g, last);
+    else
+      direct_rows<KIND, OFF, MT - 1>(p, mt, n, k0, g, last);
+  }
+}
+
+// Columns [n0, n1) past the last 64 of a band, every row: the same integer sums and float steps, scalar.
+template <int KIND, int OFF>
+void dot_tail_columns(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t N = p.n, K = p.k, B = K / kQ;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  for (int64_t i = 0; i < p.m; ++i) {
+    const int8_t* x = p.xq + i * K;
+    for (int64_t n = n0; n < n1; ++n) {
+      float y = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g)
+        for (int64_t k0 = g * p.group; k0 < (g + 1) * p.group; k0 += kQ) {
+          int32_t acc = 0;
+          for (int64_t k = k0; k < k0 + kQ; ++k) {
+            int32_t v;
+            if constexpr (KIND == kI8) {
+              v = static_cast<int8_t>(w[k * N + n]);
+            } else {
+              const uint8_t byte = w[(k / 2) * N + n];
+              v = (k & 1) ? (byte >> 4) : (byte & 15);
+              if constexpr (OFF == kMinus8) v -= 8;
+            }
+            acc += static_cast<int32_t>(x[k]) * v;
+          }
+          const float sx = half_to_float(p.scale[g * N + n]) * p.xsc[i * B + k0 / kQ];
+          y = madd(sx, static_cast<float>(acc), y);
+          if constexpr (OFF == kOffset) {
+            if (k0 + kQ == (g + 1) * p.group) y = madd(half_to_float(p.offset[g * N + n]), p.xsum[i * p.groups + g], y);
+          }
+        }
+      p.y[i * N + n] = y;
+    }
+  }
+}
+
+template <int KIND, int OFF>
+void item_dot(const Problem& p, int64_t item) {
+  const int64_t N = p.n;
+  const int64_t c0 = item * p.band, c1 = std::min(N, c0 + p.band);
+  const int64_t W = (c1 - c0) / 64 * 64;
+  if (W > 0) {
+    for (int64_t i = 0; i < p.m; ++i) std::fill(p.y + i * N + c0, p.y + i * N + c0 + W, 0.f);
+    if (p.m <= kDirectRows) {  // few rows: no panel, each weight read once straight into the dots
+      for (int64_t g = 0; g < p.groups; ++g) {
+        const int64_t g1 = (g + 1) * p.group;
+        for (int64_t k0 = g * p.group; k0 < g1; k0 += kQ)
+          for (int64_t c = 0; c < W; c += 64)
+            direct_rows<KIND, OFF>(p, static_cast<int>(p.m), c0 + c, k0, g, k0 + kQ == g1);
+      }
+      if (c0 + W < c1) dot_tail_columns<KIND, OFF>(p, c0 + W, c1);
+      return;
+    }
+    const int64_t qs = 4 * W + 64;  // a 4-row group's bytes, one line more (rows a multiple of 4 KB apart share L1 sets)
+    uint8_t* buf = reinterpret_cast<uint8_t*>(scratch(static_cast<size_t>(qs * kQ / 4 / 4 + 16)));
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int64_t g1 = (g + 1) * p.group;
+      for (int64_t k0 = g * p.group; k0 < g1; k0 += kQ) {
+        const bool last = k0 + kQ == g1;
+        interleave_block<KIND>(p, k0, c0, W, qs, buf);
+        for (int64_t c = 0; c < W; c += 64) {
+          int64_t m0 = 0;
+          for (; m0 + kDotRows <= p.m; m0 += kDotRows)
+            dot_tile<kDotRows, KIND, OFF>(p, buf + 4 * c, qs, m0, c0 + c, k0, g, last);
+          if (m0 < p.m) dot_rest<KIND, OFF>(p, static_cast<int>(p.m - m0), buf + 4 * c, qs, m0, c0 + c, k0, g, last);
+        }
+      }
+    }
+  }
+  if (c0 + W < c1) dot_tail_columns<KIND, OFF>(p, c0 + W, c1);
+}
+
+void run_item(const Problem& p, int64_t item) {
+  switch (p.kind * 3 + p.offset_mode) {
+    case kI8 * 3 + kNoOffset: return item_dot<kI8, kNoOffset>(p, item);
+    case kI8 * 3 + kOffset: return item_dot<kI8, kOffset>(p, item);
+    case kU4 * 3 + kOffset: return item_dot<kU4, kOffset>(p, item);
+    case kU4 * 3 + kMinus8: return item_dot<kU4, kMinus8>(p, item);
+    default: return;
+  }
+}
+
+}  // namespace vnni
+#endif  // JAXINFER_VNNI
+
+// ---------------------------------------------------------------------------
 // AMX, bfloat16 weights: y = bf16(x) @ w on the tile unit
 //
 // Where the build and the CPU have AMX and the caller asks for it (attr bf16_dot), a bfloat16
@@ -1175,9 +1490,20 @@ bool amx_available() {
 // ---------------------------------------------------------------------------
 // work sharing
 
+bool vnni_available() {
+#ifdef JAXINFER_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 void run_item(const Problem& p, int64_t item) {
 #ifdef JAXINFER_AMX
   if (p.amx) return p.transposed ? amx::item_t(p, item) : amx::item_kn(p, item);
+#endif
+#ifdef JAXINFER_VNNI
+  if (p.dot8) return vnni::run_item(p, item);
 #endif
   if (p.transposed) {
     switch (p.kind) {
@@ -1391,7 +1717,7 @@ ffi::Error MatmulQT(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuf
 
 ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F16> scale,
                    ffi::Buffer<ffi::F16> offset, int64_t bits, int64_t group, int64_t w_contract, bool share,
-                   ffi::ResultBuffer<ffi::F32> y) {
+                   bool int8_dot, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || od.size() != 2 || yd.size() != 2)
@@ -1408,6 +1734,9 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (w_contract != 0 && w_contract != 1)
     return ffi::Error::InvalidArgument("cpu quantized matmul: w_contract must be 0 or 1, got " +
                                        std::to_string(w_contract));
+  if (w_contract == 1 && int8_dot)
+    return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot takes a [K, N] weight (w_contract 0), got "
+                                       "w_contract 1");
   if (w_contract == 1) return MatmulQT(pool, x, q, scale, offset, bits, group, share, y);
   Problem p;
   p.m = xd[0];
@@ -1455,9 +1784,28 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
       }
     p.xsum = xsum.data();
   }
+  const int64_t weight_bytes = q_rows * p.n + 2 * (sd[0] + od[0]) * p.n;
+  if (int8_dot) {
+    if (!vnni_available())
+      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot asks for VNNI integer products, which this "
+                                         "build does not have (JaxinferMatmulVnni() says whether it does)");
+    if (group % 32 != 0)
+      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot takes groups of a multiple of 32 "
+                                         "contraction rows, got group " + std::to_string(group));
+#ifdef JAXINFER_VNNI
+    p.dot8 = true;
+    std::vector<int8_t> xq;
+    std::vector<float> xs;
+    std::vector<int32_t> qs;
+    vnni::quantize_x(p, xq, xs, qs);
+    if (p.offset_mode == kOffset) vnni::quantized_sums(p, xsum);
+    run(pool, share, p, 64, weight_bytes);
+    return ffi::Error::Success();
+#endif
+  }
   std::vector<float> xt;
   pack_x(p, xt);
-  run(pool, share, p, 4 * Vec::L, q_rows * p.n + 2 * (sd[0] + od[0]) * p.n);
+  run(pool, share, p, 4 * Vec::L, weight_bytes);
   return ffi::Error::Success();
 }
 
@@ -1467,6 +1815,9 @@ extern "C" const char* JaxinferMatmulIsa() { return kIsa; }
 
 // 1 where bfloat16 weights can take the AMX path (attr bf16_dot): built with AMX and granted the tile state.
 extern "C" int JaxinferMatmulAmx() { return amx_available() ? 1 : 0; }
+
+// 1 where quantized [K, N] weights can take the VNNI path (attr int8_dot): built with AVX512-VNNI.
+extern "C" int JaxinferMatmulVnni() { return vnni_available() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulFloat, MatmulFloat,
                               ffi::Ffi::Bind()
@@ -1489,4 +1840,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferMatmulQ, MatmulQ,
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("w_contract")   // 0: q [K, N]; 1: int8 q [N, K]
                                   .Attr<bool>("share")
+                                  .Attr<bool>("int8_dot")        // [K, N]: VNNI products of x quantized per block
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
