@@ -45,7 +45,6 @@ from typing import Optional, Sequence
 
 from jaxinfer import progress
 from jaxinfer._version import __version__
-from jaxinfer.cli import repl
 from jaxinfer.cli.argtypes import DTYPE_CHOICES
 from jaxinfer.cli.flags import (
     CLI_TEMPERATURE,
@@ -427,6 +426,8 @@ def _stopped_at_limit(args: argparse.Namespace, req, max_model_len: int) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from jaxinfer.cli import repl  # here: generate and serve never import the chat loop
+
     return repl.run(args, t_start=_T_START)
 
 

@@ -75,7 +75,6 @@ import urllib.parse
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
 import jax
@@ -300,6 +299,8 @@ class KVSender:
         self.expired = 0
         self.bytes = 0
         self.layout = _layout(engine.runner.kv_cache, engine.ecfg)
+        from http.server import ThreadingHTTPServer  # here: an engine without a prefill role never imports it
+
         try:
             self.http = ThreadingHTTPServer((cfg.bootstrap_host, cfg.bootstrap_port), _handler(self))
         except OSError as e:
@@ -497,6 +498,8 @@ class KVSender:
 
 
 def _handler(sender: KVSender):
+    from http.server import BaseHTTPRequestHandler
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 

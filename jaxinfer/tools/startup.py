@@ -120,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as failed (nan)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = p.parse_args(argv)
+    if args.cold_rounds < 1:
+        p.error(f"--cold-rounds must be at least 1 (the warm runs reuse the HOME the first command's cold run "
+                f"filled), got {args.cold_rounds}")
 
     systems = {"jaxinfer": (args.python, [])}
     if args.baseline_python:
