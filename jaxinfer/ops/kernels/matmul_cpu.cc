@@ -46,7 +46,7 @@
 // columns (at most 16 x 4 vectors; the bands split evenly over the threads). Rows of x are
 // one tile, columns go in panels of NV vectors; for each block the tile's partial sums are
 // MT x NV vector registers: each weight vector is loaded and converted once and multiplied
-// into every row (x, repacked at the start of a call, broadcast from one pointer). At the
+// into every row (x broadcast from its own rows). At the
 // end of a block the sums go into y (in cache) as above. Each panel prefetches its next
 // block. Columns past the last whole vector are done by a scalar loop. An int4 byte row j
 // is converted to its low nibbles (row 2j) and high nibbles (row 2j + 1).
@@ -308,10 +308,7 @@ inline typename V::F load_w(const void* w, int64_t i) {
 }
 
 struct Problem {
-  const float* x = nullptr;  // [M, K]
-  // x transposed per tile of rows (`tile` rows; the tile at row m0 with mt rows: mt * K
-  // floats at m0 * K, [K][mt]), so a tile's rows at one k are broadcast from one pointer.
-  const float* xt = nullptr;
+  const float* x = nullptr;  // [M, K]: a tile's rows are broadcast from their own rows (no repacked copy)
   const void* w = nullptr;   // f32 / bf16 / f16 [K, N] or [N, K], int8 [K, N] or [N, K], uint8 [K/2, N]
   const uint16_t* scale = nullptr;   // [G, N] f16
   const uint16_t* offset = nullptr;  // [G, N] f16 or null
@@ -322,7 +319,6 @@ struct Problem {
   int64_t groups = 1;
   int64_t band = 0;   // columns (rows of a transposed w) per work item
   int64_t items = 0;
-  int64_t tile = kMaxTile;  // rows per tile of xt
   int kind = kF32;
   int offset_mode = kNoOffset;
   bool transposed = false;
@@ -392,7 +388,7 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
   using F = typename V::F;
   constexpr int L = V::L;
   const int64_t N = p.n, K = p.k;
-  const float* xt = p.xt + m0 * K;
+  const float* x = p.x + m0 * K;  // row i's x[k] at x[i * K + k]
   F acc[MT][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
@@ -413,7 +409,7 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
       for (int v = 0; v < NV; ++v) wv[v] = load_w<V, KIND>(p.w, k * N + n + v * L);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
-        const F xb = V::set1(xt[k * MT + i]);
+        const F xb = V::set1(x[i * K + k]);
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
       }
@@ -428,8 +424,8 @@ inline void panel(const Problem& p, int64_t m0, int64_t n, int64_t k0, int64_t k
       for (int v = 0; v < NV; ++v) V::load_u4(q + j * N + n + v * L, lo[v], hi[v]);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
-        const F a = V::set1(xt[2 * j * MT + i]);        // x[2j]
-        const F b = V::set1(xt[(2 * j + 1) * MT + i]);  // x[2j + 1]
+        const F a = V::set1(x[i * K + 2 * j]);      // x[2j]
+        const F b = V::set1(x[i * K + 2 * j + 1]);  // x[2j + 1]
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, hi[v], V::fma(a, lo[v], acc[i][v]));
       }
@@ -523,7 +519,8 @@ inline void micro(const Problem& p, const float* wb, int64_t ws, int64_t m0, int
                   int64_t g, bool last) {
   using F = typename V::F;
   constexpr int L = V::L;
-  const float* xt = p.xt + m0 * p.k;
+  const int64_t K = p.k;
+  const float* x = p.x + m0 * K;
   F acc[MT][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
@@ -535,7 +532,7 @@ inline void micro(const Problem& p, const float* wb, int64_t ws, int64_t m0, int
     for (int v = 0; v < NV; ++v) wv[v] = V::load(wb + v * L);
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
-      const F xb = V::set1(xt[k * MT + i]);
+      const F xb = V::set1(x[i * K + k]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(xb, wv[v], acc[i][v]);
     }
@@ -1546,21 +1543,10 @@ inline void cpu_relax() {
 #endif
 }
 
-// Chooses the [K, N] path (few rows: one tile, weights widened in registers; more: blocked
-// over converted panels) and fills `buf` with x repacked per tile of that path (see Problem::xt).
-void pack_x(Problem& p, std::vector<float>& buf) {
-  p.blocked = p.m > kMaxTile;
-  p.tile = p.blocked ? kGemmRows : kMaxTile;
-  buf.resize(p.m * p.k);
-  for (int64_t m0 = 0; m0 < p.m; m0 += p.tile) {
-    const int64_t mt = std::min<int64_t>(p.tile, p.m - m0);
-    float* dst = buf.data() + m0 * p.k;
-    const float* x = p.x + m0 * p.k;
-    for (int64_t k = 0; k < p.k; ++k)
-      for (int64_t i = 0; i < mt; ++i) dst[k * mt + i] = x[i * p.k + k];
-  }
-  p.xt = buf.data();
-}
+// Chooses the [K, N] path: few rows, one tile, weights widened in registers; more, blocked over converted
+// panels. (Each tile broadcasts its rows' x from x itself: a copy of x repacked per tile, which the calling
+// thread made alone before the others started, cost ~10% of a 128-row prefill's products.)
+void choose_kn_path(Problem& p) { p.blocked = p.m > kMaxTile; }
 
 // Splits the output columns into items, then runs them on the calling thread and up to
 // `pool.num_threads() - 1` pool threads. `unit`: the column granularity of a band.
@@ -1663,11 +1649,10 @@ ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     return ffi::Error::Success();
 #endif
   }
-  std::vector<float> xt;
   if (p.transposed) {
     run(pool, share, p, kRowsT, p.k * p.n * elem_bytes(p.kind));
   } else {
-    pack_x(p, xt);
+    choose_kn_path(p);
     run(pool, share, p, 4 * Vec::L, p.k * p.n * elem_bytes(p.kind));
   }
   return ffi::Error::Success();
@@ -1803,8 +1788,7 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     return ffi::Error::Success();
 #endif
   }
-  std::vector<float> xt;
-  pack_x(p, xt);
+  choose_kn_path(p);
   run(pool, share, p, 4 * Vec::L, weight_bytes);
   return ffi::Error::Success();
 }
