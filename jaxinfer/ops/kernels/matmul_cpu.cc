@@ -943,8 +943,8 @@ inline void quad(const Problem& p, int64_t k, int64_t c, __m512i* out) {
   if constexpr (KIND == kI8) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     const uint8_t* src = w + k * N + c;
-    prefetch(src + kPrefetchRows * N);
-    prefetch(src + (kPrefetchRows + 2) * N);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) prefetch(src + (kPrefetchRows + i) * N);  // the 4 rows a block further on
     __m512i rows[4];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) rows[i] = _mm512_xor_si512(_mm512_loadu_si512(src + i * N), bias);  // v + 128
@@ -952,7 +952,8 @@ inline void quad(const Problem& p, int64_t k, int64_t c, __m512i* out) {
   } else {  // kU4: byte row j holds rows 2j (low nibble) and 2j + 1 (high)
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const uint8_t* src = w + (k / 2) * N + c;
-    prefetch(src + kPrefetchRows / 2 * N);
+    prefetch(src + kPrefetchRows / 2 * N);  // the 2 byte rows a block further on
+    prefetch(src + (kPrefetchRows / 2 + 1) * N);
     const __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + N);
     interleave4(_mm512_and_si512(a, nib), _mm512_and_si512(_mm512_srli_epi16(a, 4), nib), _mm512_and_si512(b, nib),
                 _mm512_and_si512(_mm512_srli_epi16(b, 4), nib), out);
