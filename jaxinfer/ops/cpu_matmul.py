@@ -205,12 +205,14 @@ def bf16_dot(w: Any, simd: str) -> bool:
 
 def int8_dot(w: Any, simd: str) -> bool:
     """Whether the kernel built for ``simd`` multiplies ``w`` by VNNI integer dots with x quantized to int8
-    per row and block of `DOT_BLOCK` (`quantize_x`): a [K, N] int8 or int4 weight whose groups are a
-    multiple of the block, on a "+vnni" path. Decided by the weight alone, never by the rows, so a row's
+    per row and block of `DOT_BLOCK` (`quantize_x`): a [K, N] int8 or int4 weight, or an int8 [N, K] one
+    (``axis`` 1: a tied LM head), whose contraction and groups are multiples of the block, on a "+vnni" path. Decided by the weight alone, never by the rows, so a row's
     result is the same whatever the batch."""
-    if "vnni" not in backend.simd_features(simd) or not isinstance(w, QuantizedWeight) or _axis(w) != 0:
+    if "vnni" not in backend.simd_features(simd) or not isinstance(w, QuantizedWeight):
         return False
-    k = w.shape[0]
+    if _axis(w) == 1 and not _transposed_ok(w, 1):  # [N, K]: int8 without an offset (a tied LM head)
+        return False
+    k = w.shape[_axis(w)]
     return k % DOT_BLOCK == 0 and (w.group or k) % DOT_BLOCK == 0
 
 

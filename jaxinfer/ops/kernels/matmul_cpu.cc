@@ -26,6 +26,9 @@
 //                       Attr w_contract 1: the transposed int8 layout (rows are outputs, as
 //                       GGUF's blocks): q int8 [N, K], scale f16 [N, K/group], offset [0, N];
 //                       w[n, k] = scale[n, k/group] * q[n, k], y[m, n] = sum_k x[m, k] w[n, k].
+//                       Attr int8_dot (a build with AVX512-VNNI; groups and K multiples of 32): the
+//                       products are VPDPBUSD integer dots of x quantized to int8 per row and block of
+//                       32 (see "VNNI" below), for both layouts.
 //
 // ONE REDUCTION ORDER. Each output element y[m, n] is computed by the same sequence of
 // float operations whatever the number of rows M, the row's position, the other rows, the
@@ -332,6 +335,8 @@ struct Problem {
   const int8_t* xq = nullptr;
   const float* xsc = nullptr;
   const int32_t* xqs = nullptr;
+  const int32_t* xcorr = nullptr;  // [N, K] int8: per row of x and 4 contraction values (vnni::lane_prep)
+  const float* xlane = nullptr;
   const uint16_t* xb = nullptr;
   const uint16_t* xo = nullptr;
   const uint32_t* xpairs = nullptr;
@@ -1125,7 +1130,107 @@ void item_dot(const Problem& p, int64_t item) {
   if (c0 + W < c1) dot_tail_columns<KIND, OFF>(p, c0 + W, c1);
 }
 
+
+// [N, K] int8 (w_contract 1, a tied LM head's [vocab, hidden] rows): each output is a dot product along a
+// weight row, 64 bytes (two blocks of x) a VPDPBUSD. Per row of x, for each 4 contraction values (a lane)
+// the correction -128 * (their xq sum) and their block's xs, computed once a call (lane_prep). Per output
+// element, in order over the 64-byte chunks c of K: t = VPDPBUSD(corr, q + 128, xq) (per lane the exact
+// integer sum of its 4 products), acc = fma(float(t), xs_lane (times the lane's group scale when groups are
+// smaller than K), acc) in 16 lanes; then y = sum of the lanes (a fixed tree), times the row's scale when
+// there is one per row. Every tile size and thread split runs these same steps for an element.
+
+// Per row m: corr [M, K/4] int32 and xs per lane [M, K/4] float (zeros past K up to a multiple of 64).
+void lane_prep(const Problem& p, int64_t kc, std::vector<int32_t>& corr, std::vector<float>& xsl) {
+  const int64_t K = p.k, lanes = kc / 4, B = K / kQ;
+  corr.assign(static_cast<size_t>(p.m * lanes), 0);
+  xsl.assign(static_cast<size_t>(p.m * lanes), 0.f);
+  for (int64_t m = 0; m < p.m; ++m)
+    for (int64_t l = 0; l < K / 4; ++l) {
+      const int8_t* q = p.xq + m * K + 4 * l;
+      corr[m * lanes + l] = -128 * (q[0] + q[1] + q[2] + q[3]);
+      xsl[m * lanes + l] = p.xsc[m * B + (4 * l) / kQ];
+    }
+}
+
+template <int MT, int NT, bool GROUPED>
+inline void panel_t(const Problem& p, const int32_t* corr, const float* xsl, int64_t kc, int64_t m0, int64_t n0) {
+  const int64_t K = p.k, lanes = kc / 4, G = p.groups;
+  const int8_t* w = static_cast<const int8_t*>(p.w) + n0 * K;
+  const uint16_t* sc = p.scale + n0 * G;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MT][NT];
+#pragma GCC unroll 4
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kc; c += 64) {
+    const __mmask64 mask = c + 64 <= K ? ~__mmask64{0} : (__mmask64{1} << (K - c)) - 1;  // K - c is 32 here
+    __m512i xv[MT], cv[MT];
+    __m512 sv[MT];
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) {
+      xv[i] = _mm512_maskz_loadu_epi8(mask, p.xq + (m0 + i) * K + c);
+      cv[i] = _mm512_loadu_si512(corr + (m0 + i) * lanes + c / 4);
+      sv[i] = _mm512_loadu_ps(xsl + (m0 + i) * lanes + c / 4);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      if ((c & 63) == 0) prefetch(w + t * K + c + kPrefetchT);
+      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + t * K + c), bias);
+      __m512 gs = _mm512_setzero_ps();
+      if constexpr (GROUPED) {  // the group scales of the chunk's two blocks, 8 lanes each
+        const float lo = half_to_float(sc[t * G + c / p.group]);
+        const float hi = half_to_float(sc[t * G + std::min(K - 1, c + kQ) / p.group]);
+        gs = _mm512_mask_blend_ps(static_cast<__mmask16>(0xff00), _mm512_set1_ps(lo), _mm512_set1_ps(hi));
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) {
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv[i], wv, xv[i]));
+        acc[i][t] = _mm512_fmadd_ps(d, GROUPED ? _mm512_mul_ps(sv[i], gs) : sv[i], acc[i][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const float r = _mm512_reduce_add_ps(acc[i][t]);
+      p.y[(m0 + i) * p.n + n0 + t] = GROUPED ? r : r * half_to_float(sc[t * G]);
+    }
+}
+
+constexpr int kTileRowsT = 4, kWeightRowsT = 4;  // x rows by weight rows a tile: 16 accumulators
+
+template <int MT, bool GROUPED>
+void tile_t(const Problem& p, const int32_t* corr, const float* xsl, int64_t kc, int64_t m0, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + kWeightRowsT <= r1; r += kWeightRowsT) panel_t<MT, kWeightRowsT, GROUPED>(p, corr, xsl, kc, m0, r);
+  for (; r < r1; ++r) panel_t<MT, 1, GROUPED>(p, corr, xsl, kc, m0, r);
+}
+
+template <bool GROUPED>
+void item_t_rows(const Problem& p, const int32_t* corr, const float* xsl, int64_t kc, int64_t r0, int64_t r1) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kTileRowsT) {
+    switch (std::min<int64_t>(kTileRowsT, p.m - m0)) {
+      case 1: tile_t<1, GROUPED>(p, corr, xsl, kc, m0, r0, r1); break;
+      case 2: tile_t<2, GROUPED>(p, corr, xsl, kc, m0, r0, r1); break;
+      case 3: tile_t<3, GROUPED>(p, corr, xsl, kc, m0, r0, r1); break;
+      default: tile_t<kTileRowsT, GROUPED>(p, corr, xsl, kc, m0, r0, r1); break;
+    }
+  }
+}
+
+void item_t(const Problem& p, int64_t item) {
+  const int64_t r0 = item * p.band, r1 = std::min(p.n, r0 + p.band);
+  const int64_t kc = (p.k + 63) / 64 * 64;
+  if (p.groups == 1)
+    item_t_rows<false>(p, p.xcorr, p.xlane, kc, r0, r1);
+  else
+    item_t_rows<true>(p, p.xcorr, p.xlane, kc, r0, r1);
+}
+
 void run_item(const Problem& p, int64_t item) {
+  if (p.transposed) return item_t(p, item);
   switch (p.kind * 3 + p.offset_mode) {
     case kI8 * 3 + kNoOffset: return item_dot<kI8, kNoOffset>(p, item);
     case kI8 * 3 + kOffset: return item_dot<kI8, kOffset>(p, item);
@@ -1663,7 +1768,7 @@ ffi::Error MatmulFloat(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 
 // The [N, K] int8 layout (w_contract 1): q int8 [N, K], scale f16 [N, K/group], no offset.
 ffi::Error MatmulQT(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::Buffer<ffi::F16>& scale,
-                    ffi::Buffer<ffi::F16>& offset, int64_t bits, int64_t group, bool share,
+                    ffi::Buffer<ffi::F16>& offset, int64_t bits, int64_t group, bool share, bool int8_dot,
                     ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
   const auto yd = y->dimensions();
@@ -1699,6 +1804,26 @@ ffi::Error MatmulQT(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuf
   p.w = q.untyped_data();
   p.scale = scale.typed_data();
   p.y = y->typed_data();
+  if (int8_dot) {
+    if (!vnni_available())
+      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot asks for VNNI integer products, which this "
+                                         "build does not have (JaxinferMatmulVnni() says whether it does)");
+    if (group % 32 != 0)
+      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot takes groups of a multiple of 32 "
+                                         "contraction rows, got group " + std::to_string(group));
+#ifdef JAXINFER_VNNI
+    p.dot8 = true;
+    std::vector<int8_t> xq;
+    std::vector<float> xs, xsl;
+    std::vector<int32_t> qs, corr;
+    vnni::quantize_x(p, xq, xs, qs);
+    vnni::lane_prep(p, (p.k + 63) / 64 * 64, corr, xsl);
+    p.xcorr = corr.data();
+    p.xlane = xsl.data();
+    run(pool, share, p, vnni::kWeightRowsT, p.n * p.k + 2 * p.n * p.groups);
+    return ffi::Error::Success();
+#endif
+  }
   run(pool, share, p, kRowsT, p.n * p.k + 2 * p.n * p.groups);
   return ffi::Error::Success();
 }
@@ -1722,10 +1847,7 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (w_contract != 0 && w_contract != 1)
     return ffi::Error::InvalidArgument("cpu quantized matmul: w_contract must be 0 or 1, got " +
                                        std::to_string(w_contract));
-  if (w_contract == 1 && int8_dot)
-    return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot takes a [K, N] weight (w_contract 0), got "
-                                       "w_contract 1");
-  if (w_contract == 1) return MatmulQT(pool, x, q, scale, offset, bits, group, share, y);
+  if (w_contract == 1) return MatmulQT(pool, x, q, scale, offset, bits, group, share, int8_dot, y);
   Problem p;
   p.m = xd[0];
   p.k = xd[1];
