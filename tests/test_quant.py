@@ -162,4 +162,8 @@ def test_head_layout_rows_lookup_and_product(name):
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, i: a.lookup(i))(wj, idx)), back[np.asarray(idx)])
     x = rng.normal(size=(3, 64)).astype(np.float32)
     y = np.asarray(jax.jit(lambda a, b: matmul(a, b, w_contract=1))(jnp.asarray(x), wj))
+    from jaxinfer.ops import cpu_matmul
+
+    if cpu_matmul.fits(3, wj, 1) and cpu_matmul.int8_dot(wj, backend.current().simd):
+        x = np.asarray(cpu_matmul.quantize_x(jnp.asarray(x)))  # the VNNI path multiplies x quantized per block
     np.testing.assert_allclose(y, x.astype(np.float64) @ back.T.astype(np.float64), atol=2e-5 * np.abs(x).sum())
