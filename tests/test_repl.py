@@ -213,6 +213,7 @@ def test_ctrl_c_in_process_aborts_the_request_frees_its_pages_and_keeps_the_part
     (deterministically, where a terminal's would land anywhere: the pseudo-terminal test below does that): the
     third is never printed, the request is aborted and every KV page is free again; the two pieces that were
     printed stay in the conversation."""
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN under nohup / a shell's `&`
     chat, out, err = new_chat(llm, tiny_model_dir, engine_json, "--max-tokens", "100")
     real = chat.backend.answer
 
@@ -240,7 +241,7 @@ def test_ctrl_c_in_process_aborts_the_request_frees_its_pages_and_keeps_the_part
     assert "(stopped; what was said stays in the conversation)" in err.getvalue()
     assert llm.wait_idle(10)
     llm.engine.allocator.check_all_free()  # the aborted request's pages are back
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the answer
+    assert signal.getsignal(signal.SIGINT) is before  # restored after the answer
     assert signal.set_wakeup_fd(-1) == -1  # and no wakeup pipe is left behind
     chat.backend.answer = real
     chat.handle("after")  # and the next turn runs normally, on the conversation so far
@@ -392,6 +393,12 @@ def _read_until(fd: int, needle: bytes, buf: bytearray, timeout: float = 120.0) 
     return bytes(buf[start:])
 
 
+# The child runs with the pty as its controlling terminal and SIGINT at its default, as in a person's
+# terminal (a test run under nohup, or started with a shell's `&`, ignores SIGINT, and exec keeps that).
+TAKE_TERMINAL = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                 "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_on_a_terminal_it_prompts_and_ctrl_c_at_the_prompt_clears_the_line(tiny_model_dir, engine_json):
@@ -408,8 +415,7 @@ def test_on_a_terminal_it_prompts_and_ctrl_c_at_the_prompt_clears_the_line(tiny_
 
     # the child runs in its own session with the pty as its controlling terminal, so ^C is its SIGINT
     # (set by a small exec wrapper: a preexec_fn would fork this multithreaded JAX process)
-    take_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                     "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    take_terminal = TAKE_TERMINAL
     argv = ["chat", "--model", str(tiny_model_dir), "--engine-config", engine_json, "--max-tokens", "5",
             "--temperature", "0", "--quiet"]
     p = subprocess.Popen([sys.executable, "-c", take_terminal, "-m", "jaxinfer", *argv], stdin=slave, stdout=slave,
@@ -472,8 +478,7 @@ def test_on_a_terminal_only_prompts_and_answers_show_and_ctrl_c_cuts_the_answer_
     attrs = termios.tcgetattr(slave)
     attrs[3] |= termios.ECHO | termios.ECHOCTL | termios.ISIG  # Ctrl-C shows as ^C where it lands
     termios.tcsetattr(slave, termios.TCSANOW, attrs)
-    take_terminal = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                     "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    take_terminal = TAKE_TERMINAL
     n = 300
     argv = ["chat", "--model", str(tiny_model_dir), "--engine-config", engine_json, "--max-model-len", "512",
             "--max-tokens", str(n), "--temperature", "0"]
