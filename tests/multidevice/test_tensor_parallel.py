@@ -558,10 +558,13 @@ QPAD = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_lay
 
 
 @pytest.mark.parametrize("mode,tp", [("int4", 2), ("int8", 4), ("int4", 4)])
-def test_quantized_logits_at_every_position_match_tp1(mode, tp):
+def test_quantized_logits_at_every_position_match_tp1(mode, tp, monkeypatch):
     """A quantized tree is laid out and split like a float one: its scales and offsets follow the
-    integers' columns and rows. TP 1 runs the CPU matmul kernel, the mesh XLA's dequantize-and-dot."""
+    integers' columns and rows. TP 1 runs the CPU matmul kernel, the mesh XLA's dequantize-and-dot;
+    the kernel with float32 activations (no VNNI), so that both compute the same function."""
     from jaxinfer.ops import quant
+
+    monkeypatch.setenv("JAXINFER_CPU_VNNI", "0")
 
     cfg, params = quant.quantize_params(tiny_params(QPAD, seed=7), QPAD, mode)
     tokens = prompt(11, 13, QPAD.vocab_size)
