@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.text.detokenizer import IncrementalDetokenizer
-from jaxinfer.text.tokenizer import Tokenizer, _bytes_to_unicode
+from jaxinfer.text.tokenizer import Tokenizer, bytes_to_unicode
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_reference.json")
@@ -89,7 +89,7 @@ def test_random_ids_stream_to_decode_of_all_ids(smollm, data, cuts, skip):
 @HYPOTHESIS
 @given(text=st.text(max_size=50), cuts=chunkings)
 def test_real_text_streams_back_without_broken_characters(smollm, text, cuts):
-    vocab_bytes = {b for b, c in _bytes_to_unicode().items() if smollm.backend.token_to_id(c) is not None}
+    vocab_bytes = {b for b, c in bytes_to_unicode().items() if smollm.backend.token_to_id(c) is not None}
     assume(set(text.encode("utf-8")) <= vocab_bytes and "\ufffd" not in text)
     ids = smollm.encode(text)
     deltas = stream(IncrementalDetokenizer(smollm, []), ids, cuts)

@@ -182,9 +182,9 @@ def test_decode_inverts_encode_for_any_text(smollm, text):
 
 
 def byte_tokens_in_vocab(tok: Tokenizer) -> set[int]:
-    from jaxinfer.text.tokenizer import _bytes_to_unicode
+    from jaxinfer.text.tokenizer import bytes_to_unicode
 
-    return {b for b, c in _bytes_to_unicode().items() if tok.backend.token_to_id(c) is not None}
+    return {b for b, c in bytes_to_unicode().items() if tok.backend.token_to_id(c) is not None}
 
 
 @pytest.mark.model

@@ -95,7 +95,7 @@ class _HFBackend:
             return None
         if "ByteLevel" in repr(t.pre_tokenizer):
             vocab = t.get_vocab()
-            return bytes(b for b, ch in _bytes_to_unicode().items() if ch not in vocab)
+            return bytes(b for b, ch in bytes_to_unicode().items() if ch not in vocab)
         return b"" if model.unk_token or getattr(model, "byte_fallback", False) else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -634,7 +634,7 @@ def _read_gguf_tokenizer_metadata(path: str, gguf_file: Any = None) -> dict[str,
     return meta
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte alphabet: each byte as a printable character.
 
     Printable Latin-1 bytes stand for themselves; the rest (controls, space,
@@ -695,8 +695,8 @@ def _bpe_from_gguf(meta: Mapping[str, Any], path: str) -> tokenizers.Tokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     merges_raw: list[str] = meta.get("tokenizer.ggml.merges") or []
-    alphabet = set(_bytes_to_unicode().values())
-    spell = _bytes_to_unicode()
+    alphabet = set(bytes_to_unicode().values())
+    spell = bytes_to_unicode()
     vocab: dict[str, int] = {}
     for i, (token, kind) in enumerate(zip(tokens, types)):
         if kind not in (_CONTROL, _USER_DEFINED, _UNKNOWN) and not set(token) <= alphabet:

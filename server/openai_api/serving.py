@@ -68,7 +68,7 @@ from jaxinfer.server.openai_api.tool_parsers import (
     parse_whole,
     tool_parser_for,
 )
-from jaxinfer.text.tokenizer import _bytes_to_unicode
+from jaxinfer.text.tokenizer import bytes_to_unicode
 
 log = logging.getLogger("jaxinfer.server.http")
 
@@ -1054,7 +1054,7 @@ def _piece_bytes(piece: str) -> Optional[bytes]:
     m = _BYTE_PIECE.fullmatch(piece)
     if m:
         return bytes([int(m.group(1), 16)])
-    decoder = _BYTE_DECODER or _BYTE_DECODER.update({c: b for b, c in _bytes_to_unicode().items()}) or _BYTE_DECODER
+    decoder = _BYTE_DECODER or _BYTE_DECODER.update({c: b for b, c in bytes_to_unicode().items()}) or _BYTE_DECODER
     try:
         return bytes(decoder[c] for c in piece)
     except KeyError:
