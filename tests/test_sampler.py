@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.engine.compile_cache import compile_count
@@ -291,6 +291,7 @@ def _filter_reference(logits, sp):
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31))
+@example(seed=58422868)  # a row of ties with -0.0 beside 0.0 at the top-k cut (signed zeros were two keys)
 def test_filters_keep_exactly_the_reference_set(seed):
     """Top-k / top-p find their cut by bisection over the logits' values (no sort): each row keeps
     exactly the tokens the sorted reference keeps, flat rows, ties and top_k near the vocabulary too."""

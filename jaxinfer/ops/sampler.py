@@ -272,7 +272,9 @@ def _cut_by_search(logits, lse, md: SamplingMetadata, v: int):
     least value whose strictly-greater tokens hold less than top_p of the mass left by top-k.
     """
     neg = jnp.finfo(jnp.float32).min
-    keys = _sortable(logits)
+    # -0.0 as +0.0: they compare equal as floats (the final mask keeps both), so they must be one key here,
+    # or a top-k cut at 0 counts the -0.0 tokens out of the mass top-p divides (found by hypothesis)
+    keys = _sortable(jnp.where(logits == 0.0, 0.0, logits))
     lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
     probs = jnp.exp(logits - lse[:, None])
     has_k = (md.top_k > 0) & (md.top_k < v)
