@@ -33,23 +33,18 @@ def _fwd_with(params, cfg, ids, cache, attn, choice):
 def full_logits(params, cfg, seq, choice=None):
     """Logits at every position from one pass over `seq` on a fresh cache (no reuse); ``choice``: traced with
     these kernels (`jaxinfer.ops.backend.KernelChoice`), not whichever the host had at the first trace."""
-    if choice is not None:
-        n = len(seq)
-        cache = kv_cache.init_cache(cfg, EngineConfig(page_size=PS, num_pages=n // PS + 2))
-        pos = np.arange(n, dtype=np.int32)[None]
-        table = np.arange(1, 1 + -(-n // PS), dtype=np.int32)[None]
-        attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, PS), table, np.array([n], np.int32))
-        h, _ = _fwd_with(params, cfg, jnp.asarray([seq], jnp.int32), cache, attn, choice)
-        with backend.using(choice):
-            return np.asarray(llama.logits(params, cfg, h[0]))
     n = len(seq)
-    eng = EngineConfig(page_size=PS, num_pages=n // PS + 2)
-    cache = kv_cache.init_cache(cfg, eng)
+    cache = kv_cache.init_cache(cfg, EngineConfig(page_size=PS, num_pages=n // PS + 2))
     pos = np.arange(n, dtype=np.int32)[None]
     table = np.arange(1, 1 + -(-n // PS), dtype=np.int32)[None]
     attn = AttentionMetadata(pos, kv_cache.slots_for(table, pos, PS), table, np.array([n], np.int32))
-    h, _ = fwd(params, cfg, jnp.asarray([seq], jnp.int32), cache, attn)
-    return np.asarray(llama.logits(params, cfg, h[0]))
+    ids = jnp.asarray([seq], jnp.int32)
+    if choice is None:
+        h, _ = fwd(params, cfg, ids, cache, attn)
+        return np.asarray(llama.logits(params, cfg, h[0]))
+    h, _ = _fwd_with(params, cfg, ids, cache, attn, choice)
+    with backend.using(choice):
+        return np.asarray(llama.logits(params, cfg, h[0]))
 
 
 def chunk_attn(pages, start, n, t_pad, p_pad):

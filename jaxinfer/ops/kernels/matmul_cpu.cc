@@ -1156,6 +1156,23 @@ void lane_prep(const Problem& p, int64_t kc, std::vector<int32_t>& corr, std::ve
     }
 }
 
+// x quantized for one call (quantize_x; `lanes`: and lane_prep's arrays, for the [N, K] layout), owning the
+// buffers the Problem points at while the call runs.
+struct Activations {
+  std::vector<int8_t> xq;
+  std::vector<float> xs, xsl;
+  std::vector<int32_t> qs, corr;
+  Activations(Problem& p, bool lanes) {
+    p.dot8 = true;
+    quantize_x(p, xq, xs, qs);
+    if (lanes) {
+      lane_prep(p, (p.k + 63) / 64 * 64, corr, xsl);
+      p.xcorr = corr.data();
+      p.xlane = xsl.data();
+    }
+  }
+};
+
 template <int MT, int NT, bool GROUPED>
 inline void panel_t(const Problem& p, const int32_t* corr, const float* xsl, int64_t kc, int64_t m0, int64_t n0) {
   const int64_t K = p.k, lanes = kc / 4, G = p.groups;
@@ -1662,15 +1679,14 @@ void choose_kn_path(Problem& p) { p.blocked = p.m > kMaxTile; }
 
 // Splits the output columns into items, then runs them on the calling thread and up to
 // `pool.num_threads() - 1` pool threads. `unit`: the column granularity of a band.
-void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t weight_bytes,
-         int64_t max_units = kMaxBandUnits) {
+void run(ffi::ThreadPool& pool, bool share, Problem& p, int64_t unit, int64_t weight_bytes) {
   const int64_t threads = share ? std::max<int64_t>(1, pool.num_threads()) : 1;
   // A product this small is done before a pool thread wakes up.
   const bool alone = threads == 1 || weight_bytes * std::max<int64_t>(1, p.m) < (64 << 10);
   const int64_t units = (p.n + unit - 1) / unit;
   // Wide bands stream better (a band's rows are read left to right); as few items as keep a
   // band within kMaxBandUnits, in a multiple of the thread count so that threads get equal shares.
-  if (max_units == kMaxBandUnits && !p.transposed && p.m <= kFewRows) max_units = 2 * kMaxBandUnits;
+  const int64_t max_units = !p.transposed && p.m <= kFewRows ? 2 * kMaxBandUnits : kMaxBandUnits;
   int64_t per = std::min<int64_t>(units, max_units);
   if (!alone) {
     for (int64_t c = 1;; ++c) {
@@ -1809,26 +1825,13 @@ ffi::Error MatmulQT(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuf
   p.w = q.untyped_data();
   p.scale = scale.typed_data();
   p.y = y->typed_data();
-  if (int8_dot) {
-    if (!vnni_available())
-      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot asks for VNNI integer products, which this "
-                                         "build does not have (JaxinferMatmulVnni() says whether it does)");
-    if (group % 32 != 0)
-      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot takes groups of a multiple of 32 "
-                                         "contraction rows, got group " + std::to_string(group));
 #ifdef JAXINFER_VNNI
-    p.dot8 = true;
-    std::vector<int8_t> xq;
-    std::vector<float> xs, xsl;
-    std::vector<int32_t> qs, corr;
-    vnni::quantize_x(p, xq, xs, qs);
-    vnni::lane_prep(p, (p.k + 63) / 64 * 64, corr, xsl);
-    p.xcorr = corr.data();
-    p.xlane = xsl.data();
+  if (int8_dot) {  // checked by MatmulQ
+    vnni::Activations a(p, true);
     run(pool, share, p, vnni::kWeightRowsT, p.n * p.k + 2 * p.n * p.groups);
     return ffi::Error::Success();
-#endif
   }
+#endif
   run(pool, share, p, kRowsT, p.n * p.k + 2 * p.n * p.groups);
   return ffi::Error::Success();
 }
@@ -1852,6 +1855,14 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (w_contract != 0 && w_contract != 1)
     return ffi::Error::InvalidArgument("cpu quantized matmul: w_contract must be 0 or 1, got " +
                                        std::to_string(w_contract));
+  if (int8_dot) {
+    if (!vnni_available())
+      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot asks for VNNI integer products, which this "
+                                         "build does not have (JaxinferMatmulVnni() says whether it does)");
+    if (group <= 0 || group % 32 != 0)
+      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot takes groups of a multiple of 32 "
+                                         "contraction rows, got group " + std::to_string(group));
+  }
   if (w_contract == 1) return MatmulQT(pool, x, q, scale, offset, bits, group, share, int8_dot, y);
   Problem p;
   p.m = xd[0];
@@ -1888,7 +1899,7 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   p.offset = has_offset ? offset.typed_data() : nullptr;
   p.y = y->typed_data();
   std::vector<float> xsum;
-  if (p.offset_mode != kNoOffset) {
+  if (p.offset_mode != kNoOffset && !int8_dot) {
     xsum.assign(p.m * p.groups, 0.f);
     for (int64_t i = 0; i < p.m; ++i)
       for (int64_t g = 0; g < p.groups; ++g) {
@@ -1900,24 +1911,18 @@ ffi::Error MatmulQ(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     p.xsum = xsum.data();
   }
   const int64_t weight_bytes = q_rows * p.n + 2 * (sd[0] + od[0]) * p.n;
-  if (int8_dot) {
-    if (!vnni_available())
-      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot asks for VNNI integer products, which this "
-                                         "build does not have (JaxinferMatmulVnni() says whether it does)");
-    if (group % 32 != 0)
-      return ffi::Error::InvalidArgument("cpu quantized matmul: int8_dot takes groups of a multiple of 32 "
-                                         "contraction rows, got group " + std::to_string(group));
 #ifdef JAXINFER_VNNI
-    p.dot8 = true;
-    std::vector<int8_t> xq;
-    std::vector<float> xs;
-    std::vector<int32_t> qs;
-    vnni::quantize_x(p, xq, xs, qs);
-    if (p.offset_mode == kOffset) vnni::quantized_sums(p, xsum);
+  if (int8_dot) {  // checked above; with an offset, the group sums of x as quantized
+    vnni::Activations a(p, false);
+    if (p.offset_mode == kOffset) {
+      xsum.assign(p.m * p.groups, 0.f);
+      vnni::quantized_sums(p, xsum);
+      p.xsum = xsum.data();
+    }
     run(pool, share, p, 64, weight_bytes);
     return ffi::Error::Success();
-#endif
   }
+#endif
   choose_kn_path(p);
   run(pool, share, p, 4 * Vec::L, weight_bytes);
   return ffi::Error::Success();
