@@ -1831,6 +1831,8 @@ ffi::Error MatmulQT(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuf
     run(pool, share, p, vnni::kWeightRowsT, p.n * p.k + 2 * p.n * p.groups);
     return ffi::Error::Success();
   }
+#else
+  (void)int8_dot;  // MatmulQ refuses it on a build without VNNI
 #endif
   run(pool, share, p, kRowsT, p.n * p.k + 2 * p.n * p.groups);
   return ffi::Error::Success();
